@@ -1,0 +1,42 @@
+"""Model hyper-parameters, validated at construction (one dataclass, no dicts passed around)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The file describes a model this engine cannot run (architecture, quant type, rope kind)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                     # one of SUPPORTED_ARCHS
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False        # qwen2: bias on q/k/v projections
+    qk_norm: bool = False         # qwen3: RMSNorm over head_dim on q and k
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"architecture {self.arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")

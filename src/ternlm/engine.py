@@ -1,0 +1,256 @@
+"""Engine: the Python API. Load a model, render chats, generate with prefix KV reuse.
+
+    engine = Engine.load("smollm2-135m", dtype="float32")
+    ids = engine.apply_chat_template(messages, add_generation_prompt=True)
+    out = engine.generate(ids, max_tokens=64, temperature=0.0)   # Completion
+
+The engine keeps its slots (KV sequences) between calls, so turn after turn of a conversation
+prefills only the new tail. It is not thread-safe: the server's scheduler serialises access.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .kv.record import Reuse, decide_reuse
+from .kv.slots import KVShape, Slot
+from .models.llama import Transformer
+from .models.loaded import LoadedModel
+from .runner import Embed, Runner, digest_tensor
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger("ternlm")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class ChatIds(list):
+    """Token ids rendered from chat messages; remembers the messages so a divergence can be located
+    in a message ("diverged at token 812 (message 3)"). Behaves exactly like list[int]."""
+    messages: list[dict]
+    message_ends: Callable[[], list[int]]
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0          # request start -> first sampled token
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str           # "stop" (EOS, end-of-turn token, stop string) | "length"
+    prompt_tokens: int
+    cached_tokens: int           # positions reused from the KV: [0, cached_tokens)
+    reuse: Reuse
+    timings: Timings = field(default_factory=Timings)
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of a stream: newly completed text (may be empty while UTF-8 or a stop string is pending)."""
+    text: str
+    token_id: int
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype, prefix_reuse: bool = True,
+                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 512):
+        cfg = loaded.config
+        self.config = cfg
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        self.dtype = dtype
+        self.prefix_reuse = prefix_reuse
+        self.min_reuse = min_reuse
+        self.ctx = min(ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.model = Transformer.from_weights(cfg, loaded.weights, dtype)
+        loaded.weights.clear()  # the module holds (fused) copies; free the loader's
+        self.runner = Runner(self.model, chunk_size)
+        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.ctx)
+        self.slots = [Slot(i, shape) for i in range(slots)]
+        # What the KV depends on besides token ids: the weights and the compute dtype.
+        self.model_namespace = f"{loaded.sha256}:{dtype}".encode()
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, model: str = "smollm2-135m", dtype: str = "bfloat16", **kw) -> "Engine":
+        """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use."""
+        from .models.registry import resolve
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        tdtype = DTYPES[dtype]
+        t0 = time.perf_counter()
+        r = resolve(model)
+        if r.kind == "gguf":
+            from .models.gguf import load_gguf
+            loaded = load_gguf(r.path, tdtype, sha256=r.sha256)
+        else:
+            from .models.hf import load_hf_folder
+            loaded = load_hf_folder(r.path, tdtype)
+        engine = cls(loaded, dtype=tdtype, **kw)
+        log.info("loaded %s (%s, %s) in %.2f s", model, loaded.config.arch, dtype, time.perf_counter() - t0)
+        return engine
+
+    # ---- text ----------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
+        from .chat import render_chat
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use raw completion")
+        tok = self.tokenizer
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.bos_token, eos_token=tok.eos_token, **kw)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kw) -> ChatIds:
+        """Render messages with the model's own template and tokenize (no extra special tokens,
+        as Hugging Face's apply_chat_template does)."""
+        ids = ChatIds(self.tokenizer.encode(self._render(messages, add_generation_prompt, **kw),
+                                            add_special_tokens=False))
+        ids.messages = messages
+
+        def message_ends() -> list[int]:
+            # Token offset where each message ends; computed only when a divergence is reported.
+            return [len(self.tokenizer.encode(self._render(messages[:i + 1], False, **kw),
+                                              add_special_tokens=False)) for i in range(len(messages))]
+        ids.message_ends = message_ends
+        return ids
+
+    def namespace(self, salt: str = "") -> bytes:
+        """Cache namespace: model weights + dtype + tenant salt (API key, cache_salt)."""
+        return hashlib.sha256(self.model_namespace + b"\0" + salt.encode()).digest()[:16]
+
+    # ---- compute -------------------------------------------------------------------------------
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """(len(ids), vocab) fp32 logits of one full forward pass; touches no slot."""
+        return self.runner.full_logits(list(ids))
+
+    def pick_slot(self, prompt: list[int], namespace: bytes, slots: list[Slot] | None = None) -> Slot:
+        """The slot whose record shares the longest prefix with the prompt in this namespace; ties
+        and misses go to the least recently used. Does not modify any slot."""
+        from .kv.record import lcp
+        cands = slots if slots is not None else self.slots
+        best = max(cands, key=lambda s: (lcp(s.record.fed, prompt) if s.record.namespace == namespace else 0,
+                                          -s.last_used))
+        if best.record.namespace == namespace and lcp(best.record.fed, prompt) > 0:
+            return best
+        return min(cands, key=lambda s: s.last_used)
+
+    def stream(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+               stop: list[str] | None = None, embeds: dict[int, torch.Tensor] | None = None,
+               digest_embeds: bool = True, cache_salt: str = "", slot: Slot | None = None,
+               on_chunk: Callable[[int], None] | None = None) -> Iterator[Delta | Completion]:
+        """Generate, yielding Delta per sampled token and finally the Completion.
+        Closing the generator early (cancellation) stops after the current step; the slot's record
+        then describes exactly what was written. Side effects: rewrites the chosen slot's KV/record."""
+        from .detok import IncrementalDetokenizer, StopMatcher
+        t_start = time.perf_counter()
+        prompt_in, prompt = prompt, list(prompt)
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= self.ctx:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {self.ctx}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab})")
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        ns = self.namespace(cache_salt)
+        emb = {p: Embed(t, digest_tensor(t) if digest_embeds else None) for p, t in (embeds or {}).items()}
+        if any(not 0 <= p < n for p in emb):
+            raise ValueError("embeds positions must lie inside the prompt")
+
+        slot = slot or self.pick_slot(prompt, ns)
+        rec = slot.record
+        digests = {p: e.digest or b"" for p, e in emb.items()}
+        reuse = decide_reuse(rec, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
+                             enabled=self.prefix_reuse)
+        if "diverged" in reuse.reason and isinstance(prompt_in, ChatIds):
+            # Only now pay for locating the message the divergence fell in.
+            reuse = decide_reuse(rec, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
+                                 enabled=self.prefix_reuse, message_ends=prompt_in.message_ends())
+        k = reuse.tokens
+        if k == 0:
+            slot.reset(ns)
+        else:
+            rec.truncate(k)
+        # [0, k) reused | [k, n) prefilled | [n, n + generated) decoded
+        timings = Timings()
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(slot, prompt[k:], emb, on_chunk)
+        timings.prefill_tokens, timings.prefill_s = n - k, time.perf_counter() - t0
+        log.info("%s", reuse_line(reuse, n, timings))
+
+        detok = IncrementalDetokenizer(self.tokenizer)
+        stopper = StopMatcher(list(stop or []))
+        stop_ids = self.tokenizer.stop_ids
+        out_ids: list[int] = []
+        text: list[str] = []
+        finish = "length"
+        by_string = False
+        t_dec = time.perf_counter()
+        try:
+            while True:
+                tok = sampler.sample(logits)
+                if not out_ids:
+                    timings.ttft_s = time.perf_counter() - t_start
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                out_ids.append(tok)
+                emit, stopped = stopper.feed(detok.push(tok))
+                text.append(emit)
+                yield Delta(emit, tok)
+                if stopped:
+                    finish, by_string = "stop", True
+                    break
+                if len(out_ids) >= max_tokens or len(rec) >= self.ctx:
+                    break
+                logits = self.runner.decode(slot, tok)
+                timings.decode_tokens += 1
+        finally:
+            timings.decode_s = time.perf_counter() - t_dec
+            slot.touch()
+        if not by_string:
+            tail, stopped = stopper.feed(detok.flush())
+            if not stopped:
+                tail += stopper.flush()
+            if tail:
+                text.append(tail)
+                yield Delta(tail, -1)
+        yield Completion("".join(text), out_ids, finish, n, k, reuse, timings, slot.index)
+
+    def generate(self, prompt: list[int] | str, **kw) -> Completion:
+        """Run `stream` to the end. A str prompt is tokenized as raw text (BOS as the model says)."""
+        if isinstance(prompt, str):
+            prompt = self.tokenizer.encode(prompt)
+        result = None
+        for ev in self.stream(prompt, **kw):
+            result = ev
+        assert isinstance(result, Completion)
+        return result
+
+
+def reuse_line(reuse: Reuse, n: int, t: Timings) -> str:
+    """The one log line per request: what was reused, or why not."""
+    if reuse.tokens:
+        return (f"reuse {reuse.tokens}-token KV prefix (of {n}), "
+                f"prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s")
+    return f"no reuse: {reuse.reason}; prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s"

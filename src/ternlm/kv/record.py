@@ -1,0 +1,123 @@
+"""PrefixRecord and the reuse decision. Pure Python: no torch, no model, no slots.
+
+Why a record and not a counter: whether the last sampled token was fed back, whether a chunked
+prefill finished, whether generation stopped early all differ per code path. Deriving "what the KV
+holds" from `prompt_len + generated - 1` gets one of them wrong and then answers from another
+conversation's state. So the runner appends to the record at the one place it writes KV, right
+after the write succeeds, and the reuse decision reads only the record.
+
+Invariant: fed[0:len] are exactly the token ids the KV at positions [0, len) was built from.
+Positions fed from something their id does not describe (caller-supplied embeddings) carry a
+payload digest in `digests`; an input that could not be digested taints the record from there on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_BLOCK = 256  # lcp compares list slices this long at C speed before scanning one element at a time
+
+
+@dataclass
+class PrefixRecord:
+    namespace: bytes = b""               # model sha256 + dtype + tenant: what else the KV depends on
+    fed: list[int] = field(default_factory=list)       # token ids of KV positions [0, len)
+    digests: dict[int, bytes] = field(default_factory=dict)  # position -> payload digest (embeds)
+    tainted_from: int | None = None      # first position whose input neither id nor digest describes
+
+    def __len__(self) -> int:
+        return len(self.fed)
+
+    def append(self, ids: list[int], digests: dict[int, bytes] | None = None,
+               taint_at: int | None = None) -> None:
+        """Record that KV positions [len, len + len(ids)) now hold `ids`. Call right after the write.
+        `digests`/`taint_at` use absolute positions inside the appended range."""
+        start = len(self.fed)
+        self.fed.extend(ids)
+        if digests:
+            for pos, dg in digests.items():
+                assert start <= pos < len(self.fed), "digest position outside the appended range"
+                self.digests[pos] = dg
+        if taint_at is not None and self.tainted_from is None:
+            self.tainted_from = taint_at
+
+    def truncate(self, k: int) -> None:
+        """Keep positions [0, k). The KV beyond k is garbage from now on (attention KV of positions
+        < k does not depend on later tokens, so truncation is valid)."""
+        if k >= len(self.fed):
+            return
+        del self.fed[k:]
+        self.digests = {p: d for p, d in self.digests.items() if p < k}
+        if self.tainted_from is not None and self.tainted_from >= k:
+            self.tainted_from = None
+
+    def clear(self, namespace: bytes | None = None) -> None:
+        """Forget everything (the KV was reallocated or its contents are unknown)."""
+        self.fed = []
+        self.digests = {}
+        self.tainted_from = None
+        if namespace is not None:
+            self.namespace = namespace
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix. O(k), block-wise slice compares for speed."""
+    n = min(len(a), len(b))
+    i = 0
+    while i + _BLOCK <= n and a[i:i + _BLOCK] == b[i:i + _BLOCK]:
+        i += _BLOCK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """How many leading positions of the KV a request may keep, and why not more."""
+    tokens: int
+    reason: str          # one log-ready phrase: "reuse", "diverged at token 812 of record 2034", ...
+    common: int = 0      # lcp of record and prompt before the safety caps (for reporting)
+
+
+def first_digest_mismatch(record: PrefixRecord, prompt_digests: dict[int, bytes], upto: int) -> int | None:
+    """First position < upto where the record's payload digest and the prompt's differ (either side
+    may have none: a plain token where the other had an embedding is a mismatch too)."""
+    positions = [p for p in record.digests if p < upto] + [p for p in prompt_digests if p < upto]
+    for p in sorted(set(positions)):
+        if record.digests.get(p) != prompt_digests.get(p):
+            return p
+    return None
+
+
+def decide_reuse(record: PrefixRecord, prompt: list[int], namespace: bytes, *,
+                 prompt_digests: dict[int, bytes] | None = None, min_reuse: int = 16,
+                 enabled: bool = True, message_ends: list[int] | None = None) -> Reuse:
+    """Decide how many positions of `record` the prompt may reuse. Does not modify the record.
+
+    [0, k) reused | [k, n) prefilled | [n, n + generated) decoded.
+    `message_ends`: token offset where each chat message ends, to name the message a divergence fell in.
+    """
+    if not enabled:
+        return Reuse(0, "reuse disabled")
+    if not record.fed:
+        return Reuse(0, "empty record")
+    if record.namespace != namespace:
+        return Reuse(0, "namespace differs")
+    n = len(prompt)
+    common = k = lcp(record.fed, prompt)
+    reason = "reuse"
+    if k < len(record.fed) and k < n:
+        where = f"diverged at token {k} of record {len(record.fed)}"
+        if message_ends:
+            msg = next((i for i, end in enumerate(message_ends) if k < end), len(message_ends))
+            where += f" (message {msg})"
+        reason = where
+    bad = first_digest_mismatch(record, prompt_digests or {}, k)
+    if bad is not None:
+        k, reason = bad, f"embedding payload differs at {bad}"
+    if record.tainted_from is not None and record.tainted_from < k:
+        k, reason = record.tainted_from, f"tainted at {record.tainted_from}"
+    k = min(k, n - 1)  # [FRESH-LOGITS] always feed >= 1 token: never sample from the previous request's logits
+    if k < min_reuse:
+        why = f"below min_reuse ({max(k, 0)} < {min_reuse})"
+        return Reuse(0, why if reason == "reuse" else f"{why}; {reason}", common)
+    return Reuse(k, reason, common)

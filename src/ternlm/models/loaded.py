@@ -1,0 +1,22 @@
+"""What every loader (GGUF file, Hugging Face folder) returns: one shape for the engine to consume."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    # Hugging Face parameter names and layouts ("model.layers.0.self_attn.q_proj.weight": (out, in)),
+    # already in the compute dtype. GGUF's permuted llama Q/K rows are undone by the GGUF loader.
+    # When config.tie_word_embeddings, "lm_head.weight" may be absent.
+    weights: dict[str, torch.Tensor]
+    tokenizer: "object"          # ternlm.tokenizer.Tokenizer
+    chat_template: str | None    # jinja2 source, HF semantics; None when the model has none
+    sha256: str                  # hex digest identifying the weights (part of the cache namespace)
+    source: Path
