@@ -56,13 +56,18 @@ class Completion:
     reuse: Reuse
     timings: Timings = field(default_factory=Timings)
     slot: int = 0
+    logits: torch.Tensor | None = None   # (generated, vocab) fp32, only with keep_logits=True
 
 
 @dataclass(frozen=True)
 class Delta:
-    """One step of a stream: newly completed text (may be empty while UTF-8 or a stop string is pending)."""
+    """One step of a stream: newly completed text (may be empty while UTF-8 or a stop string is pending).
+    token_id is -1 for the final flush of held-back text. logprob/top_logprobs (of the model's raw
+    distribution, before sampling filters) only when the stream was asked for logprobs."""
     text: str
     token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Engine:
@@ -153,7 +158,8 @@ class Engine:
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                stop: list[str] | None = None, embeds: dict[int, torch.Tensor] | None = None,
                digest_embeds: bool = True, cache_salt: str = "", slot: Slot | None = None,
-               on_chunk: Callable[[int], None] | None = None) -> Iterator[Delta | Completion]:
+               on_chunk: Callable[[int], None] | None = None,
+               keep_logits: bool = False, logprobs: int | None = None) -> Iterator[Delta | Completion]:
         """Generate, yielding Delta per sampled token and finally the Completion.
         Closing the generator early (cancellation) stops after the current step; the slot's record
         then describes exactly what was written. Side effects: rewrites the chosen slot's KV/record."""
@@ -202,6 +208,7 @@ class Engine:
         stopper = StopMatcher(list(stop or []))
         stop_ids = self.tokenizer.stop_ids
         out_ids: list[int] = []
+        kept: list[torch.Tensor] = []
         text: list[str] = []
         finish = "length"
         by_string = False
@@ -209,6 +216,8 @@ class Engine:
         try:
             while True:
                 tok = sampler.sample(logits)
+                if keep_logits:
+                    kept.append(logits)
                 if not out_ids:
                     timings.ttft_s = time.perf_counter() - t_start
                 if tok in stop_ids:
@@ -217,7 +226,13 @@ class Engine:
                 out_ids.append(tok)
                 emit, stopped = stopper.feed(detok.push(tok))
                 text.append(emit)
-                yield Delta(emit, tok)
+                if logprobs is None:
+                    yield Delta(emit, tok)
+                else:
+                    lp = torch.log_softmax(logits, dim=-1)
+                    top = torch.topk(lp, logprobs) if logprobs > 0 else None
+                    yield Delta(emit, tok, float(lp[tok]),
+                                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
                 if stopped:
                     finish, by_string = "stop", True
                     break
@@ -235,7 +250,8 @@ class Engine:
             if tail:
                 text.append(tail)
                 yield Delta(tail, -1)
-        yield Completion("".join(text), out_ids, finish, n, k, reuse, timings, slot.index)
+        yield Completion("".join(text), out_ids, finish, n, k, reuse, timings, slot.index,
+                         torch.stack(kept) if keep_logits else None)
 
     def generate(self, prompt: list[int] | str, **kw) -> Completion:
         """Run `stream` to the end. A str prompt is tokenized as raw text (BOS as the model says)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,98 +42,76 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], pack: bool):
         super().__init__()
         self.cfg = cfg
-        h, d = cfg.hidden_size, cfg.head_dim
+        d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.input_norm = nn.Parameter(torch.empty(h), requires_grad=False)
-        self.post_norm = nn.Parameter(torch.empty(h), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h), requires_grad=False)
-        self.qkv_bias = (nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
-                         if cfg.qkv_bias else None)
-        self.q_norm = nn.Parameter(torch.empty(d), requires_grad=False) if cfg.qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(d), requires_grad=False) if cfg.qk_norm else None
-        self.o = nn.Parameter(torch.empty(h, self.q_size), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size), requires_grad=False)
+        self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
+        self.post_norm = w["post_attention_layernorm.weight"]                  # (hidden,)
+        self.qkv = Linear(torch.cat([w[f"self_attn.{n}_proj.weight"] for n in "qkv"]),  # (q + 2 kv, hidden)
+                          torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None,
+                          pack)
+        self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm else None   # (head_dim,)
+        self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm else None
+        self.o = Linear(w["self_attn.o_proj.weight"], pack=pack)              # (hidden, q)
+        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), pack=pack)  # (2 I, hidden)
+        self.down = Linear(w["mlp.down_proj.weight"], pack=pack)              # (hidden, I)
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """x: (T, hidden). k_cache/v_cache: (kv_heads, capacity, head_dim) for this layer.
         Side effect: writes K/V of positions [start, start + T) into the caches."""
         cfg, T = self.cfg, x.shape[0]
-        eps, d = cfg.rms_norm_eps, cfg.head_dim
-        hn = rms_norm(x, self.input_norm, eps)
-        qkv = F.linear(hn, self.qkv, self.qkv_bias)                              # (T, q + 2 kv)
-        q = qkv[:, : self.q_size].view(T, cfg.num_heads, d).transpose(0, 1)     # (H, T, D)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, cfg.num_kv_heads, d).transpose(0, 1)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, d).transpose(0, 1)
+        eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (T, q + 2 kv)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KV, d).transpose(0, 1)  # (H + KV, T, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, KV, d).transpose(0, 1)        # (KV, T, D)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
+        qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
         end = start + T
-        k_cache[:, start:end] = k
+        k_cache[:, start:end] = qk[H:]
         v_cache[:, start:end] = v
         # [0, start) earlier positions | [start, end) this call. The mask is explicit because SDPA's
         # is_causal aligns top-left, which is wrong when there are fewer queries than keys.
         attn = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+            qk[:H].unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
             attn_mask=mask, enable_gqa=True,
         )                                                                        # (1, H, T, D)
-        x = x + F.linear(attn[0].transpose(0, 1).reshape(T, self.q_size), self.o)
-        hn = rms_norm(x, self.post_norm, eps)
-        gu = F.linear(hn, self.gate_up)                                         # (T, 2 I)
-        g, u = gu.chunk(2, dim=-1)
-        return x + F.linear(F.silu(g) * u, self.down)
+        x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.q_size))
+        g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (T, I) each
+        return x + self.down(F.silu(g) * u)
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                 pack: bool = True):
+        """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`."""
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.register_buffer("cos", cos.to(dtype), persistent=False)   # (max_pos, head_dim)
-        self.register_buffer("sin", sin.to(dtype), persistent=False)
-        self.to(dtype)
-
-    @classmethod
-    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype) -> "Transformer":
-        """Build from Hugging Face-named tensors. Fuses q/k/v and gate/up. Does not modify `weights`."""
-        model = cls(cfg, dtype)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"missing weight {name!r}")
-            return weights[name].to(dtype)
+            return weights[name].to(dtype).contiguous()
 
-        with torch.no_grad():
-            model.embed.copy_(w("model.embed_tokens.weight"))
-            model.norm.copy_(w("model.norm.weight"))
-            if not cfg.tie_word_embeddings:
-                model.lm_head.copy_(w("lm_head.weight"))
-            for i, layer in enumerate(model.layers):
-                p = f"model.layers.{i}."
-                layer.input_norm.copy_(w(p + "input_layernorm.weight"))
-                layer.post_norm.copy_(w(p + "post_attention_layernorm.weight"))
-                layer.qkv.copy_(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                if layer.q_norm is not None:
-                    layer.q_norm.copy_(w(p + "self_attn.q_norm.weight"))
-                    layer.k_norm.copy_(w(p + "self_attn.k_norm.weight"))
-                layer.o.copy_(w(p + "self_attn.o_proj.weight"))
-                layer.gate_up.copy_(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]))
-                layer.down.copy_(w(p + "mlp.down_proj.weight"))
-        return model.eval()
+        self.embed = w("model.embed_tokens.weight")                              # (vocab, hidden)
+        self.layers = [
+            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack)
+            for p in (f"model.layers.{i}." for i in range(cfg.num_layers))
+        ]
+        self.norm = w("model.norm.weight")
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"), pack=pack)
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)                        # (max_pos, head_dim)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                     pack: bool = True) -> "Transformer":
+        return cls(cfg, weights, dtype, pack)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype."""
@@ -158,4 +137,4 @@ class Transformer(nn.Module):
             x = layer(x, start, cos, sin, k_cache[i], v_cache[i], mask)
         if not all_logits:
             x = x[-1:]
-        return F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()

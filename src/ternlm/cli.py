@@ -1,0 +1,106 @@
+"""Command line: ternlm pull | generate | serve | chat | bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="registry name, .gguf path or HF folder")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default on CPU) | float32 | float16")
+    p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
+    p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def _load(args, slots: int = 1):
+    import torch
+    from .engine import Engine
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Engine.load(args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
+                       min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
+
+
+def cmd_pull(args) -> int:
+    from .models.registry import model_path
+    for name in args.names:
+        print(model_path(name, progress=True))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from .engine import Completion
+    engine = _load(args)
+    if args.chat:
+        ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        ids = engine.tokenizer.encode(args.prompt)
+    final = None
+    for ev in engine.stream(ids, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None):
+        if isinstance(ev, Completion):
+            final = ev
+        else:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    t = final.timings
+    print(f"[{final.finish_reason}] prompt {final.prompt_tokens} (cached {final.cached_tokens}) · "
+          f"prefill {t.prefill_tokens} tok in {t.prefill_s:.2f} s · "
+          f"{t.decode_tokens} decoded in {t.decode_s:.2f} s · first token {t.ttft_s:.2f} s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="ternlm", description="LLM inference that never re-reads a conversation")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("pull", help="download and verify registry models")
+    p.add_argument("names", nargs="+")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="complete a prompt, streaming to stdout")
+    _engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.set_defaults(func=cmd_generate)
+
+    try:
+        from .server.cli import add_serve_parser
+        add_serve_parser(sub, _engine_args)
+    except ImportError:
+        pass
+    try:
+        from .bench.cli import add_bench_parser
+        add_bench_parser(sub, _engine_args, _load)
+    except ImportError:
+        pass
+
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ternlm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
