@@ -159,7 +159,8 @@ class Engine:
                stop: list[str] | None = None, embeds: dict[int, torch.Tensor] | None = None,
                digest_embeds: bool = True, cache_salt: str = "", slot: Slot | None = None,
                on_chunk: Callable[[int], None] | None = None,
-               keep_logits: bool = False, logprobs: int | None = None) -> Iterator[Delta | Completion]:
+               keep_logits: bool = False, logprobs: int | None = None,
+               ignore_eos: bool = False) -> Iterator[Delta | Completion]:
         """Generate, yielding Delta per sampled token and finally the Completion.
         Closing the generator early (cancellation) stops after the current step; the slot's record
         then describes exactly what was written. Side effects: rewrites the chosen slot's KV/record."""
@@ -206,7 +207,7 @@ class Engine:
 
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopMatcher(list(stop or []))
-        stop_ids = self.tokenizer.stop_ids
+        stop_ids = frozenset() if ignore_eos else self.tokenizer.stop_ids
         out_ids: list[int] = []
         kept: list[torch.Tensor] = []
         text: list[str] = []

@@ -1,0 +1,90 @@
+"""Test helper: run a real `ternlm serve` process on a free port and wait until /health says 200.
+
+Why a subprocess and not an in-process app: the server's promises (one engine thread, clean
+shutdown on signals, the model loading behind /health) are properties of the process, so the tests
+talk to it over TCP exactly as a client would. Output goes to a log file (a pipe could fill up and
+block the server); `log()` returns it for assertions and failure messages.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx2 as httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, *args: str):
+        self.args = list(args)
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.health_seen: list[int] = []     # /health statuses observed while waiting (503 = loading)
+        self._log = tempfile.NamedTemporaryFile("w+b", prefix="ternlm-serve-", suffix=".log", delete=False)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def v1(self) -> str:
+        return self.base + "/v1"
+
+    def start(self) -> "ServerProc":
+        """Launch without waiting for the model (call wait_ready)."""
+        self.port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                r = httpx.get(self.base + "/health", timeout=2.0)
+                self.health_seen.append(r.status_code)
+                if r.status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        """Signal the server and wait for it to exit; kill it if it does not. Returns its exit status."""
+        if self.proc is None:
+            return None
+        self.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self._log.name, "rb") as f:
+            return f.read().decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self.stop()
+        self._log.close()
+        os.unlink(self._log.name)
