@@ -33,7 +33,18 @@ serve: install
 	$(BIN)/ternlm serve -m $(MODEL)
 
 bench: install-test
-	$(BIN)/python benchmarks/engine.py
+	$(BIN)/ternlm bench engine -m $(MODEL)
+	$(BIN)/ternlm bench reuse -m $(MODEL)
+
+# llama.cpp as a peer for benchmarks only: its own venv, built from source (~6 min on 2 cores) with
+# AMX off (its AMX path segfaults on this CPU for batches of 2+ tokens, llama.cpp#20824).
+PEERS_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF
+bench-peers: .venv-peers/.installed
+.venv-peers/.installed:
+	$(PYTHON) -m venv .venv-peers
+	CMAKE_ARGS="$(PEERS_CMAKE)" .venv-peers/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	touch $@
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -84,11 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_parser(sub, _engine_args)
     except ImportError:
         pass
-    try:
-        from .bench.cli import add_bench_parser
-        add_bench_parser(sub, _engine_args, _load)
-    except ImportError:
-        pass
+    from .bench.cli import add_bench_parser
+    add_bench_parser(sub, _engine_args, _load)
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
