@@ -129,8 +129,16 @@ class Engine:
 
         def message_ends() -> list[int]:
             # Token offset where each message ends; computed only when a divergence is reported.
-            return [len(self.tokenizer.encode(self._render(messages[:i + 1], False, **kw),
-                                              add_special_tokens=False)) for i in range(len(messages))]
+            from .chat import message_boundaries
+            tok = self.tokenizer
+            text = self._render(messages, add_generation_prompt, **kw)
+            chars = message_boundaries(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                       bos_token=tok.bos_token, eos_token=tok.eos_token, **kw)
+            ends, last = [], 0
+            for c in chars:   # a message whose partial render is not a prefix inherits the last end
+                last = last if c is None else len(tok.encode(text[:c], add_special_tokens=False))
+                ends.append(last)
+            return ends
         ids.message_ends = message_ends
         return ids
 

@@ -75,11 +75,11 @@ class Layer(nn.Module):
         end = start + T
         k_cache[:, start:end] = qk[H:]
         v_cache[:, start:end] = v
-        # [0, start) earlier positions | [start, end) this call. The mask is explicit because SDPA's
-        # is_causal aligns top-left, which is wrong when there are fewer queries than keys.
+        # [0, start) earlier positions | [start, end) this call. SDPA's is_causal aligns top-left: right
+        # only when queries and keys start together (start == 0); otherwise the explicit mask is used.
         attn = F.scaled_dot_product_attention(
             qk[:H].unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
-            attn_mask=mask, enable_gqa=True,
+            attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=True,
         )                                                                        # (1, H, T, D)
         x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.q_size))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (T, I) each
@@ -130,7 +130,7 @@ class Transformer(nn.Module):
             raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
         cos, sin = self.cos[start:end], self.sin[start:end]
         mask = None
-        if T > 1:
+        if T > 1 and start > 0:
             # query i (absolute start + i) sees keys j <= start + i
             mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (T, end)
         for i, layer in enumerate(self.layers):
