@@ -40,7 +40,6 @@ def main() -> None:
         elif op == "ttft":
             if req.get("reset"):
                 llm.reset()
-                llm._input_ids = llm._input_ids[:0] if hasattr(llm, "_input_ids") else None
             t = time.perf_counter()
             gen = llm.generate(req["ids"], top_k=1, temp=0.0, reset=True)
             tok = next(gen)
