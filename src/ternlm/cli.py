@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_parser(sub, _engine_args)
     except ImportError:
         pass
+    from .chat_cli import add_chat_parser
+    add_chat_parser(sub, _engine_args, _load)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub, _engine_args, _load)
 

@@ -1,4 +1,4 @@
-"""`ternlm bench engine|reuse` argument parsing."""
+"""`ternlm bench engine|reuse|multiturn` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -25,11 +25,44 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     _common(p)
     p.set_defaults(func=lambda a: _run("reuse", a, load_engine))
 
+    p = which.add_parser("multiturn", help="replay multi-turn chats over HTTP: ternlm reuse on/off and --url servers",
+                         description="Replay conversations turn by turn (whole transcript each turn, greedy) "
+                                     "against ternlm with and without prefix reuse (-m: two `ternlm serve` "
+                                     "processes) and any OpenAI-compatible --url; per-turn TTFT, prefill/decode "
+                                     "tok/s, reuse; checks reuse on/off answer identically (exit 1 if not). "
+                                     "--no-prefix-kv is ignored: both configurations always run.")
+    engine_args(p)
+    default_model = p.get_default("model")
+    p.set_defaults(model=None)     # -m only when asked for (or when there is no --url)
+    p.add_argument("--url", action="extend", nargs="+", metavar="URL", help="OpenAI-compatible /v1 base URL(s)")
+    p.add_argument("--label", action="extend", nargs="+", metavar="NAME", help="names for the --url contenders, in order")
+    p.add_argument("--api-key", help="bearer key for the --url contenders (default: $OPENAI_API_KEY)")
+    p.add_argument("--conversations", metavar="FILE", help="MT-Bench question .jsonl or JSONL of OpenAI messages "
+                                                           "(default: seeded synthetic conversations)")
+    p.add_argument("--num-conversations", type=int, default=0, help="how many (default: 4 synthetic, all of FILE)")
+    p.add_argument("--turns", type=int, default=6, help="user turns per conversation (at most)")
+    p.add_argument("--system-words", type=int, default=150, help="synthetic system prompt length")
+    p.add_argument("--user-words", type=int, default=40, help="synthetic user turn length (0.5x-1.5x)")
+    p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--clients", type=int, default=1, help="conversations replayed concurrently")
+    p.add_argument("--require-identical", action="append", metavar="A,B",
+                   help="also require these two contenders to answer identically (repeatable)")
+    p.add_argument("--out", default="benchmarks/results/multiturn")
+    p.set_defaults(func=lambda a: _multiturn(a, default_model))
+
 
 def _common(p) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--llamacpp-python", default=PEERS_PYTHON, help="python of the venv with llama-cpp-python")
     p.add_argument("--out", default="benchmarks/results")
+
+
+def _multiturn(args, default_model: str) -> int:
+    from .multiturn import run
+    if args.model is None and not args.url:
+        args.model = default_model
+    return run(args)
 
 
 def _run(which: str, args, load_engine) -> int:
