@@ -163,9 +163,9 @@ def test_near_miss_below_min_reuse_takes_lru_not_the_warm_slot(eng):
     time.sleep(0.01)
     sched.submit(req(P2), b)
     drain(sched)
-    # shares 2 tokens (< min_reuse=4) with P1's slot, none with P2's: a miss. engine.pick_slot alone
-    # would pick P1's slot for its 2-token overlap; the scheduler evicts the LRU one instead (also P1's
-    # here), so make P2's slot the LRU one first.
+    # The next prompt shares 2 tokens (< min_reuse=4) with P1's slot and none with P2's: a miss.
+    # engine.pick_slot alone would evict P1's warm slot for that useless overlap; the scheduler must
+    # take the LRU slot instead, which we make P2's so the two choices differ.
     eng.slots[b.completion.slot].last_used = 0.0
     c = Sink()
     sched.submit(req(P1[:2] + P3), c)
@@ -349,13 +349,18 @@ def servers():
     `cold` (--no-prefix-kv: the oracle), `keyed` (--api-key, 1 slot, queue of 1: isolation and 429)."""
     procs = {"main": ServerProc(*COMMON, "--slots", "4"),
              "cold": ServerProc(*COMMON, "--slots", "4", "--no-prefix-kv"),
-             "keyed": ServerProc(*COMMON, "--slots", "1", "--max-queue", "1", "--api-key", *KEYS)}
+             "keyed": ServerProc(*COMMON, "--slots", "1", "--max-queue", "1", "--shutdown-grace", "1",
+                                "--api-key", *KEYS)}
     try:
         for p in procs.values():
             p.start()
         for p in procs.values():
             p.wait_ready()
         yield procs
+        for p in procs.values():
+            p.stop()                                  # SIGTERM: must exit without a traceback
+        for name, p in procs.items():
+            assert "Traceback" not in p.log(), f"{name} server logged a traceback:\n{p.log()[-4000:]}"
     finally:
         for p in procs.values():
             p.close()
@@ -548,6 +553,7 @@ def _barrage():
         ("NaN constant", "POST", C, b'{"model":"smollm2-135m","messages":[],"temperature":NaN}', {}, 400, None),
         ("missing messages", "POST", C, drop("messages"), {}, 400, "messages"),
         ("missing model", "POST", C, drop("model"), {}, 400, "model"),
+        ("null messages", "POST", C, chat(messages=None), {}, 400, "messages"),
         ("unknown model", "POST", C, chat(model="gpt-9"), {}, 404, "model"),
         ("empty messages", "POST", C, chat(messages=[]), {}, 400, "messages"),
         ("unknown role", "POST", C, chat(messages=[{"role": "wizard", "content": "x"}]), {}, 400, "messages[0].role"),
@@ -626,7 +632,8 @@ def test_bad_requests_barrage_while_conversations_continue(servers):
                 "model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "developer", "content": "Be brief."},
                                                                     {"role": "user", "content": "hi"}],
                 "max_tokens": 4, "n": 1, "frequency_penalty": 0, "presence_penalty": 0, "stream": False,
-                "response_format": {"type": "text"}, "user": "u1", "seed": 7, "logit_bias": None})
+                "response_format": {"type": "text"}, "user": "u1", "seed": 7, "logit_bias": None,
+                "stop": None, "top_p": None})
             assert r.status_code == 200, r.text
     worker.join(300)
     assert not failures, failures
@@ -665,6 +672,22 @@ def test_disconnect_mid_stream_frees_slot(servers):
     ref = ask(client(servers["cold"]), messages)
     assert r.choices[0].message.content == ref.choices[0].message.content
     assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    # a non-stream client that gives up mid-answer is noticed too
+    outcome = {}
+
+    def impatient():
+        try:
+            httpx.post(main.v1 + "/chat/completions", timeout=httpx.Timeout(60, read=3.0),
+                       json={"model": MODEL, "messages": messages, "max_tokens": 500, "temperature": 0})
+        except httpx.ReadTimeout as e:
+            outcome["error"] = e
+    t = threading.Thread(target=impatient)
+    t.start()
+    wait_until(lambda: slots(main)["busy"] >= 1, 10, "the non-stream request to run")
+    t.join(30)
+    assert isinstance(outcome.get("error"), httpx.ReadTimeout)
+    wait_until(lambda: slots(main)["busy"] == 0, 10, "the slot to be freed after a non-stream disconnect")
+    assert metrics(main)[key] == before[key] + 2
 
 
 def test_token_id_channel(servers):
@@ -777,18 +800,32 @@ def test_ctrl_c_ends_streams_and_exits_cleanly(servers):
     grace period), the process exits with no traceback."""
     keyed = servers["keyed"]
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
-    lines = []
-    with httpx.Client(base_url=keyed.base, headers=auth, timeout=60) as h:
-        with h.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 300."}],
-                "max_tokens": 2000, "temperature": 0, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    keyed.send_signal(signal.SIGINT)
+    lines, sent = [], False
+    try:
+        with httpx.Client(base_url=keyed.base, headers=auth, timeout=60) as h:
+            with h.stream("POST", "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "Count from 1 to 300."}],
+                    "max_tokens": 2000, "temperature": 0, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 3 and not sent:
+                        keyed.send_signal(signal.SIGINT)     # once: a second Ctrl-C means "force quit"
+                        sent = True
+    except httpx.TransportError as e:
+        raise AssertionError(f"stream broken: {e!r}\n{lines[-2:]}\n{keyed.log()[-6000:]}") from None
     rc = keyed.proc.wait(30)
     last = json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else {}
     assert lines[-1] == "data: [DONE]" or last["error"]["code"] == "shutting_down"
     assert rc in (0, 130)
     assert "Traceback" not in keyed.log()
+
+
+def test_load_failure_exits_with_status_1():
+    p = ServerProc("-m", "/nonexistent/model.gguf").start()
+    try:
+        rc = p.proc.wait(120)
+        assert rc == 1
+        assert "loading the model failed" in p.log() and "Traceback" not in p.log()
+    finally:
+        p.close()

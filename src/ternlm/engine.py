@@ -151,16 +151,20 @@ class Engine:
         """(len(ids), vocab) fp32 logits of one full forward pass; touches no slot."""
         return self.runner.full_logits(list(ids))
 
+    def usable_prefix(self, slot: Slot, prompt: list[int], namespace: bytes) -> int:
+        """Positions of `slot` this prompt would actually keep (namespace, taint, [FRESH-LOGITS] and
+        min_reuse applied). Does not modify the slot."""
+        return decide_reuse(slot.record, prompt, namespace, min_reuse=self.min_reuse,
+                            enabled=self.prefix_reuse).tokens
+
     def pick_slot(self, prompt: list[int], namespace: bytes, slots: list[Slot] | None = None) -> Slot:
-        """The slot whose record shares the longest prefix with the prompt in this namespace; ties
-        and misses go to the least recently used. Does not modify any slot."""
-        from .kv.record import lcp
+        """The slot with the longest usable prefix for this prompt; a miss (nothing usable, e.g. only a
+        shared template opening below min_reuse) evicts the least recently used slot rather than a
+        warm near-miss. Does not modify any slot."""
         cands = slots if slots is not None else self.slots
-        best = max(cands, key=lambda s: (lcp(s.record.fed, prompt) if s.record.namespace == namespace else 0,
-                                          -s.last_used))
-        if best.record.namespace == namespace and lcp(best.record.fed, prompt) > 0:
-            return best
-        return min(cands, key=lambda s: s.last_used)
+        scored = [(self.usable_prefix(s, prompt, namespace), s) for s in cands]
+        best_k, best = max(scored, key=lambda ks: (ks[0], -ks[1].last_used))
+        return best if best_k > 0 else min(cands, key=lambda s: s.last_used)
 
     def stream(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

@@ -1,0 +1,479 @@
+"""The OpenAI-compatible HTTP front: app factory, routes, and the bridge to the scheduler's thread.
+
+Why this shape:
+- Routes never touch slots or the model. They authenticate, parse, render the chat template /
+  tokenize (read-only tokenizer work, off the event loop), check the context budget, and hand a
+  GenRequest to the Scheduler, whose one worker thread owns the engine. Events come back through a
+  per-request asyncio queue fed by `loop.call_soon_threadsafe`, so the worker never waits on a client.
+- The model loads in a background thread started by the lifespan: the port is open at once and
+  /health says 503 until the engine is ready.
+- A response starts only with the request's first generated output, so failures found at prefill
+  are still proper HTTP errors, not a 200 stream carrying an error event.
+- Clients that leave are noticed (stream cancelled by Starlette; non-stream requests poll) and their
+  ticket cancelled: the worker stops them within one step and frees the slot.
+- No module globals: all state hangs off one ServerState per app.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import DTYPES, Delta, Engine
+from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
+                         Scheduler, ShuttingDown, Ticket)
+from . import schemas
+from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
+from .metrics import CONTENT_TYPE, Metrics, StatusCounter
+
+log = logging.getLogger("ternlm.server")
+
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+                       "/slots", "/tokenize", "/detokenize"})
+_POLL_S = 0.25          # how often a waiting non-stream request checks whether its client is still there
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    prefix_reuse: bool = True
+    min_reuse: int = 16
+    slots: int = 4
+    ctx: int | None = 8192
+    chunk_size: int = 512
+    threads: int | None = None
+    api_keys: tuple[str, ...] = ()
+    max_queue: int = 64
+    max_body_bytes: int = 4 << 20
+    shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
+
+    def __post_init__(self) -> None:
+        checks = [(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}"),
+                  (self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
+                  (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
+                  (self.ctx is None or self.ctx >= 2, "ctx must be >= 2"),
+                  (self.threads is None or self.threads >= 1, "threads must be >= 1"),
+                  (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
+                  (self.shutdown_grace_s >= 0, "shutdown grace must be >= 0"),
+                  (all(k.strip() for k in self.api_keys), "API keys must not be empty")]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(why)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request was waiting or running."""
+
+
+class Inbox:
+    """One request's event queue. `post` runs on the worker thread; the rest on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._q: asyncio.Queue[Event] = asyncio.Queue()
+        self._checked = time.monotonic()     # when we last asked whether the client is still there
+
+    def post(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, event)
+        except RuntimeError:
+            pass  # the event loop is closed (shutdown): nobody is listening any more
+
+    async def get(self) -> Event:
+        return await self._q.get()
+
+    async def get_or_gone(self, request: Request) -> Event:
+        """Next event; raises ClientGone if the client has disconnected. Checks at least every
+        _POLL_S, whether events are flowing (a long non-stream answer) or not (queued, prefilling)."""
+        while True:
+            if time.monotonic() - self._checked >= _POLL_S:
+                self._checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise ClientGone()
+            try:
+                return await asyncio.wait_for(self._q.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+    async def first_output(self, request: Request) -> Event:
+        """The first event past admission: a Delta, or the request's end."""
+        while True:
+            ev = await self.get_or_gone(request)
+            if not isinstance(ev, Admitted):
+                return ev
+
+
+class ServerState:
+    """Everything one app instance knows: config, load status, engine, scheduler, metrics, keys."""
+
+    def __init__(self, config: ServeConfig, load_engine: Callable[[], Engine],
+                 on_fatal: Callable[[str], None] | None):
+        self.config = config
+        self._load_engine = load_engine
+        self._on_fatal = on_fatal
+        self.status = "loading"            # loading | ready | failed | stopping
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics = Metrics(lambda: self.scheduler.state() if self.scheduler else None)
+        self.model_id = Path(config.model).stem if config.model.endswith(".gguf") else Path(config.model).name
+        self.aliases = {config.model, self.model_id}
+        self.created = int(time.time())
+        self.fingerprint = ""
+        # sha256(key) -> the tenant salt for that key (its hex digest: never the key itself)
+        self._keys = {hashlib.sha256(k.encode()).digest(): hashlib.sha256(k.encode()).hexdigest()
+                      for k in config.api_keys}
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def load(self) -> None:
+        """Background thread: load the model, start the scheduler. Never raises."""
+        try:
+            if self.config.threads:
+                import torch
+                torch.set_num_threads(self.config.threads)
+            engine = self._load_engine()
+            sched = Scheduler(engine, max_queue=self.config.max_queue, on_done=self.metrics.observe)
+            sched.start()
+            src = getattr(getattr(engine, "loaded", None), "source", None)
+            if src is not None:
+                self.aliases |= {Path(src).name, Path(src).stem}
+            self.fingerprint = "fp_" + hashlib.sha256(engine.model_namespace).hexdigest()[:10]
+            self.engine, self.scheduler = engine, sched
+            if self.status == "loading":
+                self.status = "ready"
+                log.info("serving %s: %d slots, context %d, prefix reuse %s", self.model_id,
+                         len(engine.slots), engine.ctx, "on" if engine.prefix_reuse else "off")
+            else:
+                sched.close()
+        except BaseException as e:  # noqa: BLE001 - reported through /health and the exit code
+            if isinstance(e, (LookupError, OSError, ValueError)):   # unknown model, missing file, bad file
+                log.error("loading the model failed: %s", e)
+            else:
+                log.exception("loading the model failed")
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            if self._on_fatal is not None:
+                self._on_fatal(self.error)
+
+    def begin_shutdown(self) -> None:
+        """Signal-handler safe: schedule the drain on the event loop (never take locks in a handler)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        if self.status != "failed":
+            self.status = "stopping"
+        if self.scheduler is not None:
+            self.scheduler.close(self.config.shutdown_grace_s)
+
+    def stop(self) -> None:
+        """Lifespan shutdown (blocking): cut whatever still runs and wait for the worker."""
+        if self.status != "failed":
+            self.status = "stopping"
+        if self.scheduler is not None:
+            self.scheduler.close(0.0)
+            self.scheduler.join(10.0)
+
+    # ---- per request ---------------------------------------------------------------------------
+    def tenant(self, request: Request) -> str:
+        """The caller's tenant salt ("" without --api-key). Raises 401 for a missing/unknown key."""
+        if not self._keys:
+            return ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise unauthorized()
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for known, salt in self._keys.items():   # compare against all: no early exit to time
+            if hmac.compare_digest(digest, known):
+                found = salt
+        if found is None:
+            raise unauthorized("Incorrect API key provided")
+        return found
+
+    def ready(self) -> tuple[Engine, Scheduler]:
+        if self.status == "ready" and self.engine is not None and self.scheduler is not None:
+            return self.engine, self.scheduler
+        if self.status == "loading":
+            raise unavailable("the model is still loading; retry shortly", "model_loading")
+        if self.status == "stopping":
+            raise unavailable("the server is shutting down", "shutting_down")
+        raise APIError(500, f"the model failed to load: {self.error}", type="server_error", code="load_failed")
+
+    def check_model(self, name: str) -> None:
+        if name not in self.aliases:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def salt(tenant: str, cache_salt: str | None) -> str:
+        # JSON keeps the two parts unambiguous: no (tenant, salt) pair can spell another's
+        return json.dumps([tenant, cache_salt or ""])
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The decoded JSON body. 413 past `limit` bytes (checked while reading), 400 if malformed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+    try:
+        return json.loads(buf, parse_constant=no_constants)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise bad_request(f"malformed JSON body: {e}", code="invalid_json") from None
+
+
+def failure(ev: Failed) -> APIError:
+    """The HTTP error for a request that ended with an error inside the engine."""
+    if ev.reason == "shutdown":
+        return unavailable(str(ev.error), "shutting_down")
+    if isinstance(ev.error, ValueError):      # context overflow, bad ids, bad sampling values
+        return bad_request(str(ev.error), code="invalid_request")
+    return APIError(500, f"generation failed: {type(ev.error).__name__}: {ev.error}", type="server_error",
+                    code="engine_error")
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def serve_request(st: ServerState, request: Request, gen: GenRequest, shape: schemas.Shape, *,
+                        stream: bool, include_usage: bool, want_logprobs: bool,
+                        return_tokens: bool = False) -> Response:
+    """Queue one generation and answer it, as one JSON body or as an SSE stream."""
+    _, sched = st.ready()
+    inbox = Inbox(st.loop)
+    try:
+        ticket = sched.submit(gen, inbox.post)
+    except QueueFull as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after_s)}) from None
+    except ShuttingDown as e:
+        raise unavailable(str(e), "shutting_down") from None
+    handed_off = False   # once the SSE generator owns the ticket, it cancels it on its own exit
+    try:
+        ev = await inbox.first_output(request)
+        if stream and isinstance(ev, (Delta, Finished)):
+            handed_off = True
+            return StreamingResponse(_sse_events(ticket, inbox, ev, shape, include_usage, return_tokens),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        deltas: list[Delta] = []
+        while True:
+            if isinstance(ev, Delta):
+                deltas.append(ev)
+            elif isinstance(ev, Finished):
+                return JSONResponse(shape.response(ev.completion, deltas, want_logprobs, return_tokens))
+            elif isinstance(ev, Failed):
+                raise failure(ev)
+            elif isinstance(ev, Cancelled):
+                return Response(status_code=499)
+            ev = await inbox.get_or_gone(request)
+    except ClientGone:
+        return Response(status_code=499)       # nginx's "client closed request"; nobody reads it
+    finally:
+        if not handed_off:
+            ticket.cancel()                    # no-op after the end; stops it if we left early
+
+
+async def _sse_events(ticket: Ticket, inbox: Inbox, first: Event, shape: schemas.Shape,
+                      include_usage: bool, return_tokens: bool):
+    """SSE body. If the client disconnects, Starlette cancels this generator: `finally` cancels the
+    ticket and the worker closes the engine stream within one step."""
+    ended = False
+    try:
+        head = shape.first_chunk(include_usage)
+        if head is not None:
+            yield _sse(head)
+        ev = first
+        while True:
+            if isinstance(ev, Delta):
+                chunk = shape.delta_chunk(ev, include_usage)
+                if chunk is not None:
+                    yield _sse(chunk)
+            elif isinstance(ev, Finished):
+                ended = True
+                yield _sse(shape.final_chunk(ev.completion, include_usage, return_tokens))
+                if include_usage:
+                    yield _sse(shape.usage_chunk(ev.completion))
+                yield b"data: [DONE]\n\n"
+                return
+            elif isinstance(ev, Failed):
+                ended = True
+                yield _sse(failure(ev).body())   # OpenAI clients raise on an "error" event
+                return
+            elif isinstance(ev, Cancelled):
+                ended = True
+                return
+            ev = await inbox.get()
+    finally:
+        if not ended:
+            ticket.cancel()
+
+
+def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
+    def load() -> Engine:
+        return Engine.load(config.model, dtype=config.dtype, prefix_reuse=config.prefix_reuse,
+                           min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
+                           chunk_size=config.chunk_size)
+    return load
+
+
+def create_app(config: ServeConfig, *, load_engine: Callable[[], Engine] | None = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """A new app. The engine is built by `load_engine` (default: Engine.load from the config) in a
+    background thread at startup; `on_fatal(message)` runs there if that fails."""
+    st = ServerState(config, load_engine or _default_loader(config), on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        st.loop = asyncio.get_running_loop()
+        threading.Thread(target=st.load, name="ternlm-load", daemon=True).start()
+        yield
+        await asyncio.to_thread(st.stop)
+
+    app = FastAPI(title="ternlm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ternlm = st
+    install_handlers(app)
+    app.add_middleware(StatusCounter, metrics=st.metrics, endpoints=ENDPOINTS)
+    _routes(app, st)
+    return app
+
+
+def _routes(app: FastAPI, st: ServerState) -> None:
+    cfg = st.config
+
+    def check_ids(engine: Engine, ids: list[int], param: str) -> None:
+        vocab = min(engine.config.vocab_size, engine.tokenizer.vocab_size)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {ids[bad]} at position {bad} is outside the vocabulary "
+                              f"[0, {vocab})", param, "invalid_token_id")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        tenant = st.tenant(request)
+        raw = await read_json(request, cfg.max_body_bytes)
+        engine, _ = st.ready()
+        req: schemas.ChatRequest = schemas.parse(schemas.ChatRequest, raw)
+        st.check_model(req.model)
+        messages = [m.for_template() for m in req.messages]
+        try:   # template + tokenizer reads only: safe beside the worker, kept off the event loop
+            ids = await asyncio.to_thread(engine.apply_chat_template, messages, add_generation_prompt=True)
+        except ValueError as e:  # ChatTemplateError (e.g. raise_exception: roles must alternate), no template
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages",
+                              "invalid_messages") from None
+        n, ctx = len(ids), engine.ctx
+        max_new = req.max_new if req.max_new is not None else ctx - n   # OpenAI: up to the context
+        if n + max(max_new, 1) > ctx:
+            raise schemas.too_long(n, max(max_new, 1), ctx, "messages")
+        params = GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p, req.seed,
+                           tuple(req.stop), req.logprobs_k)
+        gen = GenRequest(ids, params, st.salt(tenant, req.cache_salt), req.affinity)
+        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer)
+        return await serve_request(st, request, gen, shape, stream=req.stream,
+                                   include_usage=req.include_usage, want_logprobs=req.logprobs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        tenant = st.tenant(request)
+        raw = await read_json(request, cfg.max_body_bytes)
+        engine, _ = st.ready()
+        req: schemas.CompletionRequest = schemas.parse(schemas.CompletionRequest, raw)
+        st.check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
+            if not ids:
+                raise bad_request("the prompt tokenizes to no tokens", "prompt", "invalid_value")
+        else:
+            ids = list(req.prompt)
+            check_ids(engine, ids, "prompt")
+        if len(ids) + req.max_tokens > engine.ctx:
+            raise schemas.too_long(len(ids), req.max_tokens, engine.ctx, "prompt")
+        params = GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.min_p, req.seed,
+                           tuple(req.stop), req.logprobs)
+        gen = GenRequest(ids, params, st.salt(tenant, req.cache_salt), req.affinity)
+        shape = schemas.TextShape(st.model_id, st.fingerprint, engine.tokenizer)
+        return await serve_request(st, request, gen, shape, stream=req.stream, include_usage=req.include_usage,
+                                   want_logprobs=req.logprobs is not None, return_tokens=req.return_tokens)
+
+    def model_card() -> dict:
+        eng = st.engine
+        meta = {"dtype": cfg.dtype, "prefix_reuse": cfg.prefix_reuse, "slots": cfg.slots,
+                "ctx": eng.ctx if eng is not None else cfg.ctx}
+        return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        st.tenant(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        st.tenant(request)
+        st.check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if st.status == "ready":
+            return {"status": "ok", "model": st.model_id}
+        if st.status == "failed":
+            return JSONResponse({"status": "error", "error": st.error}, status_code=500)
+        return JSONResponse({"status": st.status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/slots")
+    async def slots(request: Request):
+        st.tenant(request)
+        _, sched = st.ready()
+        s = sched.state()
+        wall, mono = time.time(), time.monotonic()
+        return {"queued": s.queued, "busy": s.busy, "idle": s.idle, "slots": [
+            {"index": x.index, "busy": x.busy, "tokens": x.tokens,
+             "last_used": round(wall - (mono - x.last_used), 3) if x.last_used else None,
+             # a short hash of the namespace: tells slots apart, reveals no key, salt or text
+             "namespace": hashlib.sha256(x.namespace).hexdigest()[:12] if x.namespace else None}
+            for x in s.slots]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        st.tenant(request)
+        raw = await read_json(request, cfg.max_body_bytes)
+        engine, _ = st.ready()
+        req: schemas.TokenizeRequest = schemas.parse(schemas.TokenizeRequest, raw)
+        ids = await asyncio.to_thread(engine.tokenizer.encode, req.content, add_special_tokens=req.add_special)
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        st.tenant(request)
+        raw = await read_json(request, cfg.max_body_bytes)
+        engine, _ = st.ready()
+        req: schemas.DetokenizeRequest = schemas.parse(schemas.DetokenizeRequest, raw)
+        check_ids(engine, req.tokens, "tokens")
+        return {"content": engine.tokenizer.decode(req.tokens)}

@@ -1,0 +1,67 @@
+"""`ternlm serve`: parse flags into a validated ServeConfig and run uvicorn.
+
+Why a uvicorn.Server subclass: on SIGTERM / Ctrl-C uvicorn stops accepting and then waits for open
+responses. We also tell the scheduler to drain at that moment (waiting requests get 503, running
+ones `--shutdown-grace` seconds to finish, then an error event), so streams end promptly and the
+process exits without a traceback. The model loads in the app's background thread; if that fails
+the server exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable
+
+
+def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with prefix KV reuse",
+                              description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
+                                          "/health, /metrics and /slots.")
+    engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=4, help="KV sequences (concurrent requests)")
+    p.add_argument("--api-key", dest="api_keys", action="extend", nargs="+", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY'; each key is its own cache namespace")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds running requests get to finish on SIGTERM/Ctrl-C")
+    p.set_defaults(func=cmd_serve, ctx=8192)   # serve's default context (the model's max still caps it)
+    return p
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .app import ServeConfig, create_app
+
+    config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
+                         min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
+                         threads=args.threads, api_keys=tuple(args.api_keys), max_queue=args.max_queue,
+                         shutdown_grace_s=args.shutdown_grace)
+    server = None
+
+    def on_fatal(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(config, on_fatal=on_fatal)
+    state = app.state.ternlm
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, lifespan="on",
+                        timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s) + 5)
+    server = _make_server(uv, on_signal=state.begin_shutdown)
+    server.run()
+    return 1 if state.status == "failed" else 0
+
+
+def _make_server(config, on_signal: Callable[[], None]):
+    """A uvicorn.Server that also starts our drain on SIGINT/SIGTERM. Built here, not at import time,
+    so the CLI parser (which imports this module for every subcommand) does not import uvicorn."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            on_signal()               # schedules the drain on the event loop; takes no locks here
+            super().handle_exit(sig, frame)
+
+    return Server(config)

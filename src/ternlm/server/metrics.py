@@ -1,0 +1,119 @@
+"""Prometheus metrics for one app instance, in its own CollectorRegistry (no process-global registry:
+two apps in one process, e.g. in tests, never share or double-register counters).
+
+What is measured and where:
+- request counts by endpoint and HTTP status: an ASGI middleware that sees every response start
+  (streams included; 499 = the client went away before the answer);
+- tokens, reuse, timings, slot resets, cancellations: the scheduler's terminal events, observed on
+  the worker thread (prometheus_client is thread-safe), so a request counts even if its client left;
+- queue length and busy/idle slots: gauges that read the scheduler's state at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..scheduler import Cancelled, Event, Failed, Finished, SchedulerState, Ticket
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_RATIO = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
+
+
+class Metrics:
+    def __init__(self, state: Callable[[], SchedulerState | None]):
+        """state: returns the scheduler's snapshot, or None while the model loads."""
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ternlm_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("ternlm_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.reused_tokens = Counter("ternlm_reused_tokens",
+                                     "prompt tokens served from reused KV (cached_tokens)", registry=r)
+        self.completion_tokens = Counter("ternlm_completion_tokens", "generated tokens", registry=r)
+        self.reuse_ratio = Histogram("ternlm_reuse_ratio", "per request: cached_tokens / prompt_tokens",
+                                     buckets=_RATIO, registry=r)
+        self.prefill_seconds = Histogram("ternlm_prefill_seconds", "prefill time per request",
+                                         buckets=_SECONDS, registry=r)
+        self.decode_seconds = Histogram("ternlm_decode_seconds", "decode time per request",
+                                        buckets=_SECONDS, registry=r)
+        self.ttft_seconds = Histogram("ternlm_time_to_first_token_seconds",
+                                      "queue wait + prefill until the first sampled token", buckets=_SECONDS,
+                                      registry=r)
+        self.queue_seconds = Histogram("ternlm_queue_wait_seconds", "time waiting for a slot",
+                                       buckets=_SECONDS, registry=r)
+        self.slot_resets = Counter("ternlm_slot_resets", "requests that discarded a slot's whole KV",
+                                   registry=r)
+        self.cancelled = Counter("ternlm_cancelled_requests", "requests cancelled (client gone)",
+                                 ["where"], registry=r)
+        self.failed = Counter("ternlm_failed_requests", "requests ended by an error", ["reason"], registry=r)
+        for where in ("queued", "running"):   # export zeros from the start: rate() needs a baseline
+            self.cancelled.labels(where)
+        for reason in ("error", "shutdown"):
+            self.failed.labels(reason)
+
+        def read(attr: str) -> Callable[[], float]:
+            def value() -> float:
+                s = state()
+                return float(getattr(s, attr)) if s is not None else 0.0
+            return value
+
+        Gauge("ternlm_queue_length", "requests waiting for a slot", registry=r).set_function(read("queued"))
+        Gauge("ternlm_slots_busy", "slots running a request", registry=r).set_function(read("busy"))
+        Gauge("ternlm_slots_idle", "slots free", registry=r).set_function(read("idle"))
+
+    def observe(self, ticket: Ticket, event: Event) -> None:
+        """Scheduler on_done hook (worker thread): account one request's terminal event."""
+        if isinstance(event, Finished):
+            c = event.completion
+            t = c.timings
+            self.prompt_tokens.inc(c.prompt_tokens)
+            self.reused_tokens.inc(c.cached_tokens)
+            self.completion_tokens.inc(len(c.token_ids))
+            self.reuse_ratio.observe(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0)
+            self.prefill_seconds.observe(t.prefill_s)
+            self.decode_seconds.observe(t.decode_s)
+            self.ttft_seconds.observe(event.queued_s + t.ttft_s)
+            self.queue_seconds.observe(event.queued_s)
+            if event.slot_reset:
+                self.slot_resets.inc()
+        elif isinstance(event, Cancelled):
+            self.cancelled.labels(event.where).inc()
+        elif isinstance(event, Failed):
+            self.failed.labels(event.reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatusCounter:
+    """ASGI middleware: count each HTTP response by (endpoint, status). Unknown paths share one label
+    so a scanner cannot blow up the label set."""
+
+    def __init__(self, app, metrics: Metrics, endpoints: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.endpoints = endpoints
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.endpoints else "other"
+        counted = False
+
+        async def counting_send(message):
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not counted:   # the outer error middleware will answer 500 outside this middleware
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise

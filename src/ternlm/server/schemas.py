@@ -1,0 +1,398 @@
+"""OpenAI request models (strict pydantic, validated) and response shapes (plain dicts).
+
+Why strict and closed: a parameter this server does not honour must be refused, never silently
+ignored, or a client believes it got what it asked for (a tool call, JSON mode, n answers). So models
+forbid unknown fields, wrong JSON types are errors (no "0.5" -> 0.5 coercion), and the OpenAI fields we
+know but do not implement are named in `_NOT_IMPLEMENTED` with the one value each that is harmless
+(n: 1, penalties: 0, ...). Union-typed fields are normalised by before-validators so an error names
+one clean location ("messages[1].role"), which becomes the error's `param`.
+
+Response builders take the engine's Completion/Delta and return the dicts OpenAI clients parse;
+ternlm extras (`timings`, llama.cpp style; `tokens` with return_tokens) ride alongside.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..engine import Completion, Delta
+from ..scheduler import MAX_LOGPROBS
+from .errors import APIError, bad_request, unsupported
+
+MAX_STOP = 4
+_SEED = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)   # the range torch.Generator.manual_seed takes
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Closed):
+    include_usage: bool = False
+
+
+class ChatMessage(_Closed):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str                                  # text parts joined; see _content
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if isinstance(v, list):   # [{"type": "text", "text": ...}, ...]: text parts only
+            texts = []
+            for i, part in enumerate(v):
+                if not isinstance(part, dict) or not isinstance(part.get("text"), str) \
+                        or part.get("type") != "text" or set(part) - {"type", "text"}:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"content part {i} ({kind!r}) is not supported: only "
+                                     "{'type': 'text', 'text': str} parts")
+                texts.append(part["text"])
+            return "\n".join(texts)
+        if v is None:
+            raise ValueError("content is required (a string or a list of text parts)")
+        return v
+
+    def for_template(self) -> dict:
+        # "developer" is OpenAI's new name for the system role; chat templates know "system"
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+class _Sampling(_Closed):
+    """Fields shared by both endpoints."""
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1 << 20)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = _SEED
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
+    user: str | None = Field(None, max_length=512)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    cache_salt: str | None = Field(None, max_length=1024)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def affinity(self) -> str | None:
+        # `user` is OpenAI's older cache-routing hint, superseded by prompt_cache_key
+        return self.prompt_cache_key if self.prompt_cache_key is not None else self.user
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("messages")
+    @classmethod
+    def _nonempty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        return self
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]                       # text, or token ids (skips tokenisation)
+    max_tokens: int = Field(16, ge=1)             # OpenAI's default for this endpoint
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens: bool = False                   # ternlm: the generated ids in the choice as `tokens`
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if any(isinstance(x, (str, list)) for x in v):
+                raise ValueError(f"batched prompts ({len(v)} prompts) are not supported; send one request "
+                                 "per prompt (a prompt is a string or a list of token ids)")
+            bad = next((x for x in v if type(x) is not int), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be integers, got {bad!r}")
+            return v
+        raise ValueError("prompt must be a string or a list of token ids")
+
+
+class TokenizeRequest(_Closed):
+    """llama.cpp-style /tokenize: the ids a client can later send as a completions prompt."""
+    content: str
+    add_special: bool = False        # add the model's BOS etc., as /v1/completions does for text
+
+
+class DetokenizeRequest(_Closed):
+    tokens: list[int]
+
+
+def _always(_: Any) -> bool:
+    return False
+
+
+# Known OpenAI fields we do not implement -> the value that is harmless (null always is: parse drops nulls).
+_NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v == 1 and v is not True, "n > 1 is not supported: send n separate requests"),
+    "best_of": (lambda v: v == 1 and v is not True, "best_of > 1 is not supported"),
+    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty other than 0 is not supported"),
+    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
+    "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
+    "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
+    "response_format": (lambda v: v == {"type": "text"},
+                        "response_format other than {'type': 'text'} (JSON mode, json_schema) is not supported"),
+    "tools": (lambda v: v == [], "tools (function calling) are not supported"),
+    "tool_choice": (lambda v: v == "none", "tool_choice is not supported (no tool calling)"),
+    "functions": (lambda v: v == [], "functions (function calling) are not supported"),
+    "function_call": (lambda v: v == "none", "function_call is not supported (no function calling)"),
+    "parallel_tool_calls": (lambda v: isinstance(v, bool), "parallel_tool_calls must be a boolean"),
+    "echo": (lambda v: v is False, "echo is not supported"),
+    "suffix": (_always, "suffix (insertion) is not supported"),
+    "modalities": (lambda v: v == ["text"], "only the 'text' modality is supported"),
+    "audio": (_always, "audio output is not supported"),
+    "prediction": (_always, "predicted outputs are not supported"),
+    "web_search_options": (_always, "web search is not supported"),
+    "reasoning_effort": (_always, "reasoning_effort is not supported"),
+    "store": (lambda v: v is False, "store is not supported"),
+}
+
+
+def _param(loc: tuple) -> str:
+    """('messages', 1, 'role') -> 'messages[1].role'."""
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def parse(model: type[BaseModel], raw: Any) -> Any:
+    """Validate a decoded JSON body into `model`. Raises APIError(400) naming the offending field."""
+    if not isinstance(raw, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_body")
+    body = {k: v for k, v in raw.items() if v is not None}   # null = "use the default", as OpenAI reads it
+    for name, (harmless, why) in _NOT_IMPLEMENTED.items():
+        if name in body:
+            v = body.pop(name)
+            if not harmless(v):
+                raise unsupported(name, f"{why} (got {name}={_short(v)})")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(err["loc"]) or None
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param,
+                              "unknown_parameter") from None
+        if kind == "missing":
+            raise bad_request(f"Missing required parameter: '{param}'", param,
+                              "missing_required_parameter") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise bad_request(f"Invalid '{param}': {msg}" if param else msg, param, "invalid_value") from None
+
+
+def _short(v: Any, n: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+def usage(c: Completion) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+            "total_tokens": c.prompt_tokens + len(c.token_ids),
+            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+
+
+def timings(c: Completion) -> dict:
+    """llama.cpp's timings object: prompt_n = tokens prefilled, cache_n = tokens reused."""
+    t = c.timings
+    n_pred = len(c.token_ids)
+
+    def per_s(n: int, s: float) -> float:
+        return n / s if s > 0 else 0.0
+    return {"prompt_n": t.prefill_tokens, "cache_n": c.cached_tokens, "prompt_ms": t.prefill_s * 1e3,
+            "prompt_per_token_ms": t.prefill_s * 1e3 / t.prefill_tokens if t.prefill_tokens else 0.0,
+            "prompt_per_second": per_s(t.prefill_tokens, t.prefill_s),
+            "predicted_n": n_pred, "predicted_ms": t.decode_s * 1e3,
+            "predicted_per_token_ms": t.decode_s * 1e3 / n_pred if n_pred else 0.0,
+            "predicted_per_second": per_s(n_pred, t.decode_s)}
+
+
+class Shape:
+    """Builds one request's response objects (one endpoint's dialect). `id`/`created` fixed per request."""
+    object_full = object_chunk = ""
+
+    def __init__(self, model: str, fingerprint: str, tokenizer: Any, id_prefix: str):
+        self.model = model
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
+
+    def usage_chunk(self, c: Completion) -> dict:
+        return self._envelope(self.object_chunk, [], usage=usage(c), timings=timings(c))
+
+    def token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _token(self, tid: int) -> tuple[str, list[int]]:
+        """A token's text and its exact bytes (a token may hold part of a UTF-8 character: its text
+        then shows U+FFFD while `bytes` stays exact)."""
+        piece = getattr(self.tokenizer, "id_to_piece_bytes", None)
+        s = self.token_text(tid)
+        return s, list(piece(tid) if piece is not None else s.encode("utf-8"))
+
+
+class ChatShape(Shape):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, id_prefix="chatcmpl", **kw)
+
+    def logprob(self, d: Delta) -> dict | None:
+        if d.logprob is None:
+            return None
+        tok, b = self._token(d.token_id)
+        tops = []
+        for tid, lp in d.top_logprobs or []:
+            t, tb = self._token(tid)
+            tops.append({"token": t, "logprob": lp, "bytes": tb})
+        return {"token": tok, "logprob": d.logprob, "bytes": b, "top_logprobs": tops}
+
+    def first_chunk(self, include_usage: bool) -> dict | None:
+        return self._chunk({"role": "assistant", "content": ""}, None, None, include_usage)
+
+    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+        lp = self.logprob(d)
+        if not d.text and lp is None:
+            return None          # text held back (partial UTF-8 / possible stop string): nothing to send
+        return self._chunk({"content": d.text}, {"content": [lp]} if lp else None, None, include_usage)
+
+    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        out = self._chunk({}, None, c.finish_reason, include_usage)
+        out["timings"] = timings(c)
+        return out
+
+    def _chunk(self, delta: dict, logprobs, finish, include_usage: bool) -> dict:
+        extra = {"usage": None} if include_usage else {}
+        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                                   "finish_reason": finish}], **extra)
+
+    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
+        lps = [x for x in (self.logprob(d) for d in deltas) if x is not None]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": c.finish_reason}
+        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+
+
+class TextShape(Shape):
+    object_full = object_chunk = "text_completion"
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, id_prefix="cmpl", **kw)
+        self._offset = 0          # text_offset of the next streamed token
+
+    def logprobs(self, deltas: list[Delta], offset: int = 0) -> dict:
+        """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for d in deltas:
+            if d.logprob is None:
+                continue
+            tok = self.token_text(d.token_id)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(d.logprob)
+            out["top_logprobs"].append({self.token_text(t): lp for t, lp in d.top_logprobs or []})
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def first_chunk(self, include_usage: bool) -> dict | None:
+        return None
+
+    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+        if not d.text and d.logprob is None:
+            return None
+        lp = None
+        if d.logprob is not None:
+            lp = self.logprobs([d], self._offset)
+            self._offset += len(lp["tokens"][0])
+        return self._chunk(d.text, lp, None, include_usage)
+
+    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        out = self._chunk("", None, c.finish_reason, include_usage)
+        if return_tokens:
+            out["choices"][0]["tokens"] = list(c.token_ids)
+        out["timings"] = timings(c)
+        return out
+
+    def _chunk(self, text: str, logprobs, finish, include_usage: bool) -> dict:
+        extra = {"usage": None} if include_usage else {}
+        return self._envelope(self.object_chunk, [{"index": 0, "text": text, "logprobs": logprobs,
+                                                   "finish_reason": finish}], **extra)
+
+    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
+        choice = {"index": 0, "text": c.text, "logprobs": self.logprobs(deltas) if want_logprobs else None,
+                  "finish_reason": c.finish_reason}
+        if return_tokens:
+            choice["tokens"] = list(c.token_ids)
+        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+
+
+def too_long(prompt_tokens: int, max_tokens: int, ctx: int, where: str) -> APIError:
+    return bad_request(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                       f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in "
+                       f"the completion). Please reduce the length of the {where} or max_tokens.",
+                       "max_tokens" if prompt_tokens < ctx else where, "context_length_exceeded")
