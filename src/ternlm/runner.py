@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .kv.slots import Slot
-from .models.llama import Transformer
+from .models.llama import KV_DTYPE, Transformer
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,6 @@ class Runner:
         """One full forward pass on a private, exact-size KV (no slot, no cache): (len(ids), vocab)."""
         m = self.model
         cfg = m.cfg
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, len(ids), cfg.head_dim, dtype=m.dtype)
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, len(ids), cfg.head_dim, dtype=KV_DTYPE)
         v = torch.zeros_like(k)
         return m(self._inputs(ids, 0, None), 0, k, v, all_logits=True)

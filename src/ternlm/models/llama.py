@@ -18,6 +18,11 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import Linear
 
+# The KV cache and attention run in fp32 whatever the compute dtype. Measured on this CPU (1 thread):
+# PyTorch's bf16 SDPA takes 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms; for a
+# 512-token causal prefill bf16 is 20-40% slower too. The cache costs twice the bytes, and is exact.
+KV_DTYPE = torch.float32
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Computed in fp32 and cast back, as the reference implementation does: bf16 variance is too coarse.
@@ -78,10 +83,10 @@ class Layer(nn.Module):
         # [0, start) earlier positions | [start, end) this call. SDPA's is_causal aligns top-left: right
         # only when queries and keys start together (start == 0); otherwise the explicit mask is used.
         attn = F.scaled_dot_product_attention(
-            qk[:H].unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+            qk[:H].to(k_cache.dtype).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
             attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=True,
-        )                                                                        # (1, H, T, D)
-        x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.q_size))
+        )                                                                        # (1, H, T, D) in KV_DTYPE
+        x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.q_size).to(x.dtype))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(g) * u)
 

@@ -9,6 +9,7 @@
 
 import { Api, ApiError } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
+import { TurnClock, statsDetail, statsText, turnStats } from "./stats.js";
 import { Store, newId, titleOf } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -305,30 +306,6 @@ function fillAssistant(li, msg, streaming) {
   }
 }
 
-/** `reused 2034 / 2065 tokens · first token 0.07 s · 48 tok/s` (+ stopped / max tokens / edit notes). */
-function statsText(s) {
-  const parts = [];
-  if (s.error) parts.push(`error: ${s.error}`);
-  if (s.stopped) parts.push("stopped");
-  if (s.cached != null) parts.push(`reused ${s.cached} / ${s.prompt} tokens`);
-  else if (!s.error) parts.push("reuse not reported");
-  if (s.firstTokenS != null) parts.push(`first token ${s.firstTokenS.toFixed(2)} s`);
-  if (s.tokPerS) parts.push(`${s.tokPerS >= 10 ? Math.round(s.tokPerS) : s.tokPerS.toFixed(1)} tok/s`);
-  if (s.finish === "length") parts.push("hit max tokens");
-  if (s.edited) parts.push("resent after an edit");
-  return parts.join(" · ");
-}
-
-function statsDetail(s) {
-  const lines = [];
-  if (s.cached != null) lines.push(`${s.cached} prompt tokens reused from the server's KV cache, ${s.prompt - s.cached} prefilled`);
-  if (s.prefillMs != null) lines.push(`prefill ${s.prefillMs.toFixed(0)} ms (server)`);
-  if (s.clientFirstS != null) lines.push(`first token after ${s.clientFirstS.toFixed(2)} s (measured here)`);
-  if (s.completion != null) lines.push(`${s.completion} tokens generated`);
-  if (s.measured) lines.push("timings measured in the browser (the server sent none)");
-  return lines.join("\n");
-}
-
 function startEdit(li, index) {
   if (state.turn || li.querySelector(".editor")) return;
   const msg = state.conv.messages[index];
@@ -407,8 +384,6 @@ async function runTurn({ edited = false }) {
     stream_options: { include_usage: true }, max_tokens: settings.maxTokens,
     temperature: settings.temperature, prompt_cache_key: conv.id,
   };
-  const t0 = performance.now();
-  let tFirst = null, tLast = null, deltas = 0, usage = null, timings = null, finish = null;
   let pending = false;
   const paint = () => {
     if (pending) return;
@@ -421,16 +396,14 @@ async function runTurn({ edited = false }) {
       }
     });
   };
-  const stats = {};
+  const clock = new TurnClock();
+  let usage = null, timings = null, finish = null, outcome = {};
   try {
     for await (const chunk of api.chat(body, controller.signal)) {
       const choice = chunk.choices && chunk.choices[0];
       const text = choice && choice.delta && choice.delta.content;
       if (text) {
-        const now = performance.now();
-        if (tFirst === null) tFirst = now;
-        tLast = now;
-        deltas++;
+        clock.delta();
         msg.content += text;
         paint();
       }
@@ -439,29 +412,10 @@ async function runTurn({ edited = false }) {
       if (chunk.usage) usage = chunk.usage;
     }
   } catch (e) {
-    if (e.name === "AbortError") stats.stopped = true;
-    else stats.error = e instanceof ApiError ? e.message : `cannot reach the server (${e.message})`;
+    if (e.name === "AbortError") outcome = { stopped: true };
+    else outcome = { error: e instanceof ApiError ? e.message : `cannot reach the server (${e.message})` };
   }
-  // the numbers: the server's when it sent them, else measured here
-  if (usage) {
-    stats.prompt = usage.prompt_tokens;
-    stats.cached = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens ?? null : null;
-    if (stats.cached == null) delete stats.cached;
-    stats.completion = usage.completion_tokens;
-  }
-  if (tFirst !== null) stats.clientFirstS = (tFirst - t0) / 1000;
-  if (timings && timings.prompt_ms != null) {
-    stats.prefillMs = timings.prompt_ms;
-    stats.firstTokenS = timings.prompt_ms / 1000;
-    stats.tokPerS = timings.predicted_per_second || null;
-  } else {
-    stats.measured = tFirst !== null;
-    stats.firstTokenS = stats.clientFirstS ?? null;
-    stats.tokPerS = deltas > 1 && tLast > tFirst ? (deltas - 1) / ((tLast - tFirst) / 1000) : null;
-  }
-  if (finish) stats.finish = finish;
-  if (edited) stats.edited = true;
-  msg.stats = stats;
+  msg.stats = turnStats({ usage, timings, finish, clock, edited, ...outcome });
 
   if (state.turn && state.turn.msg === msg) state.turn = null;
   updateComposer();
@@ -565,6 +519,9 @@ function init() {
   });
   ui.newChat.addEventListener("click", () => openConv(freshConv()));
   ui.server.addEventListener("click", () => { if (!state.model) connect(); });
+  window.addEventListener("storage", (e) => {
+    if (e.key === null || e.key === "ternlm.chats.v1") { store.reload(state.conv.id); renderSidebar(); }
+  });
   ui.toggleSidebar.addEventListener("click", (e) => { e.stopPropagation(); ui.shell.classList.toggle("sidebar-open"); });
   document.querySelector(".main").addEventListener("click", () => ui.shell.classList.remove("sidebar-open"));
   ui.systemPrompt.addEventListener("input", () => {

@@ -32,10 +32,21 @@ export function newId() {
   return "c" + Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
 }
 
+function readChats() {
+  const all = read(CHATS, {});
+  return all && typeof all === "object" && !Array.isArray(all) ? all : {};
+}
+
 export class Store {
   constructor() {
-    const all = read(CHATS, {});
-    this.chats = all && typeof all === "object" && !Array.isArray(all) ? all : {};
+    this.chats = readChats();
+  }
+
+  /** Take in what other tabs wrote (on the window's "storage" event); `keepId`, the chat open here, stays as is. */
+  reload(keepId) {
+    const fresh = readChats();
+    for (const id of Object.keys(this.chats)) if (!(id in fresh) && id !== keepId) delete this.chats[id];
+    for (const [id, c] of Object.entries(fresh)) if (id !== keepId) this.chats[id] = c;
   }
 
   /** Conversations with at least one message, most recently updated first. */
@@ -48,23 +59,24 @@ export class Store {
     return this.chats[id] || null;
   }
 
+  // Each write re-reads storage and changes only its own conversation, so two open tabs never
+  // erase each other's chats.
+
   /** Save `conv` (stamps `updated`). Returns false if storage refused it. */
   save(conv) {
     conv.updated = Date.now();
     this.chats[conv.id] = conv;
     if (!conv.messages.length) return true;          // an empty chat is not worth a list entry yet
-    return write(CHATS, this._persisted());
+    const all = readChats();
+    all[conv.id] = conv;
+    return write(CHATS, all);
   }
 
   remove(id) {
     delete this.chats[id];
-    write(CHATS, this._persisted());
-  }
-
-  _persisted() {
-    const out = {};
-    for (const c of this.list()) out[c.id] = c;
-    return out;
+    const all = readChats();
+    delete all[id];
+    write(CHATS, all);
   }
 
   get currentId() {
