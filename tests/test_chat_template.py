@@ -2,31 +2,25 @@
 renders, inside a sandbox, and turns template failures into ChatTemplateError."""
 from __future__ import annotations
 
-import os
+import importlib
+
 from pathlib import Path
 
 import pytest
 
 from ternlm.chat import ChatTemplateError, message_boundaries, render_chat
+from ternlm.models.registry import model_path
 
 
-def model_file(name: str, env: str) -> Path:
-    """A registry model (fetched and verified on first use); the env var is a fallback for
-    checkouts where the registry is unavailable. Skips when neither gives a file."""
-    try:
-        from ternlm.models.registry import model_path
-    except ImportError:
-        path = os.environ.get(env)
-        if not path:
-            pytest.skip(f"no ternlm.models.registry and {env} is not set")
-        return Path(path)
+def model_file(name: str) -> Path:
+    """A registry model, fetched and verified on first use."""
     return model_path(name, progress=False)
 
 
 @pytest.fixture(scope="module")
 def hf():
-    transformers = pytest.importorskip("transformers")
-    path = model_file("smollm2-135m", "TERNLM_SMOLLM2_GGUF")
+    transformers = importlib.import_module("transformers")
+    path = model_file("smollm2-135m")
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

@@ -2,7 +2,6 @@
 strings (cut before the first stop, even across chunk boundaries)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ternlm.detok import IncrementalDetokenizer, StopMatcher
+from ternlm.models.registry import model_path
 from ternlm.tokenizer import Tokenizer
 
 def examples(n: int) -> settings:
@@ -17,22 +17,14 @@ def examples(n: int) -> settings:
     return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def model_file(name: str, env: str) -> Path:
-    """A registry model (fetched and verified on first use); the env var is a fallback for
-    checkouts where the registry is unavailable. Skips when neither gives a file."""
-    try:
-        from ternlm.models.registry import model_path
-    except ImportError:
-        path = os.environ.get(env)
-        if not path:
-            pytest.skip(f"no ternlm.models.registry and {env} is not set")
-        return Path(path)
+def model_file(name: str) -> Path:
+    """A registry model, fetched and verified on first use."""
     return model_path(name, progress=False)
 
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(model_file("smollm2-135m", "TERNLM_SMOLLM2_GGUF"))
+    return Tokenizer.from_gguf(model_file("smollm2-135m"))
 
 
 def stream(tokenizer, ids, **kw) -> list[str]:

@@ -8,7 +8,6 @@ every supported tensor type and the error paths.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -472,7 +471,7 @@ def test_hf_bin_only_folder_is_refused(llama_folder):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TERNLM_SLOW") != "1", reason="set TERNLM_SLOW=1 to run")
+
 def test_qwen_coder_tensors_match_transformers():
     from transformers import AutoModelForCausalLM
     path = model_path("qwen2.5-coder-0.5b", progress=False)

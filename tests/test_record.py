@@ -114,7 +114,6 @@ def test_exception_inside_model_call_records_nothing_of_that_chunk():
     slot, model = make_slot(), FakeModel()
     runner = Runner(model, chunk_size=4)
     runner.prefill(slot, [1, 2, 3, 4])
-    calls = {"n": 0}
     real = FakeModel.__call__
 
     def flaky(self, x, start, k, v, all_logits=False):

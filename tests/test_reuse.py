@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ternlm.kv.slots import KVShape, Slot
+from ternlm.kv.slots import Slot
 from tiny import tiny_engine
 
 ATOL = 1e-4

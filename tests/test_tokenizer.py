@@ -2,7 +2,8 @@
 llama.cpp's tokenization rules where transformers' GGUF conversion departs from them."""
 from __future__ import annotations
 
-import os
+import importlib
+
 import re
 from pathlib import Path
 
@@ -12,19 +13,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 
+from ternlm.models.registry import model_path
 from ternlm.tokenizer import Tokenizer, supported_pre_types
 
 
-def model_file(name: str, env: str) -> Path:
-    """A registry model (fetched and verified on first use); the env var is a fallback for
-    checkouts where the registry is unavailable. Skips when neither gives a file."""
-    try:
-        from ternlm.models.registry import model_path
-    except ImportError:
-        path = os.environ.get(env)
-        if not path:
-            pytest.skip(f"no ternlm.models.registry and {env} is not set")
-        return Path(path)
+def model_file(name: str) -> Path:
+    """A registry model, fetched and verified on first use."""
     return model_path(name, progress=False)
 
 
@@ -72,7 +66,7 @@ DIGIT_CASES = {
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    return model_file("smollm2-135m", "TERNLM_SMOLLM2_GGUF")
+    return model_file("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +76,7 @@ def ours(gguf_path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf(gguf_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = importlib.import_module("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
@@ -288,7 +282,7 @@ def test_spm_details(spm):
 
 
 def test_spm_plain_text_matches_transformers_gguf_conversion():
-    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    mapping = importlib.import_module("transformers.integrations.gguf.gguf_tokenizer_mapping")
     meta = _tiny_spm_meta()
     backend, _ = mapping.convert_gguf_tokenizer("llama", {
         "tokenizer_type": "llama", "tokens": meta["tokenizer.ggml.tokens"],
@@ -306,10 +300,10 @@ def test_spm_plain_text_matches_transformers_gguf_conversion():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TERNLM_SLOW") != "1", reason="set TERNLM_SLOW=1 to run")
+
 def test_qwen2_matches_transformers():
-    transformers = pytest.importorskip("transformers")
-    path = model_file("qwen2.5-coder-0.5b", "TERNLM_QWEN_GGUF")
+    transformers = importlib.import_module("transformers")
+    path = model_file("qwen2.5-coder-0.5b")
     ours = Tokenizer.from_gguf(path)
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert ours.eos_token == hf.eos_token and ours.add_bos is False

@@ -36,6 +36,7 @@ from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams
 from . import schemas
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
 from .metrics import CONTENT_TYPE, Metrics, StatusCounter
+from .ui import mount_ui
 
 log = logging.getLogger("ternlm.server")
 
@@ -358,6 +359,7 @@ def create_app(config: ServeConfig, *, load_engine: Callable[[], Engine] | None 
     install_handlers(app)
     app.add_middleware(StatusCounter, metrics=st.metrics, endpoints=ENDPOINTS)
     _routes(app, st)
+    mount_ui(app)
     return app
 
 
