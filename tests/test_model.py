@@ -101,3 +101,31 @@ def test_packed_linear_equals_plain(dtype, rows):
         assert torch.equal(packed(x), plain(x))      # same kernel family, same bits
     else:
         torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)  # fp32 GEMV sums in another order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_are_batch_invariant(dtype):
+    """[BATCH-INVARIANT] a row's result does not depend on how many rows came with it."""
+    torch.manual_seed(1)
+    lin = Linear(torch.randn(192, 96, dtype=dtype) * 0.1, torch.randn(192, dtype=dtype))
+    x = torch.randn(300, 96, dtype=dtype)
+    full = lin(x)
+    for m in (1, 2, 3, 5, 37, 128):
+        assert torch.equal(lin(x[:m]), full[:m]), m
+        assert torch.equal(lin(x[m:m + 1]), full[m:m + 1]), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_rows_are_batch_invariant(dtype):
+    """[BATCH-INVARIANT] a position's K/V and logits are the same bits whether it came from one
+    full prefill, a tail after a chunk, or a decode step (the basis of exact reuse)."""
+    _, engine = tiny_engine("qwen3", seed=5, dtype=dtype)
+    ids = torch.randint(0, 256, (300,)).tolist()
+    ref = engine.logits(ids)                               # one pass, positions 0..299
+    slot = engine.slots[0]
+    engine.runner.chunk_size = 64
+    engine.runner.prefill(slot, ids[:250])
+    for i in range(250, 299):
+        engine.runner.decode(slot, ids[i])
+    last = engine.runner.decode(slot, ids[299])
+    assert torch.equal(last, ref[299])

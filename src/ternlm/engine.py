@@ -19,7 +19,7 @@ import torch
 
 from .kv.record import Reuse, decide_reuse
 from .kv.slots import KVShape, Slot
-from .models.llama import KV_DTYPE, Transformer
+from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
 from .models.loaded import LoadedModel
 from .runner import Embed, Runner, digest_tensor
 from .sampling import Sampler, SamplingParams
@@ -72,7 +72,7 @@ class Delta:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype, prefix_reuse: bool = True,
-                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 512):
+                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256):
         cfg = loaded.config
         self.config = cfg
         self.loaded = loaded
@@ -85,7 +85,7 @@ class Engine:
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype)
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
-        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx)
+        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
         self.slots = [Slot(i, shape) for i in range(slots)]
         # What the KV depends on besides token ids: the weights and the compute dtype.
         self.model_namespace = f"{loaded.sha256}:{dtype}".encode()

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .kv.slots import Slot
-from .models.llama import KV_DTYPE, Transformer
+from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def digest_tensor(t: torch.Tensor) -> bytes:
 
 
 class Runner:
-    def __init__(self, model: Transformer, chunk_size: int = 512):
+    def __init__(self, model: Transformer, chunk_size: int = 256):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.model = model
@@ -95,6 +95,7 @@ class Runner:
         """One full forward pass on a private, exact-size KV (no slot, no cache): (len(ids), vocab)."""
         m = self.model
         cfg = m.cfg
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, len(ids), cfg.head_dim, dtype=KV_DTYPE)
+        capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=KV_DTYPE)
         v = torch.zeros_like(k)
         return m(self._inputs(ids, 0, None), 0, k, v, all_logits=True)

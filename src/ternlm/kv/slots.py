@@ -27,6 +27,10 @@ class KVShape:
     head_dim: int
     dtype: torch.dtype
     max_capacity: int          # hard limit: the context length in tokens
+    block: int = 1             # buffer capacity is a multiple of this (the model's attention needs it)
+
+    def round_up(self, n: int) -> int:
+        return -(-n // self.block) * self.block
 
 
 class Slot:
@@ -37,7 +41,7 @@ class Slot:
         self.shape = shape
         self.record = PrefixRecord()
         self.last_used = 0.0                 # time.monotonic() of the last release, for LRU
-        self._allocate(min(initial_capacity, shape.max_capacity))
+        self._allocate(shape.round_up(min(initial_capacity, shape.max_capacity)))
 
     @property
     def capacity(self) -> int:
@@ -58,7 +62,8 @@ class Slot:
         if needed > self.shape.max_capacity:
             self.record.clear()
             raise ContextOverflow(f"{needed} tokens exceed the context of {self.shape.max_capacity}")
-        new_cap = min(max(needed, 2 * self.capacity), self.shape.max_capacity)
+        # rounding may pass max_capacity: those positions are padding, never written
+        new_cap = self.shape.round_up(min(max(needed, 2 * self.capacity), self.shape.max_capacity))
         keep = len(self.record)
         try:
             k = torch.zeros(self.shape.layers, self.shape.kv_heads, new_cap, self.shape.head_dim,

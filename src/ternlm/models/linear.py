@@ -3,8 +3,13 @@
 Why: on CPU, PyTorch's plain bf16 matmul re-lays-out the weight on every call; for a decode step
 (one row of activations) that costs as much as the product itself. A weight reordered once at load
 (`mkldnn._reorder_linear_weight`) runs measured ~1.5-2x faster at M=1 and the same at large M, with
-bit-identical bf16 results (fp32 GEMV sums in another order: ~1e-6; tests/test_model.py checks). Falls back to F.linear elsewhere
+bit-identical bf16 results (tests/test_model.py checks). Falls back to F.linear elsewhere
 (CUDA, float16, builds without oneDNN).
+
+[BATCH-INVARIANT] Reuse must not change an answer, so a row's result must not depend on how many rows
+were computed with it. The packed bf16 kernel gives bit-identical rows for any M (checked M = 1..512);
+the packed fp32 kernel does for M >= 2 but takes another path for a single row, so a single fp32 row
+is computed as two. (The F.linear fallback is not batch-invariant: reuse is then exact only to ~1e-6.)
 """
 from __future__ import annotations
 
@@ -30,5 +35,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in) -> (T, out)."""
         if self.packed:
+            if x.shape[0] == 1 and x.dtype == torch.float32:
+                x2 = x.expand(2, -1)       # [BATCH-INVARIANT] the one-row fp32 path sums differently
+                return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

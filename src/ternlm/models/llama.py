@@ -18,10 +18,10 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import Linear
 
-# The KV cache and attention run in fp32 whatever the compute dtype. Measured on this CPU (1 thread):
-# PyTorch's bf16 SDPA takes 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms; for a
-# 512-token causal prefill bf16 is 20-40% slower too. The cache costs twice the bytes, and is exact.
+# The KV cache and attention run in fp32 whatever the compute dtype: exact, and on this CPU faster than
+# bf16 (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms).
 KV_DTYPE = torch.float32
+ATTN_BLOCK = 256   # KV capacity and attended key count are multiples of this (see `attention`)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,6 +46,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+              bias: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant causal attention [BATCH-INVARIANT].
+
+    q: (H, T, D) queries of positions [start, start + T); k_cache/v_cache: (KV, capacity, D) fp32,
+    capacity a multiple of ATTN_BLOCK; bias: (T, S) additive mask from `causal_bias`. -> (H, T, D) fp32.
+
+    Why not SDPA: reuse must never change an answer, so the K/V a position gets must not depend on
+    how the tokens were batched (one decode step, a 37-token tail, a 512-token chunk). PyTorch's CPU
+    flash attention sums in an order that depends on the query count and offset, and in bf16 those
+    last-bit differences flip near-tied greedy tokens (measured: 7 of 12 turns differed). Here every
+    row is computed the same way whatever T and start are: keys are padded to a multiple of
+    ATTN_BLOCK (masked keys add exact zeros), p @ V is reduced block by block, and a single query is
+    doubled so the GEMMs never take their one-row path (bit-exact checks: tests/test_model.py,
+    tests/test_reuse.py).
+    """
+    H, T, D = q.shape
+    KV, S = k_cache.shape[0], bias.shape[1]
+    G = H // KV
+    qf = (q.to(k_cache.dtype) * D ** -0.5).view(KV, G, T, D)   # scale the T x D queries, not T x S scores
+    Tq = max(T, 2)
+    if T == 1:
+        qf = qf.expand(KV, G, 2, D)
+    scores = torch.matmul(qf.reshape(KV, G * Tq, D), k_cache[:, :S].transpose(1, 2))  # (KV, G Tq, S)
+    scores = scores.view(KV, G, Tq, S).add_(bias if T > 1 else bias.expand(2, S))
+    p = torch.softmax(scores, dim=-1)               # row-wise: masked keys give exact zeros
+    # p @ V as per-block products summed over blocks: a GEMM over the whole key range would block
+    # its reduction by S, so padding 256 -> 512 keys changed the bits; a fixed BLOCK-long reduction
+    # per block plus a sum over blocks (trailing all-zero blocks add exact zeros) does not.
+    nb = S // ATTN_BLOCK
+    pb = p.view(KV, G * Tq, nb, ATTN_BLOCK).transpose(1, 2)                              # (KV, nb, G Tq, B)
+    vb = v_cache[:, :S].view(KV, nb, ATTN_BLOCK, D)                                      # (KV, nb, B, D)
+    out = torch.matmul(pb, vb).sum(1).view(KV, G, Tq, D)                                 # (KV, G, Tq, D)
+    return out[:, :, :T].reshape(H, T, D)
+
+
+def causal_bias(start: int, T: int, capacity: int) -> torch.Tensor:
+    """(T, S) fp32 additive mask: 0 where key j <= start + i, -inf elsewhere; S = end rounded up to
+    ATTN_BLOCK (never past capacity, which is itself a multiple of ATTN_BLOCK)."""
+    end = start + T
+    S = min(capacity, -(-end // ATTN_BLOCK) * ATTN_BLOCK)
+    allowed = torch.arange(S).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+    return torch.zeros(T, S).masked_fill_(~allowed, float("-inf"))
+
+
 class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
@@ -66,7 +111,7 @@ class Layer(nn.Module):
         self.down = Linear(w["mlp.down_proj.weight"], pack=pack)              # (hidden, I)
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden). k_cache/v_cache: (kv_heads, capacity, head_dim) for this layer.
         Side effect: writes K/V of positions [start, start + T) into the caches."""
         cfg, T = self.cfg, x.shape[0]
@@ -80,13 +125,9 @@ class Layer(nn.Module):
         end = start + T
         k_cache[:, start:end] = qk[H:]
         v_cache[:, start:end] = v
-        # [0, start) earlier positions | [start, end) this call. SDPA's is_causal aligns top-left: right
-        # only when queries and keys start together (start == 0); otherwise the explicit mask is used.
-        attn = F.scaled_dot_product_attention(
-            qk[:H].to(k_cache.dtype).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=True,
-        )                                                                        # (1, H, T, D) in KV_DTYPE
-        x = x + self.o(attn[0].transpose(0, 1).reshape(T, self.q_size).to(x.dtype))
+        # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
+        attn = attention(qk[:H], k_cache, v_cache, start, bias)                   # (H, T, D) in KV_DTYPE
+        x = x + self.o(attn.transpose(0, 1).reshape(T, self.q_size).to(x.dtype))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(g) * u)
 
@@ -134,12 +175,11 @@ class Transformer(nn.Module):
         if end > self.cfg.max_position_embeddings:
             raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
         cos, sin = self.cos[start:end], self.sin[start:end]
-        mask = None
-        if T > 1 and start > 0:
-            # query i (absolute start + i) sees keys j <= start + i
-            mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)  # (T, end)
+        if k_cache.shape[2] % ATTN_BLOCK:
+            raise ValueError(f"KV capacity {k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
+        bias = causal_bias(start, T, k_cache.shape[2])
         for i, layer in enumerate(self.layers):
-            x = layer(x, start, cos, sin, k_cache[i], v_cache[i], mask)
+            x = layer(x, start, cos, sin, k_cache[i], v_cache[i], bias)
         if not all_logits:
             x = x[-1:]
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()

@@ -53,7 +53,7 @@ class ServeConfig:
     min_reuse: int = 16
     slots: int = 4
     ctx: int | None = 8192
-    chunk_size: int = 512
+    chunk_size: int = 256
     threads: int | None = None
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
