@@ -79,11 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
 
-    try:
-        from .server.cli import add_serve_parser
-        add_serve_parser(sub, _engine_args)
-    except ImportError:
-        pass
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub, _engine_args)
     from .chat_cli import add_chat_parser
     add_chat_parser(sub, _engine_args, _load)
     from .bench.cli import add_bench_parser
