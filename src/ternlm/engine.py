@@ -17,8 +17,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from .kv.blocks import BLOCK_TOKENS
 from .kv.record import Reuse, decide_reuse
 from .kv.slots import KVShape, Slot
+from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
 from .models.loaded import LoadedModel
 from .runner import Embed, Runner, digest_tensor
@@ -46,6 +48,25 @@ class Timings:
     ttft_s: float = 0.0          # request start -> first sampled token
 
 
+@dataclass(frozen=True)
+class Restored:
+    """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
+    loaded from the tiers below it (RAM, then disk), in position order."""
+    slot: int = 0
+    ram: int = 0
+    disk: int = 0
+    load_s: float = 0.0          # reading + verifying + copying tier blocks
+
+    @property
+    def tokens(self) -> int:
+        return self.slot + self.ram + self.disk
+
+    @property
+    def tier(self) -> str:
+        """The slowest tier that contributed: "disk" | "ram" | "slot" | "none"."""
+        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot else "none"
+
+
 @dataclass
 class Completion:
     text: str
@@ -57,6 +78,7 @@ class Completion:
     timings: Timings = field(default_factory=Timings)
     slot: int = 0
     logits: torch.Tensor | None = None   # (generated, vocab) fp32, only with keep_logits=True
+    restored: Restored = Restored()      # where [0, cached_tokens) came from
 
 
 @dataclass(frozen=True)
@@ -72,7 +94,8 @@ class Delta:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype, prefix_reuse: bool = True,
-                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256):
+                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
+                 cache: CacheConfig | None = None):
         cfg = loaded.config
         self.config = cfg
         self.loaded = loaded
@@ -89,6 +112,12 @@ class Engine:
         self.slots = [Slot(i, shape) for i in range(slots)]
         # What the KV depends on besides token ids: the weights and the compute dtype.
         self.model_namespace = f"{loaded.sha256}:{dtype}".encode()
+        # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
+        self.store = None
+        if cache is not None and prefix_reuse:
+            ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                  str(KV_DTYPE).removeprefix("torch."))
+            self.store = TieredStore(ident, cache.ram_bytes, cache.disk_dir, cache.disk_bytes)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -205,17 +234,15 @@ class Engine:
             # Only now pay for locating the message the divergence fell in.
             reuse = decide_reuse(rec, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
                                  enabled=self.prefix_reuse, message_ends=prompt_in.message_ends())
-        k = reuse.tokens
-        if k == 0:
-            slot.reset(ns)
-        else:
-            rec.truncate(k)
+        restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
+        k = restored.tokens
+        assert len(rec) == k and rec.fed == prompt[:k]
         # [0, k) reused | [k, n) prefilled | [n, n + generated) decoded
         timings = Timings()
         t0 = time.perf_counter()
         logits = self.runner.prefill(slot, prompt[k:], emb, on_chunk)
         timings.prefill_tokens, timings.prefill_s = n - k, time.perf_counter() - t0
-        log.info("%s", reuse_line(reuse, n, timings))
+        log.info("%s", reuse_line(reuse, n, timings, restored))
 
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopMatcher(list(stop or []))
@@ -264,7 +291,44 @@ class Engine:
                 text.append(tail)
                 yield Delta(tail, -1)
         yield Completion("".join(text), out_ids, finish, n, k, reuse, timings, slot.index,
-                         torch.stack(kept) if keep_logits else None)
+                         torch.stack(kept) if keep_logits else None, restored)
+
+    def _place(self, slot: Slot, prompt: list[int], ns: bytes, k: int, first_embed: int) -> Restored:
+        """Make the slot's record a prefix of the prompt: keep the slot's usable prefix [0, k), or a
+        longer one loaded from the tiers. Side effects: saves the slot's blocks into the store before
+        discarding any of its positions; truncates or resets the slot; may load blocks into it.
+        `first_embed`: first position fed from a caller embedding (stored blocks never carry one)."""
+        rec, store, n = slot.record, self.store, len(prompt)
+        if store is not None and k < len(rec):
+            store.save(slot)                   # what the slot is about to lose goes down a tier
+        if store is not None:
+            limit = min(n - 1, first_embed)    # [FRESH-LOGITS] feed >= 1 token; embeds are prefilled
+            refs = store.match(prompt, ns, limit)
+            first = k // BLOCK_TOKENS          # blocks [0, first) are in the slot already
+            if min(len(refs) * BLOCK_TOKENS, limit) > max(k, self.min_reuse - 1) and len(refs) > first:
+                got = store.fetch(refs[first:], ns)
+                keep = first * BLOCK_TOKENS
+                if min(keep + got.tokens, limit) > max(k, self.min_reuse - 1):
+                    if keep == 0:
+                        slot.reset(ns)
+                    else:
+                        rec.truncate(keep)
+                    self.runner.load_blocks(slot, got.blocks)
+                    rec.truncate(limit)
+                    per = [(t, max(0, min(BLOCK_TOKENS, limit - keep - i * BLOCK_TOKENS)))
+                           for i, t in enumerate(got.tiers)]
+                    return Restored(keep, sum(c for t, c in per if t == "ram"),
+                                    sum(c for t, c in per if t == "disk"), got.load_s)
+        if k == 0:
+            slot.reset(ns)
+        else:
+            rec.truncate(k)
+        return Restored(slot=k)
+
+    def persist_cache(self) -> int:
+        """Shutdown: write live slots and the RAM tier to the disk tier. Returns blocks on disk.
+        Call only when no request runs (it reads every slot)."""
+        return self.store.persist(self.slots) if self.store is not None else 0
 
     def generate(self, prompt: list[int] | str, **kw) -> Completion:
         """Run `stream` to the end. A str prompt is tokenized as raw text (BOS as the model says)."""
@@ -277,9 +341,13 @@ class Engine:
         return result
 
 
-def reuse_line(reuse: Reuse, n: int, t: Timings) -> str:
-    """The one log line per request: what was reused, or why not."""
-    if reuse.tokens:
-        return (f"reuse {reuse.tokens}-token KV prefix (of {n}), "
-                f"prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s")
-    return f"no reuse: {reuse.reason}; prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s"
+def reuse_line(reuse: Reuse, n: int, t: Timings, r: Restored = Restored()) -> str:
+    """The one log line per request: what was reused and from which tier, or why not."""
+    prefill = f"prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s"
+    if r.ram or r.disk:
+        parts = ", ".join(f"{name} {c}" for name, c in (("slot", r.slot), ("ram", r.ram), ("disk", r.disk)) if c)
+        return (f"reuse {r.tokens}-token KV prefix (of {n}) from {r.tier} tier ({parts}; "
+                f"load {r.load_s * 1e3:.1f} ms), {prefill}")
+    if r.slot:
+        return f"reuse {r.slot}-token KV prefix (of {n}) from the slot, {prefill}"
+    return f"no reuse: {reuse.reason}; {prefill}"

@@ -1,7 +1,8 @@
 """Prefill and decode: THE place where KV is written, and therefore where the record is written.
 
-Every write into a slot's KV goes through `prefill` or `decode` below, and each appends to the slot's
-PrefixRecord right after the model call that wrote those positions returned ([RECORD-WHERE-FED]).
+Every write into a slot's KV goes through `prefill`, `decode` or `load_blocks` below, and each appends
+to the slot's PrefixRecord right after the write that filled those positions returned
+([RECORD-WHERE-FED]); for `load_blocks` the ids are the verified block's own.
 An exception inside a model call leaves the record at the last completed write: positions the
 failed call touched are beyond len(record) and therefore never read as reusable.
 """
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .kv.blockfile import BlockKV
 from .kv.slots import Slot
 from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
 
@@ -89,6 +91,20 @@ class Runner:
         logits = self.model(x, pos, slot.k, slot.v)
         slot.record.append([token])  # [RECORD-WHERE-FED]
         return logits[-1]
+
+    @torch.inference_mode()
+    def load_blocks(self, slot: Slot, blocks: list[BlockKV]) -> None:
+        """Copy stored blocks into the slot at positions [len(record), ...), block after block.
+        Each block must start where the record ends (the store's chained keys guarantee the ids
+        before it are the record's). Side effects: writes KV, appends each block's ids to the record."""
+        for b in blocks:
+            pos = len(slot.record)
+            n = b.meta.shape[2]
+            assert b.meta.shape == (slot.shape.layers, slot.shape.kv_heads, n, slot.shape.head_dim)
+            slot.ensure_capacity(pos + n)
+            slot.k[:, :, pos:pos + n].copy_(b.k)   # k, v: (layers, kv_heads, n, head_dim)
+            slot.v[:, :, pos:pos + n].copy_(b.v)
+            slot.record.append(list(b.meta.ids))  # [RECORD-WHERE-FED]
 
     @torch.inference_mode()
     def full_logits(self, ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""The on-disk format of one KV block, and its verification. No pickle: raw tensors behind a header.
+
+    b"TERNLMKV" | u32 little-endian header length | header (JSON, UTF-8) | payload: k bytes, v bytes
+
+The header says everything the payload depends on (format version, block key, parent key,
+namespace, model sha256, dtype, KV dtype, shape, the block's token ids) plus the payload's length
+and sha256. `decode` trusts nothing: a file is used only when its header parses, names the key the
+caller asked for, recomputes to that key from its own parent/ids/namespace, matches the caller's
+namespace, shape and token ids, and its payload has the stated length and checksum. Anything else
+is a BadBlock with a reason (truncated, corrupted, foreign model, foreign version, ...).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import BLOCK_TOKENS, block_key
+
+MAGIC = b"TERNLMKV"
+VERSION = 1
+SUFFIX = ".tkv"
+MAX_HEADER = 1 << 20            # a header is ~2 KiB; anything near this is garbage
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BadBlock(ValueError):
+    """A block file that must not be used. `reason` is one short log-ready phrase."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a block's KV was computed from and how it is laid out (the header, minus checksums)."""
+    key: bytes
+    parent: bytes
+    namespace: bytes
+    model_sha256: str
+    dtype: str                   # compute dtype of the model that wrote it ("torch.bfloat16")
+    kv_dtype: str                # "float32"
+    shape: tuple[int, int, int, int]   # (layers, kv_heads, BLOCK_TOKENS, head_dim) of k and of v
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockKV:
+    """A verified block: its meta and k, v each (layers, kv_heads, BLOCK_TOKENS, head_dim)."""
+    meta: BlockMeta
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, list[memoryview]]:
+    """(header bytes, payload buffers) of one block file; the payload is written without copies."""
+    bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in (k, v)]
+    h = hashlib.sha256()
+    for b in bufs:
+        h.update(b)
+    header = {"format": VERSION, "key": meta.key.hex(), "parent": meta.parent.hex(),
+              "namespace": meta.namespace.hex(), "model_sha256": meta.model_sha256, "dtype": meta.dtype,
+              "kv_dtype": meta.kv_dtype, "shape": list(meta.shape), "ids": list(meta.ids),
+              "payload_bytes": sum(len(b) for b in bufs), "payload_sha256": h.hexdigest()}
+    body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(body)) + body, bufs
+
+
+def read_header(data: bytes | memoryview) -> tuple[dict, int]:
+    """(header dict, payload offset). Raises BadBlock when the file cannot even be parsed."""
+    if len(data) < len(MAGIC) + 4:
+        raise BadBlock("truncated (no header)")
+    if bytes(data[:len(MAGIC)]) != MAGIC:
+        raise BadBlock("not a ternlm KV block (bad magic)")
+    (hlen,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    if hlen > MAX_HEADER or start + hlen > len(data):
+        raise BadBlock("truncated or corrupted header")
+    try:
+        header = json.loads(bytes(data[start:start + hlen]))
+    except ValueError:
+        raise BadBlock("corrupted header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise BadBlock("corrupted header")
+    if header.get("format") != VERSION:
+        raise BadBlock(f"foreign format version {header.get('format')!r} (this build reads {VERSION})")
+    return header, start + hlen
+
+
+def meta_of(header: dict) -> BlockMeta:
+    """The header as a BlockMeta; checks that its key recomputes from its own parent, ids, namespace."""
+    try:
+        meta = BlockMeta(bytes.fromhex(header["key"]), bytes.fromhex(header["parent"]),
+                         bytes.fromhex(header["namespace"]), str(header["model_sha256"]), str(header["dtype"]),
+                         str(header["kv_dtype"]), tuple(int(x) for x in header["shape"]),
+                         tuple(int(x) for x in header["ids"]))
+    except (KeyError, TypeError, ValueError):
+        raise BadBlock("corrupted header (missing or malformed fields)") from None
+    if len(meta.shape) != 4 or meta.shape[2] != BLOCK_TOKENS or len(meta.ids) != BLOCK_TOKENS:
+        raise BadBlock(f"wrong block shape {meta.shape}")
+    if meta.kv_dtype not in _DTYPES:
+        raise BadBlock(f"unknown KV dtype {meta.kv_dtype!r}")
+    if len(meta.parent) != 32 or block_key(meta.parent, list(meta.ids), meta.namespace) != meta.key:
+        raise BadBlock("header does not hash to its key (corrupted)")
+    return meta
+
+
+def decode(data: bytes | bytearray | memoryview, expect: BlockMeta | None = None) -> BlockKV:
+    """Verify and decode one block file's bytes. `expect`: what the caller needs (key, parent,
+    namespace, model, dtype, shape, ids); None checks only the file's own consistency (cache verify).
+    Raises BadBlock. The returned tensors share memory with `data`."""
+    header, off = read_header(data)
+    meta = meta_of(header)
+    if expect is not None:
+        if meta.model_sha256 != expect.model_sha256 or meta.dtype != expect.dtype:
+            raise BadBlock(f"foreign model ({meta.model_sha256[:12]} {meta.dtype})")
+        for field in ("key", "parent", "namespace", "kv_dtype", "shape", "ids"):
+            if getattr(meta, field) != getattr(expect, field):
+                raise BadBlock(f"{field} differs from the request's")
+    size = int(header.get("payload_bytes", -1))
+    itemsize = torch.empty(0, dtype=_DTYPES[meta.kv_dtype]).element_size()
+    one = meta.shape[0] * meta.shape[1] * meta.shape[2] * meta.shape[3] * itemsize
+    if size != 2 * one:
+        raise BadBlock("payload size does not match the shape")
+    if len(data) - off != size:
+        raise BadBlock(f"truncated payload ({len(data) - off} of {size} bytes)"
+                       if len(data) - off < size else "trailing bytes after the payload")
+    payload = memoryview(data)[off:]
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise BadBlock("payload checksum mismatch (corrupted)")
+    flat = torch.frombuffer(payload, dtype=_DTYPES[meta.kv_dtype]) if size else torch.empty(0)
+    half = one // itemsize
+    return BlockKV(meta, flat[:half].view(meta.shape), flat[half:].view(meta.shape))

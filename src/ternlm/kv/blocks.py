@@ -1,0 +1,62 @@
+"""Content-addressed KV blocks: fixed runs of BLOCK_TOKENS positions named by a chained hash.
+
+    key_0 = H(ROOT,  ids[0:256],   namespace)
+    key_i = H(key_{i-1}, ids[256i:256(i+1)], namespace)
+
+Why chained: a block's KV depends on every token before it, not only on its own 256 ids, so its
+name must too. Two prompts share block i exactly when they share ids [0, 256(i+1)) and the
+namespace (model sha256 + dtype + tenant), which is exactly when the KV is the same; conversations
+with one system prompt therefore share its blocks, and a lookup walks keys from the prompt's start
+and stops at the first miss. Pure Python: no torch, no files.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 256                 # positions per block (a multiple of the attention's key block)
+ROOT = b"\0" * 32                  # the parent of block 0
+_DOMAIN = b"ternlm-kv-block-v1\0"  # separates these hashes from any other sha256 use
+
+
+def block_key(parent: bytes, ids: list[int], namespace: bytes) -> bytes:
+    """32-byte key of one block: H(domain, parent key, namespace, ids as little-endian int32)."""
+    if len(parent) != 32:
+        raise ValueError("parent key must be 32 bytes")
+    h = hashlib.sha256(_DOMAIN)
+    h.update(parent)
+    h.update(struct.pack("<I", len(namespace)) + namespace)
+    h.update(struct.pack(f"<{len(ids)}i", *ids))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """Block `index` of a token sequence: positions [start, start + BLOCK_TOKENS)."""
+    index: int
+    key: bytes
+    parent: bytes
+    ids: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        return self.index * BLOCK_TOKENS
+
+    @property
+    def end(self) -> int:
+        return self.start + BLOCK_TOKENS
+
+
+def block_refs(ids: list[int], namespace: bytes, upto: int | None = None) -> list[BlockRef]:
+    """The full blocks of ids[0:upto] with their chained keys (a partial tail block has no key).
+    Cost: one sha256 over ~1 KiB per block, microseconds next to a forward pass."""
+    n = len(ids) if upto is None else min(upto, len(ids))
+    refs: list[BlockRef] = []
+    parent = ROOT
+    for i in range(n // BLOCK_TOKENS):
+        chunk = tuple(ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
+        key = block_key(parent, list(chunk), namespace)
+        refs.append(BlockRef(i, key, parent, chunk))
+        parent = key
+    return refs

@@ -1,0 +1,280 @@
+"""The disk tier: one verified file per KV block under a cache directory, LRU within a byte budget.
+
+    <root>/blocks/<key[:2]>/<key>.tkv         a block (format: blockfile.py)
+    <root>/blocks/<key[:2]>/<key>.tmp-<pid>-<rand>   a write in progress (never read)
+    <root>/.lock                              flock'ed while evicting or clearing
+
+Why it is safe to share and to crash:
+- A write goes to a create-only temporary file, is fsynced, then renamed over the final name, and the
+  directory is fsynced. A reader sees the old file, the new file or none; never half of one. A
+  `kill -9` mid-write leaves only a tmp file, removed by the next scan once its writer is gone.
+- Two servers writing one key write identical bytes (the key names the content), so either rename wins.
+- Readers verify every file (blockfile.decode). A bad file is logged, deleted and reported as a miss:
+  the caller recomputes. Eviction takes the directory lock and rescans, so two servers' budgets
+  converge on the files that really exist.
+- Out of space (ENOSPC/EDQUOT) turns writes off with one warning; reads go on. Never a crash.
+LRU order is file mtime, touched on every hit, so it survives restarts.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import secrets
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .blockfile import SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode
+
+log = logging.getLogger("ternlm.cache")
+
+_RESCAN_EVERY = 64              # writes between rescans (notices other servers' files and deletions)
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@dataclass
+class _Entry:
+    size: int
+    mtime: float
+
+
+@dataclass
+class DiskStats:
+    hits: int = 0
+    misses: int = 0
+    damaged: int = 0             # files found bad and deleted
+    writes: int = 0
+    write_errors: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    load_s: float = 0.0          # seconds spent reading + verifying hits
+    write_s: float = 0.0
+
+
+def block_path(root: Path, key: bytes) -> Path:
+    h = key.hex()
+    return root / "blocks" / h[:2] / (h + SUFFIX)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scan(root: Path, clean_tmp: bool = True) -> dict[bytes, tuple[Path, int, float]]:
+    """key -> (path, size, mtime) of every block file; removes tmp files whose writer is gone."""
+    found: dict[bytes, tuple[Path, int, float]] = {}
+    base = root / "blocks"
+    if not base.is_dir():
+        return found
+    for sub in os.scandir(base):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        for f in os.scandir(sub.path):
+            name = f.name
+            if name.endswith(SUFFIX) and f.is_file(follow_symlinks=False):
+                try:
+                    key = bytes.fromhex(name[:-len(SUFFIX)])
+                    st = f.stat(follow_symlinks=False)
+                except (ValueError, OSError):
+                    continue
+                found[key] = (Path(f.path), st.st_size, st.st_mtime)
+            elif clean_tmp and ".tmp-" in name:
+                try:
+                    pid = int(name.split(".tmp-")[1].split("-")[0])
+                except (IndexError, ValueError):
+                    pid = -1
+                if pid <= 0 or not _pid_alive(pid):
+                    _unlink(Path(f.path))
+    return found
+
+
+@contextmanager
+def dir_lock(root: Path):
+    """Exclusive flock on <root>/.lock (held while evicting or clearing)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class DiskTier:
+    """Not thread-safe: the engine's worker thread is its only user. Other processes may share `root`."""
+
+    def __init__(self, root: Path, budget: int):
+        self.root = Path(root)
+        self.budget = budget
+        self.stats = DiskStats()
+        self.write_disabled: str | None = None     # why writes are off (e.g. disk full); reads go on
+        self._index: dict[bytes, _Entry] = {}
+        self._used = 0
+        self._since_scan = 0
+        try:
+            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+            self._rescan()
+        except OSError as e:
+            self._disable(f"cannot use {self.root}: {e}")
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _rescan(self) -> None:
+        found = scan(self.root)
+        self._index = {k: _Entry(size, mtime) for k, (_, size, mtime) in found.items()}
+        self._used = sum(e.size for e in self._index.values())
+        self._since_scan = 0
+
+    def _disable(self, why: str) -> None:
+        if self.write_disabled is None:
+            log.warning("disk KV cache: %s; continuing without writing to the disk tier", why)
+        self.write_disabled = why
+
+    def _forget(self, key: bytes) -> None:
+        e = self._index.pop(key, None)
+        if e is not None:
+            self._used -= e.size
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def has(self, key: bytes) -> bool:
+        """Whether a file for `key` exists (index first, then a stat: another server may have written it).
+        Does not verify; `get` does."""
+        if key in self._index:
+            return True
+        try:
+            st = os.stat(block_path(self.root, key))
+        except OSError:
+            return False
+        self._index[key] = _Entry(st.st_size, st.st_mtime)
+        self._used += st.st_size
+        return True
+
+    def get(self, expect: BlockMeta) -> BlockKV | None:
+        """Read and verify the block `expect.key`; None on a miss. A bad file is logged, deleted and
+        counted as damaged (the caller recomputes). Side effect: touches the file's mtime (LRU)."""
+        path = block_path(self.root, expect.key)
+        t0 = time.perf_counter()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                got = f.readinto(buf)
+        except FileNotFoundError:
+            self._forget(expect.key)
+            self.stats.misses += 1
+            return None
+        except OSError as e:
+            log.warning("disk KV cache: cannot read %s: %s", path.name, e)
+            self.stats.misses += 1
+            return None
+        try:
+            if got != size:
+                raise BadBlock("short read (file changed while reading)")
+            block = decode(buf, expect)
+        except BadBlock as e:
+            log.warning("disk KV cache: dropped %s: %s", path.name, e.reason)
+            self.stats.damaged += 1
+            self.stats.misses += 1
+            _unlink(path)
+            self._forget(expect.key)
+            return None
+        now = time.time()
+        try:
+            os.utime(path, (now, now))
+        except OSError:
+            pass
+        self._index[expect.key] = _Entry(size, now)
+        self.stats.hits += 1
+        self.stats.bytes_read += size
+        self.stats.load_s += time.perf_counter() - t0
+        return block
+
+    # ---- writes --------------------------------------------------------------------------------
+    def put(self, block: BlockKV) -> bool:
+        """Write a block (atomic, fsynced) unless present; evict LRU files to stay within budget.
+        Returns whether the block is on disk afterwards. Never raises for I/O trouble."""
+        key = block.meta.key
+        if self.write_disabled is not None:
+            return False
+        if key in self._index:
+            return True
+        header, payload = encode(block.meta, block.k, block.v)
+        size = len(header) + sum(len(p) for p in payload)
+        if size > self.budget:
+            return False
+        self._since_scan += 1
+        if self._used + size > self.budget or self._since_scan >= _RESCAN_EVERY:
+            self._evict(self.budget - size)
+        path = block_path(self.root, key)
+        tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        t0 = time.perf_counter()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                for part in (header, *payload):
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            _unlink(tmp)
+            self.stats.write_errors += 1
+            if e.errno in _NO_SPACE:
+                self._disable(f"no space left in {self.root} ({e.strerror})")
+            else:
+                log.warning("disk KV cache: writing %s failed: %s", path.name, e)
+            return False
+        self._index[key] = _Entry(size, time.time())
+        self._used += size
+        self.stats.writes += 1
+        self.stats.bytes_written += size
+        self.stats.write_s += time.perf_counter() - t0
+        return True
+
+    def _evict(self, target: int) -> None:
+        """Delete least recently used files until at most `target` bytes are used. Rescans under the
+        directory lock first, so files of other servers sharing the directory count too."""
+        try:
+            with dir_lock(self.root):
+                self._rescan()
+                for key, e in sorted(self._index.items(), key=lambda kv: kv[1].mtime):
+                    if self._used <= target:
+                        break
+                    _unlink(block_path(self.root, key))
+                    self._forget(key)
+                    self.stats.evictions += 1
+        except OSError as e:
+            log.warning("disk KV cache: eviction failed: %s", e)

@@ -1,0 +1,178 @@
+"""Tiers below the slots: host RAM, then disk. Blocks go down as they age; lookups walk both.
+
+    slot KV --save (on discard)--> RAM tier --LRU spill--> disk tier --LRU--> deleted
+    prompt --match (walk chained keys)--> refs found in RAM or disk --fetch--> verified BlockKV
+
+What is saved is only what the slot's record vouches for: full blocks of record.fed before any
+taint or caller-supplied embedding (their ids do not describe their KV). Blocks are copies, so a
+slot may be overwritten right after `save` returns. This module reads slots; it never writes one:
+copying blocks into a slot (and recording them) is the runner's job ([RECORD-WHERE-FED]).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .blockfile import BlockKV, BlockMeta
+from .blocks import BLOCK_TOKENS, BlockRef, block_refs
+from .disk import DiskTier
+from .ram import RamTier
+from .slots import Slot
+
+log = logging.getLogger("ternlm.cache")
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What every stored block of this engine shares (written into each block file's header)."""
+    model_sha256: str
+    dtype: str                       # compute dtype, e.g. "torch.bfloat16"
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str = "float32"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers, self.kv_heads, BLOCK_TOKENS, self.head_dim)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Blocks read for a prompt, in order from its start; `tiers[i]` is "ram" or "disk"."""
+    blocks: list[BlockKV] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    load_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * BLOCK_TOKENS
+
+
+def storable(slot: Slot) -> int:
+    """Positions of the slot's KV that may be stored: before any taint or embedding payload."""
+    rec = slot.record
+    n = len(rec)
+    if rec.tainted_from is not None:
+        n = min(n, rec.tainted_from)
+    if rec.digests:
+        n = min(n, min(rec.digests))
+    return n
+
+
+class TieredStore:
+    """Not thread-safe: the engine (on the scheduler's worker thread) is its only user."""
+
+    def __init__(self, ident: StoreIdentity, ram_bytes: int, disk_dir: Path | None = None,
+                 disk_bytes: int = 0):
+        self.ident = ident
+        self.ram = RamTier(ram_bytes)
+        self.disk = DiskTier(Path(disk_dir), disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
+
+    def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
+        i = self.ident
+        return BlockMeta(ref.key, ref.parent, namespace, i.model_sha256, i.dtype, i.kv_dtype, i.shape, ref.ids)
+
+    # ---- down: slots -> RAM -> disk --------------------------------------------------------------
+    def save(self, slot: Slot) -> int:
+        """Copy the slot's recorded full blocks into the RAM tier (those not there yet), spilling the
+        RAM tier's oldest blocks to disk. Reads the slot, does not modify it. Returns blocks copied."""
+        rec = slot.record
+        if not rec.namespace:
+            return 0
+        copied = 0
+        for ref in block_refs(rec.fed, rec.namespace, storable(slot)):
+            if ref.key in self.ram:
+                self.ram.touch(ref.key)
+                continue
+            # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
+            k = slot.k[:, :, ref.start:ref.end].clone()
+            v = slot.v[:, :, ref.start:ref.end].clone()
+            self._ram_put(BlockKV(self.meta(ref, rec.namespace), k, v))
+            copied += 1
+        return copied
+
+    def _ram_put(self, block: BlockKV) -> None:
+        for old in self.ram.put(block):
+            if self.disk is not None:
+                self.disk.put(old)
+
+    def persist(self, slots: list[Slot]) -> int:
+        """Shutdown: write the RAM tier (oldest first) and then every slot's blocks (most recent last,
+        so they are the last the disk's LRU would drop) to disk. Returns blocks on disk afterwards."""
+        if self.disk is None:
+            return 0
+        for s in slots:
+            self.save(s)                 # slot blocks become the newest RAM entries
+        done = 0
+        for block in self.ram.oldest_first():
+            done += self.disk.put(block)
+        return done
+
+    # ---- up: tiers -> a prompt ------------------------------------------------------------------
+    def match(self, prompt: list[int], namespace: bytes, limit: int) -> list[BlockRef]:
+        """The prompt's leading blocks that some tier holds, walking chained keys from position 0 and
+        stopping at the first miss or at `limit` tokens. Reads no payload; modifies nothing."""
+        found = []
+        for ref in block_refs(prompt, namespace, len(prompt)):
+            if ref.start >= limit:
+                break
+            if ref.key not in self.ram and (self.disk is None or not self.disk.has(ref.key)):
+                self.ram.stats.misses += 1      # the walk ends at a block no tier holds
+                if self.disk is not None:
+                    self.disk.stats.misses += 1
+                break
+            found.append(ref)
+        return found
+
+    def fetch(self, refs: list[BlockRef], namespace: bytes) -> Fetched:
+        """Read `refs` in order from RAM or disk (verified); stops at the first block that is gone or
+        bad (it is dropped from disk and recomputed by the caller). Touches LRU order."""
+        t0 = time.perf_counter()
+        blocks, tiers = [], []
+        for ref in refs:
+            t = time.perf_counter()
+            b = self.ram.get(ref.key)
+            tier = "ram"
+            if b is None and self.disk is not None:
+                b, tier = self.disk.get(self.meta(ref, namespace)), "disk"   # times itself
+            elif b is not None:
+                self.ram.stats.load_s += time.perf_counter() - t
+            if b is None:
+                break
+            blocks.append(b)
+            tiers.append(tier)
+        return Fetched(blocks, tiers, time.perf_counter() - t0)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per-tier counters and sizes, for /metrics."""
+        r = self.ram
+        out = {"ram": {"hits": r.stats.hits, "misses": r.stats.misses, "evictions": r.stats.evictions,
+                       "bytes": r.used_bytes, "budget_bytes": r.budget, "blocks": len(r),
+                       "load_seconds": r.stats.load_s}}
+        if self.disk is not None:
+            d = self.disk
+            out["disk"] = {"hits": d.stats.hits, "misses": d.stats.misses, "evictions": d.stats.evictions,
+                           "bytes": d.used_bytes, "budget_bytes": d.budget, "blocks": len(d),
+                           "load_seconds": d.stats.load_s, "damaged": d.stats.damaged,
+                           "writes": d.stats.writes, "write_errors": d.stats.write_errors,
+                           "write_seconds": d.stats.write_s,
+                           "write_disabled": 0 if d.write_disabled is None else 1}
+        return out
+
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Budgets of the tiers below the slots. ram_bytes = 0 sends blocks straight to disk;
+    disk_dir None or disk_bytes = 0: no disk tier."""
+    ram_bytes: int = 2 << 30
+    disk_dir: Path | None = None
+    disk_bytes: int = 20 << 30
+
+    def __post_init__(self) -> None:
+        if self.ram_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("cache budgets must be >= 0 bytes")
