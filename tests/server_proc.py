@@ -8,6 +8,7 @@ block the server); `log()` returns it for assertions and failure messages.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,7 +27,13 @@ def free_port() -> int:
 
 class ServerProc:
     def __init__(self, *args: str):
+        """args: `ternlm serve` flags. Without --cache-dir the disk KV tier goes to a fresh temporary
+        directory, so tests never read or fill the user's cache."""
         self.args = list(args)
+        self.kv_dir: str | None = None
+        if "--cache-dir" not in self.args:
+            self.kv_dir = tempfile.mkdtemp(prefix="ternlm-test-kv-")
+            self.args += ["--cache-dir", self.kv_dir]
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.health_seen: list[int] = []     # /health statuses observed while waiting (503 = loading)
@@ -88,3 +95,5 @@ class ServerProc:
         self.stop()
         self._log.close()
         os.unlink(self._log.name)
+        if self.kv_dir is not None:
+            shutil.rmtree(self.kv_dir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Command line: ternlm pull | generate | serve | chat | bench."""
+"""Command line: ternlm pull | generate | serve | chat | bench | cache."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     add_chat_parser(sub, _engine_args, _load)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub, _engine_args, _load)
+    from .cache_cli import add_cache_parser
+    add_cache_parser(sub)
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

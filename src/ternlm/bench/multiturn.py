@@ -22,10 +22,12 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +95,8 @@ def load_conversations(path: Path, n: int, turns: int) -> list[Conversation]:
 
 class ServeProcess:
     """A `ternlm serve` child on a free port; output to `log_path`. stop() sends SIGTERM (the server
-    drains and exits) and kills it after 30 s."""
+    drains and exits) and kills it after 30 s. Its disk KV tier is a fresh temporary directory (unless
+    serve_args name one), so blocks from an earlier run never flatter the first turn."""
 
     def __init__(self, serve_args: list[str], log_path: Path):
         with socket.socket() as s:
@@ -102,6 +105,10 @@ class ServeProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        self._kv_dir = None
+        if "--cache-dir" not in serve_args:
+            self._kv_dir = tempfile.mkdtemp(prefix="ternlm-bench-kv-")
+            serve_args = [*serve_args, "--cache-dir", self._kv_dir]
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -135,6 +142,8 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        if self._kv_dir is not None:
+            shutil.rmtree(self._kv_dir, ignore_errors=True)
 
 
 @dataclass

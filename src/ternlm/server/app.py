@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import DTYPES, Delta, Engine
+from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
 from . import schemas
@@ -59,6 +60,9 @@ class ServeConfig:
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
+    cache_ram: int = 2 << 30          # bytes of KV blocks kept in host RAM after their slot is reused
+    cache_dir: str | None = None      # disk tier directory (None: no disk tier)
+    cache_disk: int = 20 << 30        # bytes of KV block files in cache_dir (0: no disk tier)
 
     def __post_init__(self) -> None:
         checks = [(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}"),
@@ -68,6 +72,7 @@ class ServeConfig:
                   (self.threads is None or self.threads >= 1, "threads must be >= 1"),
                   (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
                   (self.shutdown_grace_s >= 0, "shutdown grace must be >= 0"),
+                  (self.cache_ram >= 0 and self.cache_disk >= 0, "cache budgets must be >= 0"),
                   (all(k.strip() for k in self.api_keys), "API keys must not be empty")]
         for ok, why in checks:
             if not ok:
@@ -129,7 +134,8 @@ class ServerState:
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.metrics = Metrics(lambda: self.scheduler.state() if self.scheduler else None)
+        self.metrics = Metrics(lambda: self.scheduler.state() if self.scheduler else None,
+                               lambda: self.engine.store.snapshot() if self.engine and self.engine.store else {})
         self.model_id = Path(config.model).stem if config.model.endswith(".gguf") else Path(config.model).name
         self.aliases = {config.model, self.model_id}
         self.created = int(time.time())
@@ -155,8 +161,9 @@ class ServerState:
             self.engine, self.scheduler = engine, sched
             if self.status == "loading":
                 self.status = "ready"
-                log.info("serving %s: %d slots, context %d, prefix reuse %s", self.model_id,
-                         len(engine.slots), engine.ctx, "on" if engine.prefix_reuse else "off")
+                log.info("serving %s: %d slots, context %d, prefix reuse %s, %s", self.model_id,
+                         len(engine.slots), engine.ctx, "on" if engine.prefix_reuse else "off",
+                         cache_line(engine))
             else:
                 sched.close()
         except BaseException as e:  # noqa: BLE001 - reported through /health and the exit code
@@ -185,7 +192,19 @@ class ServerState:
             self.status = "stopping"
         if self.scheduler is not None:
             self.scheduler.close(0.0)
-            self.scheduler.join(10.0)
+            if self.scheduler.join(10.0) and self.engine is not None:
+                self._persist()
+
+    def _persist(self) -> None:
+        """Write live slots and the RAM tier down to the disk tier (the worker has ended: no request
+        touches the slots any more). Never raises: a failed save costs a recompute, not the exit."""
+        try:
+            t0 = time.perf_counter()
+            n = self.engine.persist_cache()
+            if n:
+                log.info("kv cache: %d blocks on disk after shutdown (%.2f s)", n, time.perf_counter() - t0)
+        except Exception:
+            log.exception("writing the KV cache down at shutdown failed")
 
     # ---- per request ---------------------------------------------------------------------------
     def tenant(self, request: Request) -> str:
@@ -223,6 +242,21 @@ class ServerState:
     def salt(tenant: str, cache_salt: str | None) -> str:
         # JSON keeps the two parts unambiguous: no (tenant, salt) pair can spell another's
         return json.dumps([tenant, cache_salt or ""])
+
+
+def cache_line(engine: Engine) -> str:
+    """How the tiers below the slots are set up, for the startup log."""
+    store = engine.store
+    if store is None:
+        return "no KV tiers"
+    from ..sizes import format_size
+    ram = f"RAM tier {format_size(store.ram.budget)}"
+    d = store.disk
+    if d is None:
+        return ram + ", no disk tier"
+    state = f" (writes off: {d.write_disabled})" if d.write_disabled else ""
+    return (f"{ram}, disk tier {d.root} {format_size(d.used_bytes)} of {format_size(d.budget)} "
+            f"in {len(d)} blocks{state}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -335,9 +369,11 @@ async def _sse_events(ticket: Ticket, inbox: Inbox, first: Event, shape: schemas
 
 def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
     def load() -> Engine:
+        cache = CacheConfig(config.cache_ram, Path(config.cache_dir) if config.cache_dir else None,
+                            config.cache_disk)
         return Engine.load(config.model, dtype=config.dtype, prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
-                           chunk_size=config.chunk_size)
+                           chunk_size=config.chunk_size, cache=cache)
     return load
 
 

@@ -26,8 +26,29 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests get to finish on SIGTERM/Ctrl-C")
+    p.add_argument("--cache-ram", type=_size, default="2GiB", metavar="SIZE",
+                   help="host RAM for KV blocks of conversations whose slot was reused (default 2GiB; 0: none)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="disk tier directory (default $XDG_CACHE_HOME/ternlm/kv)")
+    p.add_argument("--cache-disk", type=_size, default="20GiB", metavar="SIZE",
+                   help="disk budget for KV blocks (default 20GiB; 0: no disk tier)")
     p.set_defaults(func=cmd_serve, ctx=8192)   # serve's default context (the model's max still caps it)
     return p
+
+
+def _size(text: str) -> int:
+    from ..sizes import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def default_kv_dir() -> str:
+    """$XDG_CACHE_HOME/ternlm/kv (default ~/.cache/ternlm/kv)."""
+    import os
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ternlm", "kv")
 
 
 def cmd_serve(args) -> int:
@@ -38,7 +59,8 @@ def cmd_serve(args) -> int:
     config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
                          threads=args.threads, api_keys=tuple(args.api_keys), max_queue=args.max_queue,
-                         shutdown_grace_s=args.shutdown_grace)
+                         shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
+                         cache_dir=args.cache_dir or default_kv_dir(), cache_disk=args.cache_disk)
     server = None
 
     def on_fatal(message: str) -> None:

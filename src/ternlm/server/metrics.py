@@ -6,7 +6,10 @@ What is measured and where:
   (streams included; 499 = the client went away before the answer);
 - tokens, reuse, timings, slot resets, cancellations: the scheduler's terminal events, observed on
   the worker thread (prometheus_client is thread-safe), so a request counts even if its client left;
-- queue length and busy/idle slots: gauges that read the scheduler's state at scrape time.
+- queue length and busy/idle slots: gauges that read the scheduler's state at scrape time;
+- KV tiers (RAM, disk): hits, misses, bytes, evictions, load seconds, damaged files: a collector that
+  reads the store's counters at scrape time (the store counts on the worker thread; a scrape may see
+  a value one block old, never a torn one: each is one int/float attribute).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..scheduler import Cancelled, Event, Failed, Finished, SchedulerState, Ticket
 
@@ -22,10 +26,49 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _RATIO = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
+# (snapshot field, metric suffix, help, is_counter)
+_TIER_FIELDS = [("hits", "hits", "blocks found in the tier", True),
+                ("misses", "misses", "blocks looked for and not found in the tier", True),
+                ("evictions", "evictions", "blocks dropped from the tier to stay within its budget", True),
+                ("load_seconds", "load_seconds", "seconds spent reading (and verifying) hits", True),
+                ("damaged", "damaged", "block files found damaged or foreign, deleted and recomputed", True),
+                ("writes", "writes", "block files written", True),
+                ("write_errors", "write_errors", "block writes that failed", True),
+                ("bytes", "bytes", "bytes of KV blocks held now", False),
+                ("budget_bytes", "budget_bytes", "byte budget of the tier", False),
+                ("blocks", "blocks", "KV blocks held now", False),
+                ("write_disabled", "writes_disabled", "1 when writes are off (e.g. disk full)", False)]
+
+
+class TierCollector:
+    """Exports the store's per-tier counters at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, dict[str, float]]]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot() or {}
+        for field, suffix, doc, counter in _TIER_FIELDS:
+            name = f"ternlm_kv_tier_{suffix}"
+            fam = CounterMetricFamily(name, doc, labels=["tier"]) if counter else \
+                GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier in ("ram", "disk"):
+                if field in snap.get(tier, {}):
+                    fam.add_metric([tier], float(snap[tier][field]))
+            yield fam
+
+
 class Metrics:
-    def __init__(self, state: Callable[[], SchedulerState | None]):
-        """state: returns the scheduler's snapshot, or None while the model loads."""
+    def __init__(self, state: Callable[[], SchedulerState | None],
+                 cache: Callable[[], dict[str, dict[str, float]]] = dict):
+        """state: the scheduler's snapshot, or None while the model loads. cache: the KV store's
+        per-tier snapshot ({} without tiers)."""
         self.registry = r = CollectorRegistry()
+        r.register(TierCollector(cache))
+        self.reused_by_tier = Counter("ternlm_reused_tokens_by_tier",
+                                      "prompt tokens reused, by where they came from", ["tier"], registry=r)
+        for tier in ("slot", "ram", "disk"):
+            self.reused_by_tier.labels(tier)
         self.requests = Counter("ternlm_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("ternlm_prompt_tokens", "prompt tokens of finished requests", registry=r)
@@ -70,6 +113,10 @@ class Metrics:
             t = c.timings
             self.prompt_tokens.inc(c.prompt_tokens)
             self.reused_tokens.inc(c.cached_tokens)
+            for tier in ("slot", "ram", "disk"):
+                n = getattr(c.restored, tier)
+                if n:
+                    self.reused_by_tier.labels(tier).inc(n)
             self.completion_tokens.inc(len(c.token_ids))
             self.reuse_ratio.observe(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0)
             self.prefill_seconds.observe(t.prefill_s)

@@ -264,7 +264,10 @@ def timings(c: Completion) -> dict:
             "prompt_per_second": per_s(t.prefill_tokens, t.prefill_s),
             "predicted_n": n_pred, "predicted_ms": t.decode_s * 1e3,
             "predicted_per_token_ms": t.decode_s * 1e3 / n_pred if n_pred else 0.0,
-            "predicted_per_second": per_s(n_pred, t.decode_s)}
+            "predicted_per_second": per_s(n_pred, t.decode_s),
+            # ternlm: where cache_n came from (slot KV, RAM tier, disk tier) and what loading cost
+            "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
+            "cache_disk_n": c.restored.disk, "cache_load_ms": c.restored.load_s * 1e3}
 
 
 class Shape:
