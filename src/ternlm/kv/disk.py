@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import secrets
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -119,13 +120,16 @@ def _unlink(path: Path) -> None:
 
 
 class DiskTier:
-    """Not thread-safe: the engine's worker thread is its only user. Other processes may share `root`."""
+    """Thread-safe for one reader (the engine's worker: has/get) beside one writer (the spill thread:
+    put): `_lock` guards the index and counters; file I/O runs outside it. Other processes may share
+    `root`."""
 
     def __init__(self, root: Path, budget: int):
         self.root = Path(root)
         self.budget = budget
         self.stats = DiskStats()
         self.write_disabled: str | None = None     # why writes are off (e.g. disk full); reads go on
+        self._lock = threading.RLock()
         self._index: dict[bytes, _Entry] = {}
         self._used = 0
         self._since_scan = 0
@@ -145,9 +149,10 @@ class DiskTier:
 
     def _rescan(self) -> None:
         found = scan(self.root)
-        self._index = {k: _Entry(size, mtime) for k, (_, size, mtime) in found.items()}
-        self._used = sum(e.size for e in self._index.values())
-        self._since_scan = 0
+        with self._lock:
+            self._index = {k: _Entry(size, mtime) for k, (_, size, mtime) in found.items()}
+            self._used = sum(e.size for e in self._index.values())
+            self._since_scan = 0
 
     def _disable(self, why: str) -> None:
         if self.write_disabled is None:
@@ -155,22 +160,29 @@ class DiskTier:
         self.write_disabled = why
 
     def _forget(self, key: bytes) -> None:
-        e = self._index.pop(key, None)
-        if e is not None:
-            self._used -= e.size
+        with self._lock:
+            e = self._index.pop(key, None)
+            if e is not None:
+                self._used -= e.size
+
+    def _remember(self, key: bytes, size: int, mtime: float) -> None:
+        with self._lock:
+            old = self._index.get(key)
+            self._used += size - (old.size if old is not None else 0)
+            self._index[key] = _Entry(size, mtime)
 
     # ---- reads ---------------------------------------------------------------------------------
     def has(self, key: bytes) -> bool:
         """Whether a file for `key` exists (index first, then a stat: another server may have written it).
         Does not verify; `get` does."""
-        if key in self._index:
-            return True
+        with self._lock:
+            if key in self._index:
+                return True
         try:
             st = os.stat(block_path(self.root, key))
         except OSError:
             return False
-        self._index[key] = _Entry(st.st_size, st.st_mtime)
-        self._used += st.st_size
+        self._remember(key, st.st_size, st.st_mtime)
         return True
 
     def get(self, expect: BlockMeta) -> BlockKV | None:
@@ -207,7 +219,7 @@ class DiskTier:
             os.utime(path, (now, now))
         except OSError:
             pass
-        self._index[expect.key] = _Entry(size, now)
+        self._remember(expect.key, size, now)
         self.stats.hits += 1
         self.stats.bytes_read += size
         self.stats.load_s += time.perf_counter() - t0
@@ -220,8 +232,9 @@ class DiskTier:
         key = block.meta.key
         if self.write_disabled is not None:
             return False
-        if key in self._index:
-            return True
+        with self._lock:
+            if key in self._index:
+                return True
         header, payload = encode(block.meta, block.k, block.v)
         size = len(header) + sum(len(p) for p in payload)
         if size > self.budget:
@@ -257,8 +270,7 @@ class DiskTier:
             else:
                 log.warning("disk KV cache: writing %s failed: %s", path.name, e)
             return False
-        self._index[key] = _Entry(size, time.time())
-        self._used += size
+        self._remember(key, size, time.time())
         self.stats.writes += 1
         self.stats.bytes_written += size
         self.stats.write_s += time.perf_counter() - t0
@@ -270,7 +282,9 @@ class DiskTier:
         try:
             with dir_lock(self.root):
                 self._rescan()
-                for key, e in sorted(self._index.items(), key=lambda kv: kv[1].mtime):
+                with self._lock:
+                    oldest = sorted(self._index.items(), key=lambda kv: kv[1].mtime)
+                for key, e in oldest:
                     if self._used <= target:
                         break
                     _unlink(block_path(self.root, key))

@@ -1,6 +1,6 @@
 """Tiers below the slots: host RAM, then disk. Blocks go down as they age; lookups walk both.
 
-    slot KV --save (on discard)--> RAM tier --LRU spill--> disk tier --LRU--> deleted
+    slot KV --save (on discard)--> RAM tier --LRU spill (background thread)--> disk tier --LRU--> deleted
     prompt --match (walk chained keys)--> refs found in RAM or disk --fetch--> verified BlockKV
 
 What is saved is only what the slot's record vouches for: full blocks of record.fed before any
@@ -19,6 +19,7 @@ from .blockfile import BlockKV, BlockMeta
 from .blocks import BLOCK_TOKENS, BlockRef, block_refs
 from .disk import DiskTier
 from .ram import RamTier
+from .spill import Spiller
 from .slots import Slot
 
 log = logging.getLogger("ternlm.cache")
@@ -63,13 +64,15 @@ def storable(slot: Slot) -> int:
 
 
 class TieredStore:
-    """Not thread-safe: the engine (on the scheduler's worker thread) is its only user."""
+    """Not thread-safe: the engine (on the scheduler's worker thread) is its only user. Disk writes
+    happen on the Spiller's thread; blocks waiting for it count as RAM (they are in memory)."""
 
     def __init__(self, ident: StoreIdentity, ram_bytes: int, disk_dir: Path | None = None,
                  disk_bytes: int = 0):
         self.ident = ident
         self.ram = RamTier(ram_bytes)
         self.disk = DiskTier(Path(disk_dir), disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
+        self.spill = Spiller(self.disk) if self.disk is not None else None
 
     def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
         i = self.ident
@@ -96,20 +99,26 @@ class TieredStore:
 
     def _ram_put(self, block: BlockKV) -> None:
         for old in self.ram.put(block):
-            if self.disk is not None:
-                self.disk.put(old)
+            if self.spill is not None:
+                self.spill.submit(old)   # a full write queue drops it: a cache may forget
 
-    def persist(self, slots: list[Slot]) -> int:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until blocks on their way to disk are written. Returns False on timeout."""
+        return self.spill.flush(timeout) if self.spill is not None else True
+
+    def persist(self, slots: list[Slot], timeout: float | None = None) -> int:
         """Shutdown: write the RAM tier (oldest first) and then every slot's blocks (most recent last,
-        so they are the last the disk's LRU would drop) to disk. Returns blocks on disk afterwards."""
-        if self.disk is None:
+        so they are the last the disk's LRU would drop) to disk, and wait for the writes.
+        Returns how many of those blocks are on disk afterwards."""
+        if self.spill is None or self.disk is None:
             return 0
         for s in slots:
             self.save(s)                 # slot blocks become the newest RAM entries
-        done = 0
-        for block in self.ram.oldest_first():
-            done += self.disk.put(block)
-        return done
+        blocks = self.ram.oldest_first()
+        for block in blocks:
+            self.spill.submit(block, wait=True)
+        self.spill.flush(timeout)
+        return sum(self.disk.has(b.meta.key) for b in blocks)
 
     # ---- up: tiers -> a prompt ------------------------------------------------------------------
     def match(self, prompt: list[int], namespace: bytes, limit: int) -> list[BlockRef]:
@@ -119,7 +128,8 @@ class TieredStore:
         for ref in block_refs(prompt, namespace, len(prompt)):
             if ref.start >= limit:
                 break
-            if ref.key not in self.ram and (self.disk is None or not self.disk.has(ref.key)):
+            if ref.key not in self.ram and not self._pending(ref.key) and \
+                    (self.disk is None or not self.disk.has(ref.key)):
                 self.ram.stats.misses += 1      # the walk ends at a block no tier holds
                 if self.disk is not None:
                     self.disk.stats.misses += 1
@@ -134,17 +144,27 @@ class TieredStore:
         blocks, tiers = [], []
         for ref in refs:
             t = time.perf_counter()
-            b = self.ram.get(ref.key)
             tier = "ram"
-            if b is None and self.disk is not None:
-                b, tier = self.disk.get(self.meta(ref, namespace)), "disk"   # times itself
-            elif b is not None:
+            if ref.key in self.ram:
+                b = self.ram.get(ref.key)
+            elif self._pending(ref.key):
+                b = self.spill.get(ref.key)      # on its way to disk; None if it just got there
+                self.ram.stats.hits += b is not None
+            else:
+                b = None
+            if b is not None:
                 self.ram.stats.load_s += time.perf_counter() - t
+            elif self.disk is not None:
+                self.ram.stats.misses += 1
+                b, tier = self.disk.get(self.meta(ref, namespace)), "disk"   # times itself
             if b is None:
                 break
             blocks.append(b)
             tiers.append(tier)
         return Fetched(blocks, tiers, time.perf_counter() - t0)
+
+    def _pending(self, key: bytes) -> bool:
+        return self.spill is not None and key in self.spill
 
     # ---- reporting ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, float]]:
@@ -160,7 +180,8 @@ class TieredStore:
                            "load_seconds": d.stats.load_s, "damaged": d.stats.damaged,
                            "writes": d.stats.writes, "write_errors": d.stats.write_errors,
                            "write_seconds": d.stats.write_s,
-                           "write_disabled": 0 if d.write_disabled is None else 1}
+                           "write_disabled": 0 if d.write_disabled is None else 1,
+                           "pending_bytes": self.spill.pending_bytes, "write_dropped": self.spill.dropped}
         return out
 
 
