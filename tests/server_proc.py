@@ -26,10 +26,11 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, preexec_fn=None):
         """args: `ternlm serve` flags. Without --cache-dir the disk KV tier goes to a fresh temporary
         directory, so tests never read or fill the user's cache."""
         self.args = list(args)
+        self.preexec_fn = preexec_fn         # runs in the child before exec (e.g. resource limits)
         self.kv_dir: str | None = None
         if "--cache-dir" not in self.args:
             self.kv_dir = tempfile.mkdtemp(prefix="ternlm-test-kv-")
@@ -52,7 +53,8 @@ class ServerProc:
         self.port = free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=self.preexec_fn)
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> "ServerProc":

@@ -219,3 +219,72 @@ def test_disk_budget_holds_under_churn(tmp_path, cold):
         assert 'ternlm_kv_tier_evictions_total{tier="disk"} 0.0' not in metrics
     finally:
         server.close()
+
+
+def test_two_servers_share_one_directory(tmp_path, cold):
+    """Both write blocks into one directory at the same time; every file stays whole, and each
+    server then continues the other's conversation from the other's blocks."""
+    kv = tmp_path / "kv"
+    args = (*COMMON, "--slots", "1", "--cache-ram", "0", "--cache-dir", str(kv))
+    a, b = ServerProc(*args).start(), ServerProc(*args).start()
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        convs = {name: [[{"role": "system", "content": system_prompt(i)}] for i in ids]
+                 for name, ids in (("a", (0, 1)), ("b", (2, 3)))}
+        errors: list[BaseException] = []
+
+        def drive(server, mine):
+            try:
+                for q in QUESTIONS[:2]:
+                    for conv in mine:          # alternating: every turn evicts the other conversation
+                        turn(server, cold, conv, q)
+            except BaseException as e:  # reported below
+                errors.append(e)
+        threads = [threading.Thread(target=drive, args=(a, convs["a"])),
+                   threading.Thread(target=drive, args=(b, convs["b"]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        # swap: b continues a's conversations and a continues b's, from the shared directory
+        for server, mine in ((b, convs["a"]), (a, convs["b"])):
+            for conv in mine:
+                usage, t = turn(server, cold, conv, QUESTIONS[2])
+                assert t["cache_tier"] == "disk" and usage.prompt_tokens_details.cached_tokens >= 2 * B
+    finally:
+        a.close()
+        b.close()
+    verify = subprocess.run([sys.executable, "-m", "ternlm.cli", "cache", "verify", "--dry-run",
+                             "--cache-dir", str(kv)], capture_output=True, text=True)
+    assert verify.returncode == 0 and " 0 damaged" in verify.stdout, verify.stdout
+
+
+def _small_files():
+    import resource
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))   # writes past 1 MiB fail (EFBIG)
+
+
+def test_a_full_disk_turns_the_disk_tier_off_and_nothing_else(tmp_path, cold):
+    """The server process may not write files over 1 MiB (RLIMIT_FSIZE: Python ignores SIGXFSZ, so
+    the write fails with EFBIG, as a full disk fails with ENOSPC). Block writes fail; the server warns
+    once, keeps answering (identically), and keeps reusing from its slot and RAM."""
+    kv = tmp_path / "kv"
+    server = ServerProc(*COMMON, "--slots", "1", "--cache-ram", "0", "--cache-dir", str(kv),
+                        preexec_fn=_small_files).start().wait_ready()
+    try:
+        convs = [[{"role": "system", "content": system_prompt(i)}] for i in (6, 7)]
+        for q in QUESTIONS[:2]:
+            for conv in convs:
+                turn(server, cold, conv, q)
+        usage, t = turn(server, cold, convs[1], QUESTIONS[3])          # same conversation: its slot
+        assert t["cache_tier"] == "slot" and usage.prompt_tokens_details.cached_tokens > 2 * B
+        metrics = httpx.get(server.base + "/metrics").text
+        assert 'ternlm_kv_tier_writes_disabled{tier="disk"} 1.0' in metrics
+        server.stop()
+        log = server.log()
+    finally:
+        server.close()
+    assert log.count("continuing without writing to the disk tier") == 1 and "Traceback" not in log
+    assert not list(kv.rglob("*.tkv")) and not list(kv.rglob("*.tmp-*"))
