@@ -161,3 +161,17 @@ def test_cli_registers_chat():
     with pytest.raises(SystemExit) as e:
         main(["chat", "--help"])
     assert e.value.code == 0
+
+
+def test_stats_line_names_the_tier_the_prefix_came_from():
+    from types import SimpleNamespace
+
+    from ternlm.chat_cli import TurnStats, _fill
+    usage = SimpleNamespace(prompt_tokens=900, completion_tokens=5,
+                            prompt_tokens_details=SimpleNamespace(cached_tokens=768))
+    for tier, shown in (("disk", "reused 768/900 from disk"), ("ram", "reused 768/900 from ram"),
+                        ("slot", "reused 768/900 ·")):
+        st = TurnStats()
+        _fill(st, usage, {"prompt_n": 132, "prompt_ms": 80.0, "predicted_n": 5, "predicted_ms": 100.0,
+                          "cache_tier": tier}, 5, 1.0, 2.0)
+        assert shown in st.line()

@@ -54,6 +54,7 @@ class TurnStats:
     e2e_s: float | None = None            # request sent -> answer complete
     finish_reason: str | None = None
     measured: str = "client"
+    cache_tier: str | None = None         # where the reused prefix came from: slot | ram | disk (ternlm)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -68,7 +69,8 @@ class TurnStats:
         backend did not report are left out rather than guessed."""
         parts = []
         if self.prompt_tokens is not None and self.cached_tokens is not None:
-            parts.append(f"reused {self.cached_tokens}/{self.prompt_tokens}")
+            tier = f" from {self.cache_tier}" if self.cache_tier in ("ram", "disk") else ""
+            parts.append(f"reused {self.cached_tokens}/{self.prompt_tokens}{tier}")
         elif self.prompt_tokens is not None:
             parts.append(f"prompt {self.prompt_tokens} tok")
         if self.prefill_s is not None:
@@ -119,7 +121,8 @@ class EngineBackend:
                     t = ev.timings
                     yield TurnStats(ev.prompt_tokens, ev.cached_tokens, len(ev.token_ids), t.prefill_tokens,
                                     t.prefill_s, t.decode_tokens, t.decode_s, t.ttft_s,
-                                    time.perf_counter() - t0, ev.finish_reason, measured="engine")
+                                    time.perf_counter() - t0, ev.finish_reason, measured="engine",
+                                    cache_tier=ev.restored.tier)
                 elif ev.text:
                     yield ev.text
         finally:
@@ -199,6 +202,7 @@ def _fill(st: TurnStats, usage, timings: dict | None, pieces: int, t_first: floa
         st.decode_s = timings["predicted_ms"] / 1e3
         if st.cached_tokens is None and timings.get("cache_n") is not None:
             st.cached_tokens = int(timings["cache_n"])
+        st.cache_tier = timings.get("cache_tier")
         return
     if st.prompt_tokens is not None and st.cached_tokens is not None:
         st.prefill_tokens = st.prompt_tokens - st.cached_tokens

@@ -48,6 +48,7 @@ export function turnStats({ usage, timings, finish, clock, edited, stopped, erro
     s.prefillMs = timings.prompt_ms;
     s.firstTokenS = timings.prompt_ms / 1000;
     s.tokPerS = timings.predicted_per_second || null;
+    if (timings.cache_tier === "ram" || timings.cache_tier === "disk") s.tier = timings.cache_tier;
   } else {
     s.measured = clock.firstS !== null;
     s.firstTokenS = clock.firstS;
@@ -63,7 +64,7 @@ export function statsText(s) {
   const parts = [];
   if (s.error) parts.push(`error: ${s.error}`);
   if (s.stopped) parts.push("stopped");
-  if (s.cached != null) parts.push(`reused ${s.cached} / ${s.prompt} tokens`);
+  if (s.cached != null) parts.push(`reused ${s.cached} / ${s.prompt} tokens${s.tier ? ` from ${s.tier}` : ""}`);
   else if (!s.error && !s.stopped) parts.push("reuse not reported");   // a stopped stream has no usage chunk
   if (s.firstTokenS != null) parts.push(`first token ${s.firstTokenS.toFixed(2)} s`);
   if (s.tokPerS) parts.push(`${s.tokPerS >= 10 ? Math.round(s.tokPerS) : s.tokPerS.toFixed(1)} tok/s`);
@@ -75,7 +76,8 @@ export function statsText(s) {
 /** The tooltip: where each number came from. */
 export function statsDetail(s) {
   const lines = [];
-  if (s.cached != null) lines.push(`${s.cached} prompt tokens reused from the server's KV cache, ${s.prompt - s.cached} prefilled`);
+  if (s.cached != null) lines.push(`${s.cached} prompt tokens reused from the server's KV cache` +
+    `${s.tier ? ` (loaded from its ${s.tier === "ram" ? "RAM" : "disk"} tier)` : ""}, ${s.prompt - s.cached} prefilled`);
   if (s.prefillMs != null) lines.push(`prefill ${s.prefillMs.toFixed(0)} ms (server)`);
   if (s.clientFirstS != null) lines.push(`first token after ${s.clientFirstS.toFixed(2)} s (measured here)`);
   if (s.completion != null) lines.push(`${s.completion} tokens generated`);
