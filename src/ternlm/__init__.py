@@ -1,5 +1,6 @@
 """ternlm: an LLM inference engine that never re-reads a conversation."""
-from .engine import ChatIds, Completion, Delta, Engine, Timings
+from .engine import ChatIds, Completion, Delta, Engine, Restored, Timings
+from .kv.store import CacheConfig
 
-__all__ = ["Engine", "Completion", "Delta", "Timings", "ChatIds"]
+__all__ = ["Engine", "Completion", "Delta", "Timings", "ChatIds", "Restored", "CacheConfig"]
 __version__ = "0.1.0"

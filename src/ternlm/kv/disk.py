@@ -134,7 +134,9 @@ class DiskTier:
         self._used = 0
         self._since_scan = 0
         try:
-            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+            # Block headers hold token ids, i.e. the conversations: owner-only, like the files (0o600).
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self.root / "blocks").mkdir(mode=0o700, exist_ok=True)
             self._rescan()
         except OSError as e:
             self._disable(f"cannot use {self.root}: {e}")
@@ -246,7 +248,7 @@ class DiskTier:
         tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         t0 = time.perf_counter()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 for part in (header, *payload):
