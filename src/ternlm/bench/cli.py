@@ -1,4 +1,4 @@
-"""`ternlm bench engine|reuse|multiturn` argument parsing."""
+"""`ternlm bench engine|reuse|tiers|multiturn` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -24,6 +24,26 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--seed", type=int, default=0)
     _common(p)
     p.set_defaults(func=lambda a: _run("reuse", a, load_engine))
+
+    p = which.add_parser("tiers", help="next-turn time to first token: prefix in the slot, RAM tier, disk tier, nowhere",
+                         description="Time to first token of the next turn of a long conversation when its KV "
+                                     "prefix is in the live slot, the RAM tier, the disk tier (page cache dropped "
+                                     "and warm) or nowhere (full prefill), interleaved, medians; the disk tier's "
+                                     "load bandwidth against the disk's sequential read bandwidth. Checks all cases "
+                                     "give bit-identical logits and restore from the tier named (exit 1 if not). "
+                                     "--no-prefix-kv is ignored: every case always runs.")
+    engine_args(p)
+    p.add_argument("--history-tokens", type=int, default=4000, help="length of the previous turn's prompt")
+    p.add_argument("--next-words", type=int, default=36, help="the new user message (~1.2 tokens a word)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    p.add_argument("--seq-mib", type=int, default=1024, help="size of the sequential read test file (MiB)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where a temporary disk tier and the read test file go, removed afterwards "
+                        "(default: $XDG_CACHE_HOME/ternlm, the disk tier's own filesystem)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=_tiers)
 
     p = which.add_parser("multiturn", help="replay multi-turn chats over HTTP: ternlm reuse on/off and --url servers",
                          description="Replay conversations turn by turn (whole transcript each turn, greedy) "
@@ -62,6 +82,13 @@ def _multiturn(args, default_model: str) -> int:
     from .multiturn import run
     if args.model is None and not args.url:
         args.model = default_model
+    return run(args)
+
+
+def _tiers(args) -> int:
+    from .tiers import run
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
     return run(args)
 
 

@@ -248,7 +248,7 @@ class DiskTier:
         tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         t0 = time.perf_counter()
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 for part in (header, *payload):
