@@ -313,6 +313,7 @@ class Engine:
                         slot.reset(ns)
                     else:
                         rec.truncate(keep)
+                    # [0, keep) kept from the slot | [keep, len) loaded from tiers | then prefill
                     self.runner.load_blocks(slot, got.blocks)
                     rec.truncate(limit)
                     per = [(t, max(0, min(BLOCK_TOKENS, limit - keep - i * BLOCK_TOKENS)))
