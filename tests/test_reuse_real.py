@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import SHARED_DATA
 from ternlm import Engine
@@ -54,3 +55,23 @@ def test_divergence_names_the_message(smollm2_f32):
     out = e.generate(e.apply_chat_template(edited), max_tokens=4)
     assert "(message 2)" in out.reuse.reason
     assert 0 < out.cached_tokens < out.prompt_tokens
+
+
+@pytest.mark.parametrize("engine_name", ["smollm2_f32", "smollm2_bf16"])
+def test_decoded_kv_is_bit_identical_to_prefilled_kv(engine_name, request, questions):
+    """[BATCH-INVARIANT] on the real model: KV written one decode step at a time equals, bit for bit,
+    the KV a single prefill of the same record writes. This is what makes reusing a conversation's
+    own answer (its decoded KV) exact; the tiny-model tests cannot see kernel choices that only the
+    real shapes trigger (bf16 one-row projections on CPUs without AMX did differ)."""
+    from ternlm.kv.slots import Slot
+    engine = request.getfixturevalue(engine_name)
+    msgs = [{"role": "user", "content": questions[1]["turns"][0]}]
+    out = engine.generate(engine.apply_chat_template(msgs), max_tokens=24, ignore_eos=True)
+    slot = engine.slots[out.slot]
+    fed = slot.record.fed
+    assert len(fed) == out.prompt_tokens + 23          # the last sampled token is never fed
+    fresh = Slot(99, slot.shape, initial_capacity=len(fed))
+    engine.runner.prefill(fresh, fed)
+    n = len(fed)
+    assert torch.equal(slot.k[:, :, :n], fresh.k[:, :, :n])
+    assert torch.equal(slot.v[:, :, :n], fresh.v[:, :, :n])

@@ -7,9 +7,11 @@ bit-identical bf16 results (tests/test_model.py checks). Falls back to F.linear 
 (CUDA, float16, builds without oneDNN).
 
 [BATCH-INVARIANT] Reuse must not change an answer, so a row's result must not depend on how many rows
-were computed with it. The packed bf16 kernel gives bit-identical rows for any M (checked M = 1..512);
-the packed fp32 kernel does for M >= 2 but takes another path for a single row, so a single fp32 row
-is computed as two. (The F.linear fallback is not batch-invariant: reuse is then exact only to ~1e-6.)
+were computed with it. The packed kernels give bit-identical rows for any M >= 2, but a single row
+takes another path: always in fp32, and in bf16 too on CPUs without AMX (AVX-512 EPYC: 4 of 64 rows
+of a 1536 -> 576 projection differed; on an AMX Xeon they did not). So a single row is computed as
+two, whatever the dtype. (The F.linear fallback is not batch-invariant: reuse is then exact only to
+~1e-6.)
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, in) -> (T, out)."""
         if self.packed:
-            if x.shape[0] == 1 and x.dtype == torch.float32:
-                x2 = x.expand(2, -1)       # [BATCH-INVARIANT] the one-row fp32 path sums differently
+            if x.shape[0] == 1:
+                x2 = x.expand(2, -1)       # [BATCH-INVARIANT] the one-row path sums differently
                 return torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
