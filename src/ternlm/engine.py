@@ -318,12 +318,14 @@ class Engine:
                     else:
                         rec.truncate(keep)
                     # [0, keep) kept from the slot | [keep, len) loaded from tiers | then prefill
+                    t0 = time.perf_counter()
                     self.runner.load_blocks(slot, got.blocks)
+                    load_s = got.load_s + time.perf_counter() - t0
                     rec.truncate(limit)
                     per = [(t, max(0, min(BLOCK_TOKENS, limit - keep - i * BLOCK_TOKENS)))
                            for i, t in enumerate(got.tiers)]
                     return Restored(keep, sum(c for t, c in per if t == "ram"),
-                                    sum(c for t, c in per if t == "disk"), got.load_s)
+                                    sum(c for t, c in per if t == "disk"), load_s)
         if k == 0:
             slot.reset(ns)
         else:

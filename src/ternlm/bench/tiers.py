@@ -282,7 +282,7 @@ def run(args) -> int:
     from ..server.cli import default_kv_dir
     torch.set_num_threads(args.threads)
     if args.repeats < 1 or args.history_tokens < 512:
-        raise ValueError("--repeats must be >= 1 and --history-tokens >= 512 (two KV blocks)")
+        raise ValueError("--repeats must be >= 1 and --history-tokens >= 512")
     ctx = args.ctx or 8192
     t0 = time.perf_counter()
     engine = Engine.load(args.model, dtype=args.dtype, prefix_reuse=True, min_reuse=args.min_reuse, ctx=ctx,

@@ -1,10 +1,10 @@
 """Content-addressed KV blocks: fixed runs of BLOCK_TOKENS positions named by a chained hash.
 
-    key_0 = H(ROOT,  ids[0:256],   namespace)
-    key_i = H(key_{i-1}, ids[256i:256(i+1)], namespace)
+    key_0 = H(ROOT,  ids[0:B],   namespace)             B = BLOCK_TOKENS
+    key_i = H(key_{i-1}, ids[B*i:B*(i+1)], namespace)
 
-Why chained: a block's KV depends on every token before it, not only on its own 256 ids, so its
-name must too. Two prompts share block i exactly when they share ids [0, 256(i+1)) and the
+Why chained: a block's KV depends on every token before it, not only on its own B ids, so its
+name must too. Two prompts share block i exactly when they share ids [0, B(i+1)) and the
 namespace (model sha256 + dtype + tenant), which is exactly when the KV is the same; conversations
 with one system prompt therefore share its blocks, and a lookup walks keys from the prompt's start
 and stops at the first miss. Pure Python: no torch, no files.
@@ -15,7 +15,11 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-BLOCK_TOKENS = 256                 # positions per block (a multiple of the attention's key block)
+# Positions per block. Only whole blocks are stored, so a tier hit re-prefills up to B - 1 tokens
+# beyond what a live slot would: at a 4k context 256-token blocks made a RAM hit cost ~1 s more than
+# a slot hit; 64 keeps that near a slot hit for 4x the files (a smollm2 block is 2.9 MiB). Storage
+# blocks are independent of the attention's 256-key blocks (slot capacity is rounded separately).
+BLOCK_TOKENS = 64
 ROOT = b"\0" * 32                  # the parent of block 0
 _DOMAIN = b"ternlm-kv-block-v1\0"  # separates these hashes from any other sha256 use
 

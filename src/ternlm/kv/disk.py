@@ -146,7 +146,9 @@ class DiskTier:
     def used_bytes(self) -> int:
         return self._used
 
-    def __len__(self) -> int:
+    @property
+    def blocks(self) -> int:
+        """Block files known (a property, not __len__: an empty tier must not be falsy)."""
         return len(self._index)
 
     def _rescan(self) -> None:

@@ -32,7 +32,9 @@ class RamTier:
     def used_bytes(self) -> int:
         return self._used
 
-    def __len__(self) -> int:
+    @property
+    def blocks(self) -> int:
+        """Blocks held (a property, not __len__: an empty tier must not be falsy)."""
         return len(self._blocks)
 
     def __contains__(self, key: bytes) -> bool:

@@ -29,6 +29,7 @@ class Spiller:
         self._pending: OrderedDict[bytes, BlockKV] = OrderedDict()   # waiting or being written
         self._bytes = 0
         self._busy = 0                        # blocks taken by the writer, not yet finished
+        self._closing = False
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ternlm-kv-spill", daemon=True)
         self._thread.start()
@@ -51,6 +52,9 @@ class Spiller:
         with `wait`, blocks until there is room (used at shutdown)."""
         key = block.meta.key
         with self._cv:
+            if self._closing:
+                self.dropped += 1
+                return False
             if key in self._pending:
                 return True
             while self._bytes + block.nbytes > self.max_pending_bytes and self._pending:
@@ -68,10 +72,21 @@ class Spiller:
         with self._cv:
             return self._cv.wait_for(lambda: not self._pending, timeout)
 
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is pending, then end the writer thread. Returns False if it did not end in time.
+        Later submits are dropped."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: len(self._pending) > self._busy)
+                self._cv.wait_for(lambda: len(self._pending) > self._busy or self._closing)
+                if not self._pending:
+                    return                  # closing, and everything is written
                 key, block = next(iter(self._pending.items()))
                 self._busy = 1
             try:

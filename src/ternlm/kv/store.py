@@ -106,6 +106,10 @@ class TieredStore:
         """Wait until blocks on their way to disk are written. Returns False on timeout."""
         return self.spill.flush(timeout) if self.spill is not None else True
 
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish pending disk writes and stop the writer thread. The tiers stay readable."""
+        return self.spill.close(timeout) if self.spill is not None else True
+
     def persist(self, slots: list[Slot], timeout: float | None = None) -> int:
         """Shutdown: write the RAM tier (oldest first) and then every slot's blocks (most recent last,
         so they are the last the disk's LRU would drop) to disk, and wait for the writes.
@@ -171,12 +175,12 @@ class TieredStore:
         """Per-tier counters and sizes, for /metrics."""
         r = self.ram
         out = {"ram": {"hits": r.stats.hits, "misses": r.stats.misses, "evictions": r.stats.evictions,
-                       "bytes": r.used_bytes, "budget_bytes": r.budget, "blocks": len(r),
+                       "bytes": r.used_bytes, "budget_bytes": r.budget, "blocks": r.blocks,
                        "load_seconds": r.stats.load_s}}
         if self.disk is not None:
             d = self.disk
             out["disk"] = {"hits": d.stats.hits, "misses": d.stats.misses, "evictions": d.stats.evictions,
-                           "bytes": d.used_bytes, "budget_bytes": d.budget, "blocks": len(d),
+                           "bytes": d.used_bytes, "budget_bytes": d.budget, "blocks": d.blocks,
                            "load_seconds": d.stats.load_s, "damaged": d.stats.damaged,
                            "writes": d.stats.writes, "write_errors": d.stats.write_errors,
                            "write_seconds": d.stats.write_s,

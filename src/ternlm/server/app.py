@@ -256,7 +256,7 @@ def cache_line(engine: Engine) -> str:
         return ram + ", no disk tier"
     state = f" (writes off: {d.write_disabled})" if d.write_disabled else ""
     return (f"{ram}, disk tier {d.root} {format_size(d.used_bytes)} of {format_size(d.budget)} "
-            f"in {len(d)} blocks{state}")
+            f"in {d.blocks} blocks{state}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
