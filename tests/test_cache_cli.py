@@ -56,3 +56,14 @@ def test_missing_directory_is_a_clear_error(tmp_path, capsys):
     assert main(["cache", "stats", "--cache-dir", str(tmp_path / "nope")]) == 2
     assert "no KV cache at" in capsys.readouterr().err
     assert os.path.isdir(tmp_path) and not (tmp_path / "nope").exists()
+
+
+def test_sizes_parse_as_people_write_them():
+    import pytest
+    from ternlm.sizes import parse_size
+    assert parse_size("2GiB") == 2 << 30 and parse_size("2G") == 2 << 30 and parse_size("2GB") == 2 * 10**9
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("1.5 MiB") == 3 << 19
+    assert parse_size("0") == 0 and parse_size("4096") == 4096
+    for bad in ("", "-1G", "2XB", "G", "1e9"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
