@@ -79,9 +79,10 @@ class TieredStore:
         return BlockMeta(ref.key, ref.parent, namespace, i.model_sha256, i.dtype, i.kv_dtype, i.shape, ref.ids)
 
     # ---- down: slots -> RAM -> disk --------------------------------------------------------------
-    def save(self, slot: Slot) -> int:
+    def save(self, slot: Slot, wait: bool = False) -> int:
         """Copy the slot's recorded full blocks into the RAM tier (those not there yet), spilling the
-        RAM tier's oldest blocks to disk. Reads the slot, does not modify it. Returns blocks copied."""
+        RAM tier's oldest blocks to disk (`wait`: block while the write queue is full instead of
+        dropping them). Reads the slot, does not modify it. Returns blocks copied."""
         rec = slot.record
         if not rec.namespace:
             return 0
@@ -93,14 +94,14 @@ class TieredStore:
             # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
             k = slot.k[:, :, ref.start:ref.end].clone()
             v = slot.v[:, :, ref.start:ref.end].clone()
-            self._ram_put(BlockKV(self.meta(ref, rec.namespace), k, v))
+            self._ram_put(BlockKV(self.meta(ref, rec.namespace), k, v), wait)
             copied += 1
         return copied
 
-    def _ram_put(self, block: BlockKV) -> None:
+    def _ram_put(self, block: BlockKV, wait: bool) -> None:
         for old in self.ram.put(block):
             if self.spill is not None:
-                self.spill.submit(old)   # a full write queue drops it: a cache may forget
+                self.spill.submit(old, wait)   # without wait a full queue drops it: a cache may forget
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until blocks on their way to disk are written. Returns False on timeout."""
@@ -117,7 +118,7 @@ class TieredStore:
         if self.spill is None or self.disk is None:
             return 0
         for s in slots:
-            self.save(s)                 # slot blocks become the newest RAM entries
+            self.save(s, wait=True)      # slot blocks become the newest RAM entries
         blocks = self.ram.oldest_first()
         for block in blocks:
             self.spill.submit(block, wait=True)
@@ -127,7 +128,8 @@ class TieredStore:
     # ---- up: tiers -> a prompt ------------------------------------------------------------------
     def match(self, prompt: list[int], namespace: bytes, limit: int) -> list[BlockRef]:
         """The prompt's leading blocks that some tier holds, walking chained keys from position 0 and
-        stopping at the first miss or at `limit` tokens. Reads no payload; modifies nothing."""
+        stopping at the first miss or at `limit` tokens. Reads no payload; changes only counters and
+        the disk index (a file another server wrote is indexed when found)."""
         found = []
         for ref in block_refs(prompt, namespace, len(prompt)):
             if ref.start >= limit:
