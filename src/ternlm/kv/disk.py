@@ -245,7 +245,8 @@ class DiskTier:
             return False
         self._since_scan += 1
         if self._used + size > self.budget or self._since_scan >= _RESCAN_EVERY:
-            self._evict(self.budget - size)
+            # evict 5% below the need: a full tier then rescans once per many writes, not per write
+            self._evict(self.budget - size - (self.budget // 20 if self._used + size > self.budget else 0))
         path = block_path(self.root, key)
         tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         t0 = time.perf_counter()
