@@ -759,8 +759,10 @@ def test_api_keys_isolate_caches(servers):
     b = ask(bob, prompt)
     assert b.usage.prompt_tokens_details.cached_tokens == 0
     assert b.choices[0].message.content == a2.choices[0].message.content
-    a3 = ask(alice, prompt)
-    assert a3.usage.prompt_tokens_details.cached_tokens == 0                # the slot holds bob's KV now
+    a3 = ask(alice, prompt)                 # the slot holds bob's KV now: alice's comes from the RAM tier
+    assert a3.model_extra["timings"]["cache_slot_n"] == 0
+    assert a3.model_extra["timings"]["cache_tier"] == "ram"                 # her own blocks, her namespace
+    assert a3.choices[0].message.content == a2.choices[0].message.content
     assert ask(alice, prompt).usage.prompt_tokens_details.cached_tokens > 0
     salted = ask(alice, prompt, extra_body={"cache_salt": "other"})
     assert salted.usage.prompt_tokens_details.cached_tokens == 0           # cache_salt is its own namespace
