@@ -135,10 +135,15 @@ REGISTRY: dict[str, RegistryEntry] = {
 # Cache directory and cached hashing.
 # ---------------------------------------------------------------------------------------------
 
-def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/ternlm`` (default ``~/.cache/ternlm``). Side effect: creates it if missing."""
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/ternlm`` (default ``~/.cache/ternlm``). Pure: creates nothing."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = Path(base) / "ternlm"
+    return Path(base) / "ternlm"
+
+
+def cache_dir() -> Path:
+    """cache_root(). Side effect: creates it if missing."""
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

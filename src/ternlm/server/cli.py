@@ -45,10 +45,9 @@ def _size(text: str) -> int:
 
 
 def default_kv_dir() -> str:
-    """$XDG_CACHE_HOME/ternlm/kv (default ~/.cache/ternlm/kv)."""
-    import os
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ternlm", "kv")
+    """$XDG_CACHE_HOME/ternlm/kv (default ~/.cache/ternlm/kv). Creates nothing."""
+    from ..models.registry import cache_root
+    return str(cache_root() / "kv")
 
 
 def cmd_serve(args) -> int:
