@@ -22,7 +22,6 @@ import torch
 from ternlm.kv.blockfile import BadBlock, BlockKV, decode, encode
 from ternlm.kv.blocks import BLOCK_TOKENS, ROOT, block_key, block_refs
 from ternlm.kv.disk import DiskTier, block_path, scan
-from ternlm.kv.record import PrefixRecord
 from ternlm.kv.slots import KVShape, Slot
 from ternlm.kv.store import StoreIdentity, TieredStore
 from ternlm.runner import Runner

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from .kv.blockfile import MAGIC, BadBlock, decode, meta_of, read_header
-from .kv.disk import _unlink, dir_lock, scan
+from .kv.disk import unlink_quiet, dir_lock, scan
 from .sizes import format_size
 
 
@@ -119,7 +119,7 @@ def cmd_verify(args) -> int:
             action = "kept (dry run)" if args.dry_run else "deleted"
             print(f"damaged {path.name}: {e} -> {action}")
             if not args.dry_run:
-                _unlink(path)
+                unlink_quiet(path)
     print(f"verified {len(files)} blocks: {len(files) - bad} good, {bad} damaged")
     return 1 if bad else 0
 
@@ -130,7 +130,7 @@ def cmd_clear(args) -> int:
         files = scan(root)
         freed = 0
         for path, size, _ in files.values():
-            _unlink(path)
+            unlink_quiet(path)
             freed += size
     print(f"removed {len(files)} blocks ({format_size(freed)}) from {root}")
     return 0

@@ -309,10 +309,11 @@ class Engine:
             limit = min(n - 1, first_embed)    # [FRESH-LOGITS] feed >= 1 token; embeds are prefilled
             refs = store.match(prompt, ns, limit)
             first = k // BLOCK_TOKENS          # blocks [0, first) are in the slot already
-            if min(len(refs) * BLOCK_TOKENS, limit) > max(k, self.min_reuse - 1) and len(refs) > first:
+            beat = max(k, self.min_reuse - 1)  # the tiers are used only for more than this
+            if min(len(refs) * BLOCK_TOKENS, limit) > beat and len(refs) > first:
                 got = store.fetch(refs[first:], ns)
                 keep = first * BLOCK_TOKENS
-                if min(keep + got.tokens, limit) > max(k, self.min_reuse - 1):
+                if min(keep + got.tokens, limit) > beat:
                     if keep == 0:
                         slot.reset(ns)
                     else:

@@ -39,6 +39,16 @@ def synthetic_conversation(rng: random.Random, turns: int, system_words: int, us
     return msgs
 
 
+def long_chat(engine, history_tokens: int, rng: random.Random) -> list[dict]:
+    """A synthetic chat whose rendered prompt is at least `history_tokens` long, ending with a user
+    message that asks for a summary (the turn the benchmarks then answer and continue)."""
+    msgs = synthetic_conversation(rng, turns=1, system_words=60, user_words=60, assistant_words=80)
+    while len(engine.apply_chat_template(msgs)) < history_tokens:
+        msgs += synthetic_conversation(rng, 1, 0, 60, 80)[1:]
+    msgs.append({"role": "user", "content": "Summarise our conversation in one sentence."})
+    return msgs
+
+
 class LlamaCppWorker:
     """llama-cpp-python in its own venv and process (it must not share our interpreter), driven over
     JSON lines. See benchmarks/llamacpp_worker.py for the commands."""

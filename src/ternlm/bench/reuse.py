@@ -10,16 +10,13 @@ from pathlib import Path
 
 import torch
 
-from .common import LlamaCppWorker, command_line, median, synthetic_conversation, synthetic_text, write_json
+from .common import LlamaCppWorker, command_line, long_chat, median, synthetic_text, write_json
 
 
 def _turns(engine, history_tokens: int, seed: int) -> tuple[list[int], list[int]]:
     """(turn-1 prompt, turn-2 prompt): turn 2 = turn 1 + the model's answer + a new user message."""
     rng = random.Random(seed)
-    msgs = synthetic_conversation(rng, turns=1, system_words=60, user_words=60, assistant_words=80)
-    while len(engine.apply_chat_template(msgs)) < history_tokens:
-        msgs += synthetic_conversation(rng, 1, 0, 60, 80)[1:]
-    msgs.append({"role": "user", "content": "Summarise our conversation in one sentence."})
+    msgs = long_chat(engine, history_tokens, rng)
     turn1 = list(engine.apply_chat_template(msgs))
     engine.prefix_reuse = False
     answer = engine.generate(turn1, max_tokens=24).text

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .common import command_line, median, synthetic_conversation, synthetic_text, write_json
+from .common import command_line, long_chat, median, synthetic_text, write_json
 
 CASES = ("slot", "ram", "disk-cold", "disk-warm", "none")
 EXPECT_TIER = {"slot": "slot", "ram": "ram", "disk-cold": "disk", "disk-warm": "disk", "none": "none"}
@@ -173,10 +173,7 @@ def build_conversation(engine, history_tokens: int, next_words: int, seed: int) 
     once (a full prefill: also the kernels' warm-up)."""
     from ..kv.store import TieredStore
     rng = random.Random(seed)
-    msgs = synthetic_conversation(rng, turns=1, system_words=60, user_words=60, assistant_words=80)
-    while len(engine.apply_chat_template(msgs)) < history_tokens:
-        msgs += synthetic_conversation(rng, 1, 0, 60, 80)[1:]
-    msgs.append({"role": "user", "content": "Summarise our conversation in one sentence."})
+    msgs = long_chat(engine, history_tokens, rng)
     prev = list(engine.apply_chat_template(msgs))
     seed_store = TieredStore(engine.store.ident, BIG)
     engine.store, engine.prefix_reuse = seed_store, True

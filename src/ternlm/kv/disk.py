@@ -95,7 +95,7 @@ def scan(root: Path, clean_tmp: bool = True) -> dict[bytes, tuple[Path, int, flo
                 except (IndexError, ValueError):
                     pid = -1
                 if pid <= 0 or not _pid_alive(pid):
-                    _unlink(Path(f.path))
+                    unlink_quiet(Path(f.path))
     return found
 
 
@@ -112,7 +112,8 @@ def dir_lock(root: Path):
         os.close(fd)
 
 
-def _unlink(path: Path) -> None:
+def unlink_quiet(path: Path) -> None:
+    """Remove a file; one already gone (another server evicted it) is not an error."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -215,7 +216,7 @@ class DiskTier:
             log.warning("disk KV cache: dropped %s: %s", path.name, e.reason)
             self.stats.damaged += 1
             self.stats.misses += 1
-            _unlink(path)
+            unlink_quiet(path)
             self._forget(expect.key)
             return None
         now = time.time()
@@ -268,7 +269,7 @@ class DiskTier:
             finally:
                 os.close(dfd)
         except OSError as e:
-            _unlink(tmp)
+            unlink_quiet(tmp)
             self.stats.write_errors += 1
             if e.errno in _NO_SPACE:
                 self._disable(f"no space left in {self.root} ({e.strerror})")
@@ -289,10 +290,10 @@ class DiskTier:
                 self._rescan()
                 with self._lock:
                     oldest = sorted(self._index.items(), key=lambda kv: kv[1].mtime)
-                for key, e in oldest:
+                for key, _ in oldest:
                     if self._used <= target:
                         break
-                    _unlink(block_path(self.root, key))
+                    unlink_quiet(block_path(self.root, key))
                     self._forget(key)
                     self.stats.evictions += 1
         except OSError as e:
