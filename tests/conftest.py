@@ -8,7 +8,21 @@ import pytest
 import torch
 
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# Data the tests read, committed with its licence (tests/data/README.md); nothing outside the repository.
+TEST_DATA = Path(__file__).resolve().parent / "data"
+
+
+def _onednn_bf16() -> bool:
+    from ternlm.cpu import probe
+    return probe().mkldnn_bf16
+
+
+# bf16 kernels exist only where oneDNN runs bf16 (AVX-512 BW/VL/DQ, AVX-NE-CONVERT, AMX); elsewhere the
+# engine refuses bfloat16 (cpu.py), so bf16 cases skip and say why. Their float32 twins run everywhere.
+needs_bf16 = pytest.mark.skipif(not _onednn_bf16(), reason="bf16 kernels: oneDNN has no bf16 on this CPU "
+                                "(e.g. AVX2 only); the float32 cases check the same property")
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16, id="bfloat16")
+FP32 = pytest.param(torch.float32, id="float32")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,5 +56,7 @@ def smollm2_f32():
 
 @pytest.fixture(scope="session")
 def smollm2_bf16():
+    if not _onednn_bf16():
+        pytest.skip(needs_bf16.kwargs["reason"])
     from ternlm import Engine
     return Engine.load("smollm2-135m", dtype="bfloat16")

@@ -7,7 +7,7 @@
 2. The check itself, on fake servers only (fast): two contenders required identical that differ ->
    exit 1, MISMATCH printed, the first difference located in results.json; the same two answering
    alike -> exit 0 (so the check can fail both ways).
-3. Conversation files: MT-Bench questions from /work/shared/data (read, never copied) and OpenAI chats.
+3. Conversation files: MT-Bench questions (tests/data, Apache-2.0) and OpenAI chats.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fake_openai import FakeOpenAI
 from ternlm.bench.multiturn import load_conversations, synthetic_conversations
 from ternlm.cli import main
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"   # read there, never copied here
+from conftest import TEST_DATA
 
 
 def test_end_to_end_real_servers(tmp_path):
@@ -100,11 +100,9 @@ def test_required_pair_that_agrees_passes(tmp_path, capsys):
 
 
 def test_conversation_sources(tmp_path):
-    mt = SHARED_DATA / "mt_bench_question.jsonl"
-    if mt.exists():          # shared data is an extra input; the synthetic generator must not need it
-        convs = load_conversations(mt, 5, 6)
-        assert len(convs) == 5 and all(len(c.user_turns) == 2 and c.system is None for c in convs)
-        assert convs[0].id == "81"
+    convs = load_conversations(TEST_DATA / "mt_bench_question.jsonl", 5, 6)
+    assert len(convs) == 5 and all(len(c.user_turns) == 2 and c.system is None for c in convs)
+    assert convs[0].id == "81"
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
                                               {"role": "assistant", "content": "a1"},

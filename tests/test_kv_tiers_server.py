@@ -19,7 +19,7 @@ import httpx2 as httpx
 import pytest
 from openai import OpenAI
 
-from conftest import SHARED_DATA
+from conftest import TEST_DATA
 from server_proc import ServerProc
 from ternlm.kv.blockfile import encode, decode, read_header
 
@@ -31,7 +31,7 @@ B = 256
 
 def system_prompt(i: int) -> str:
     """A ~650-token system prompt (two full blocks and a bit), different for each i from its start."""
-    qs = [json.loads(line) for line in (SHARED_DATA / "mt_bench_question.jsonl").read_text().splitlines()]
+    qs = [json.loads(line) for line in (TEST_DATA / "mt_bench_question.jsonl").read_text().splitlines()]
     rules = "\n".join(f"- Example task {j}: {q['turns'][0]}" for j, q in enumerate(qs[i * 7:]))
     return f"You are assistant number {i}. Follow these house rules and examples carefully.\n{rules[:2600]}"
 

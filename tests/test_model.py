@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ternlm.models.linear import Linear
+from conftest import BF16, FP32
 from tiny import tiny_engine
 
 TEXTS = [
@@ -91,7 +92,7 @@ def test_tiny_models_logits_parity(arch):
     torch.testing.assert_close(engine.runner.decode(engine.slots[0], ids[-1]), ref[-1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_packed_linear_equals_plain(dtype, rows):
     torch.manual_seed(0)
@@ -103,7 +104,7 @@ def test_packed_linear_equals_plain(dtype, rows):
         torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)  # fp32 GEMV sums in another order
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
 @pytest.mark.parametrize("shape", [(192, 96), (576, 1536), (896, 4864)],
                          ids=["small", "smollm2-down", "qwen-down"])
 def test_linear_rows_are_batch_invariant(dtype, shape):
@@ -120,7 +121,7 @@ def test_linear_rows_are_batch_invariant(dtype, shape):
         assert torch.equal(lin(x[r:r + 1]), full[r:r + 1]), r
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_attention_rows_are_batch_invariant(dtype):
     """[BATCH-INVARIANT] a position's K/V and logits are the same bits whether it came from one
     full prefill, a tail after a chunk, or a decode step (the basis of exact reuse)."""

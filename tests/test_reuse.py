@@ -12,12 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ternlm.kv.slots import Slot
+from conftest import needs_bf16
 from tiny import tiny_engine
 
 
-@pytest.fixture(scope="module", params=[("llama", torch.float32), ("qwen2", torch.float32),
-                                        ("qwen3", torch.float32), ("llama", torch.bfloat16)],
-                ids=["llama-fp32", "qwen2-fp32", "qwen3-fp32", "llama-bf16"])
+@pytest.fixture(scope="module", params=[pytest.param(("llama", torch.float32), id="llama-fp32"),
+                                        pytest.param(("qwen2", torch.float32), id="qwen2-fp32"),
+                                        pytest.param(("qwen3", torch.float32), id="qwen3-fp32"),
+                                        pytest.param(("llama", torch.bfloat16), id="llama-bf16", marks=needs_bf16)])
 def engines(request):
     arch, dtype = request.param
     _, warm = tiny_engine(arch, seed=1, prefix_reuse=True, min_reuse=1, chunk_size=8, dtype=dtype)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED_DATA
+from conftest import TEST_DATA
 from ternlm import Engine
 
 MAX_TOKENS = 32
@@ -15,8 +15,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def questions():
-    path = SHARED_DATA / "mt_bench_question.jsonl"
-    assert path.exists(), f"{path} missing: CI lays ../shared beside the clone"
+    path = TEST_DATA / "mt_bench_question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     # 10 conversations across the categories
     return [rows[i] for i in range(0, 80, 8)]

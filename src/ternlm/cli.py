@@ -1,4 +1,4 @@
-"""Command line: ternlm pull | generate | serve | chat | bench | cache."""
+"""Command line: ternlm pull | generate | serve | chat | bench | cache | info."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="registry name, .gguf path or HF folder")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default on CPU) | float32 | float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: bfloat16 where the CPU has native bf16, AMX or AVX-512 BF16; float32 "
+                        "elsewhere) | float32 | bfloat16 | float16; `ternlm info` shows what auto picks")
     p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
     p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
@@ -23,8 +25,10 @@ def _load(args, slots: int = 1):
     from .engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Engine.load(args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
-                       min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
+    engine = Engine.load(args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
+                         min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
+    args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
+    return engine
 
 
 def cmd_pull(args) -> int:
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub, _engine_args, _load)
     from .cache_cli import add_cache_parser
     add_cache_parser(sub)
+    from .info_cli import add_info_parser
+    add_info_parser(sub)
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

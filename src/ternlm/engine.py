@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
 from .kv.blocks import BLOCK_TOKENS
 from .kv.record import Reuse, decide_reuse
 from .kv.slots import KVShape, Slot
@@ -93,25 +94,37 @@ class Delta:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype, prefix_reuse: bool = True,
+    def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
-                 cache: CacheConfig | None = None):
+                 cache: CacheConfig | None = None, cpu: CpuInfo | None = None):
+        """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
+        kernels for (default: this one, probed); it goes into the kernel fingerprint.
+        Raises UnsupportedDtypeError for a dtype with no exact kernel here (bf16 on AVX2)."""
         cfg = loaded.config
         self.config = cfg
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
+        self.cpu = cpu or probe()
+        name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+        self.dtype_choice = choose_dtype(name, self.cpu)
+        dtype = DTYPES[self.dtype_choice.dtype]
         self.dtype = dtype
         self.prefix_reuse = prefix_reuse
         self.min_reuse = min_reuse
         self.ctx = min(ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.model = Transformer.from_weights(cfg, loaded.weights, dtype)
+        self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
+                                              pack=self.dtype_choice.kernel == "onednn-packed")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
         self.slots = [Slot(i, shape) for i in range(slots)]
-        # What the KV depends on besides token ids: the weights and the compute dtype.
-        self.model_namespace = f"{loaded.sha256}:{dtype}".encode()
+        # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
+        # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
+        # host after a torch upgrade, must never load each other's KV (the bits may differ).
+        self.kernel_fingerprint = kernel_fingerprint(self.dtype_choice, self.cpu)
+        config_digest = hashlib.sha256(f"{cfg!r}:{loaded.extra_sha256}".encode()).hexdigest()[:32]
+        self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
         if cache is not None and prefix_reuse:
@@ -121,16 +134,20 @@ class Engine:
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
-    def load(cls, model: str = "smollm2-135m", dtype: str = "bfloat16", **kw) -> "Engine":
+    def load(cls, model: str = "smollm2-135m", dtype: str = "auto", cpu: CpuInfo | None = None,
+             **kw) -> "Engine":
         """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use.
+        dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
+        an unknown or unsupported dtype raises ValueError before anything is read.
         Side effect: raises glibc's malloc thresholds for the process (malloc.py: ~1.6x faster long
         prefills; TERNLM_MALLOC_TUNE=0 opts out)."""
         from .malloc import keep_large_buffers
         from .models.registry import resolve
+        cpu = cpu or probe()
+        choice = choose_dtype(dtype, cpu)
+        log.info("%s", choice.log_line)
         keep_large_buffers()
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        tdtype = DTYPES[dtype]
+        tdtype = DTYPES[choice.dtype]
         t0 = time.perf_counter()
         r = resolve(model)
         if r.kind == "gguf":
@@ -139,8 +156,8 @@ class Engine:
         else:
             from .models.hf import load_hf_folder
             loaded = load_hf_folder(r.path, tdtype)
-        engine = cls(loaded, dtype=tdtype, **kw)
-        log.info("loaded %s (%s, %s) in %.2f s", model, loaded.config.arch, dtype, time.perf_counter() - t0)
+        engine = cls(loaded, dtype=choice.dtype, cpu=cpu, **kw)
+        log.info("loaded %s (%s, %s) in %.2f s", model, loaded.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 
     # ---- text ----------------------------------------------------------------------------------
@@ -176,7 +193,7 @@ class Engine:
         return ids
 
     def namespace(self, salt: str = "") -> bytes:
-        """Cache namespace: model weights + dtype + tenant salt (API key, cache_salt)."""
+        """Cache namespace: model weights + config + kernel fingerprint + tenant salt (API key, cache_salt)."""
         return hashlib.sha256(self.model_namespace + b"\0" + salt.encode()).digest()[:16]
 
     # ---- compute -------------------------------------------------------------------------------

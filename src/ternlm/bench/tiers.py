@@ -285,6 +285,7 @@ def run(args) -> int:
     engine = Engine.load(args.model, dtype=args.dtype, prefix_reuse=True, min_reuse=args.min_reuse, ctx=ctx,
                          chunk_size=args.chunk, slots=1, cache=CacheConfig(ram_bytes=BIG, disk_dir=None, disk_bytes=0))
     load_s = time.perf_counter() - t0
+    args.dtype = engine.dtype_choice.dtype   # "auto" resolved: the result names what ran
     base = Path(args.cache_dir or Path(default_kv_dir()).parent).expanduser()
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=base))

@@ -4,6 +4,7 @@ Only safetensors are read: .bin checkpoints are pickles and are never opened.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -135,8 +136,8 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype) -> LoadedMo
     """
     folder = Path(path)
     t0 = time.perf_counter()
-    with open(folder / "config.json", encoding="utf-8") as f:
-        cfg = json.load(f)
+    raw_config = (folder / "config.json").read_bytes()
+    cfg = json.loads(raw_config)
     _arch(cfg)  # fail on an unsupported architecture before touching gigabytes of weights
     files = _safetensors_files(folder)
     log.info("loading %s: %s, %d safetensors file(s) -> %s", folder, cfg.get("model_type"), len(files), dtype)
@@ -161,4 +162,5 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype) -> LoadedMo
     log.info("loaded %s in %.2fs (weights %.2fs, tokenizer %.2fs, sha256 %.2fs)", folder.name,
              t_end - t0, t_weights - t0, t_tok - t_weights, t_end - t_tok)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       chat_template=getattr(tokenizer, "chat_template", None), sha256=digest, source=folder)
+                       chat_template=getattr(tokenizer, "chat_template", None), sha256=digest, source=folder,
+                       extra_sha256=hashlib.sha256(raw_config).hexdigest())

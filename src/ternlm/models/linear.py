@@ -20,8 +20,12 @@ import torch.nn.functional as F
 
 
 def _can_pack(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN can hold this weight packed. bf16 also needs oneDNN's bf16 ISA (AVX-512 BW/VL/DQ,
+    AVX-NE-CONVERT, AMX): on an AVX2-only CPU the reorder raises instead (cpu.py picks fp32 there)."""
+    if not (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return w.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:

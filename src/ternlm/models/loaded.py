@@ -20,3 +20,6 @@ class LoadedModel:
     chat_template: str | None    # jinja2 source, HF semantics; None when the model has none
     sha256: str                  # hex digest identifying the weights (part of the cache namespace)
     source: Path
+    # digest of what else the loader read that shapes the computation and is not in `sha256`
+    # (an HF folder's config.json: rope scaling, eps, ... may change without the weights); "" if none
+    extra_sha256: str = ""

@@ -30,7 +30,8 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine import DTYPES, Delta, Engine
+from ..cpu import choose_dtype, probe
+from ..engine import Delta, Engine
 from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
@@ -49,7 +50,7 @@ _POLL_S = 0.25          # how often a waiting non-stream request checks whether 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "smollm2-135m"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"              # cpu.choose_dtype: resolved (and refused) at construction
     prefix_reuse: bool = True
     min_reuse: int = 16
     slots: int = 4
@@ -65,8 +66,8 @@ class ServeConfig:
     cache_disk: int = 20 << 30        # bytes of KV block files in cache_dir (0: no disk tier)
 
     def __post_init__(self) -> None:
-        checks = [(self.dtype in DTYPES, f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}"),
-                  (self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
+        choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
+        checks = [                  (self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
                   (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
                   (self.ctx is None or self.ctx >= 2, "ctx must be >= 2"),
                   (self.threads is None or self.threads >= 1, "threads must be >= 1"),
@@ -458,7 +459,9 @@ def _routes(app: FastAPI, st: ServerState) -> None:
 
     def model_card() -> dict:
         eng = st.engine
-        meta = {"dtype": cfg.dtype, "prefix_reuse": cfg.prefix_reuse, "slots": cfg.slots,
+        meta = {"dtype": eng.dtype_choice.dtype if eng is not None else cfg.dtype,
+                "kernel": eng.dtype_choice.kernel if eng is not None else None, "prefix_reuse": cfg.prefix_reuse,
+                "slots": cfg.slots,
                 "ctx": eng.ctx if eng is not None else cfg.ctx}
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}
 

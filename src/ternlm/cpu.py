@@ -1,0 +1,178 @@
+"""What this CPU runs well: its ISA class, the compute dtype `--dtype auto` picks, the kernel path, and
+the kernel fingerprint that keeps one machine's KV out of another's cache.
+
+Why a class and not "x86-64": oneDNN dispatches by ISA at run time, so the same torch wheel computes
+bf16 with AMX tiles, AVX-512 BF16 dot products, emulated bf16 on plain AVX-512, or not at all (on
+AVX2-only CPUs `mkldnn._reorder_linear_weight` refuses bf16). Measured with smollm2-135m, 2 threads,
+one 2-core AMD EPYC (Zen 4, AVX-512 BF16), oneDNN capped with ONEDNN_MAX_CPU_ISA to mimic the others:
+
+    class         bf16 prefill / decode   fp32 prefill / decode   auto
+    avx512_bf16   464 / 25.9 tok/s        304 / 15.2 tok/s        bfloat16
+    avx512        142 / 14.8 tok/s        298 / 14.1 tok/s        float32  (bf16 emulated: 0.48x prefill)
+    avx2          refused by oneDNN       ~310 / ~10 tok/s        float32
+    amx           several x fp32 (RESULTS.md)                     bfloat16
+
+A bf16 path without oneDNN (plain F.linear) would run, but its rows are not batch-invariant, and reuse
+must never change an answer: so `--dtype bfloat16` where oneDNN has no bf16 is refused with one line.
+
+Bits: the same kernels give the same bits; different ISA classes, oneDNN caps or torch versions may
+not (RESULTS.md: one-row bf16 projections differ between an AMX and an AVX-512 host). The fingerprint
+names all of them and goes into every cache namespace. Thread count is left out: the packed
+projections gave identical bits with 1 and 2 threads on every model shape (measured, fp32 and bf16).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# ISA flags (as /proc/cpuinfo names them) that decide which kernels run; others are not reported.
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+         "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
+
+# Ordered from least to most capable; a oneDNN ISA cap lowers the class, never raises it.
+CLASSES = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
+_CLASS_TEXT = {"baseline": "no AVX2", "avx2": "AVX2", "avx512": "AVX-512 without BF16",
+               "avx512_bf16": "AVX-512 BF16", "amx": "AMX"}
+# ONEDNN_MAX_CPU_ISA values (oneDNN's documented names) -> the highest class they allow.
+_ONEDNN_CAP = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2", "AVX2_VNNI": "avx2",
+               "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
+               "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE_FP16": "avx512_bf16",
+               "AVX10_1_512": "avx512_bf16"}   # AMX names, AVX10_2, ALL, DEFAULT: no cap
+
+DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+class UnsupportedDtypeError(ValueError):
+    """The requested compute dtype has no exact (batch-invariant) kernel on this CPU."""
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str                      # "AMD EPYC 9R14", as the OS names it
+    flags: frozenset[str]           # the subset of FLAGS this CPU has
+    onednn_max_isa: str             # ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), "" when unset
+    torch_version: str              # "2.13.0+cpu"
+    torch_capability: str           # ATen's vectorised-kernel level: "AVX512" | "AVX2" | "DEFAULT" ...
+    mkldnn: bool                    # torch was built with oneDNN
+    mkldnn_bf16: bool               # oneDNN runs bf16 here (torch's own check; it honours the ISA cap)
+
+    @property
+    def isa_class(self) -> str:
+        """One of CLASSES: what the flags offer, lowered to the oneDNN ISA cap if one is set."""
+        f = self.flags
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f
+        if {"amx_tile", "amx_bf16"} <= f and avx512:
+            cls = "amx"
+        elif avx512 and "avx512_bf16" in f:
+            cls = "avx512_bf16"
+        elif avx512:
+            cls = "avx512"
+        elif {"avx2", "fma"} <= f:
+            cls = "avx2"
+        else:
+            cls = "baseline"
+        cap = _ONEDNN_CAP.get(self.onednn_max_isa.upper())
+        if cap is not None and CLASSES.index(cap) < CLASSES.index(cls):
+            cls = cap
+        return cls
+
+    @property
+    def describe(self) -> str:
+        """Short human text for logs: "AVX2", "AVX-512 BF16 (oneDNN capped at AVX2)"."""
+        text = _CLASS_TEXT[self.isa_class]
+        return f"{text} (ONEDNN_MAX_CPU_ISA={self.onednn_max_isa})" if self.onednn_max_isa else text
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """What `--dtype X` resolves to on a CPU. `kernel`: "onednn-packed" (weights reordered once for
+    oneDNN, batch-invariant rows) | "torch-linear" (plain F.linear: not batch-invariant)."""
+    dtype: str                      # "float32" | "bfloat16" | "float16"
+    kernel: str
+    reason: str                     # why, for the log line and `ternlm info`
+    requested: str = "auto"
+
+    @property
+    def log_line(self) -> str:
+        return f"dtype {self.requested} -> {self.dtype}, {self.kernel} ({self.reason})"
+
+
+def choose_dtype(requested: str, cpu: CpuInfo) -> DtypeChoice:
+    """Resolve a --dtype value for this CPU. Pure. Raises ValueError for an unknown name and
+    UnsupportedDtypeError for bfloat16 where oneDNN has no bf16 (one line, says what to use)."""
+    name = DTYPE_NAMES.get(requested)
+    if name is None:
+        raise ValueError(f"unknown dtype {requested!r}; choose one of {', '.join(DTYPE_NAMES)}")
+    cls, why = cpu.isa_class, f"cpu: {cpu.describe}"
+    packed = "onednn-packed" if cpu.mkldnn else "torch-linear"
+    if name == "auto":
+        if cls in ("amx", "avx512_bf16") and cpu.mkldnn_bf16:
+            return DtypeChoice("bfloat16", packed, f"{why}, native bf16", requested)
+        no_bf16 = "bf16 emulated, slower than fp32" if cpu.mkldnn_bf16 else "no native bf16"
+        return DtypeChoice("float32", packed, f"{why}, {no_bf16}", requested)
+    if name == "bfloat16":
+        if not (cpu.mkldnn and cpu.mkldnn_bf16):
+            raise UnsupportedDtypeError(
+                f"--dtype bfloat16 needs a CPU on which oneDNN runs bf16 (AVX-512 BW/VL/DQ, AVX-NE-CONVERT "
+                f"or AMX); this one has {cpu.describe}: use --dtype auto or float32")
+        return DtypeChoice("bfloat16", packed, why, requested)
+    if name == "float16":
+        return DtypeChoice("float16", "torch-linear", f"{why}, no packed fp16 kernel: reuse exact to ~1e-6 only",
+                           requested)
+    return DtypeChoice("float32", packed, why, requested)
+
+
+def kernel_fingerprint(choice: DtypeChoice, cpu: CpuInfo) -> str:
+    """Everything besides weights, config and token ids that the KV's bits depend on."""
+    return (f"dtype={choice.dtype};kernel={choice.kernel};torch={cpu.torch_version};"
+            f"aten={cpu.torch_capability};isa={cpu.isa_class}")
+
+
+def _proc_cpuinfo() -> tuple[str, set[str]] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> CpuInfo:
+    """This process's CPU, read once (/proc/cpuinfo where there is one, torch's cpuinfo elsewhere).
+    Imports torch; touches nothing."""
+    import torch
+    found = _proc_cpuinfo()
+    if found is not None and found[1]:
+        model, flags = found
+    else:   # not Linux: ask torch's cpuinfo (coarser)
+        model, flags = platform.processor() or platform.machine(), set()
+        if torch.cpu._is_avx2_supported():
+            flags |= {"avx2", "fma"}
+        if torch.cpu._is_avx512_supported():
+            flags |= {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+        if torch.cpu._is_avx512_bf16_supported():
+            flags.add("avx512_bf16")
+        if torch.cpu._is_amx_tile_supported():
+            flags |= {"amx_tile", "amx_bf16"}
+    mkldnn = bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return CpuInfo(
+        model=model,
+        flags=frozenset(f for f in FLAGS if f in flags),
+        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "",
+        torch_version=torch.__version__,
+        torch_capability=torch.backends.cpu.get_cpu_capability(),
+        mkldnn=mkldnn,
+        mkldnn_bf16=mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    )

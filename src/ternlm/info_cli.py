@@ -1,0 +1,82 @@
+"""`ternlm info`: what a bug report needs. CPU model and the ISA flags that matter, torch and its CPU
+capability, what each --dtype resolves to here (or why it is refused), threads, cache directories.
+Reads only; loads no model."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+
+def gather() -> dict:
+    """Everything `ternlm info` prints, as plain data. Imports torch; writes nothing."""
+    import torch
+
+    from . import __version__
+    from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+    from .models.registry import cache_root
+    from .server.cli import default_kv_dir
+
+    cpu: CpuInfo = probe()
+    dtypes = {}
+    for name in ("auto", "float32", "bfloat16", "float16"):
+        try:
+            c = choose_dtype(name, cpu)
+            dtypes[name] = {"dtype": c.dtype, "kernel": c.kernel, "reason": c.reason,
+                            "fingerprint": kernel_fingerprint(c, cpu)}
+        except ValueError as e:
+            dtypes[name] = {"refused": str(e)}
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "ternlm": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": {"model": cpu.model, "cores_usable": affinity, "isa_class": cpu.isa_class,
+                "flags": sorted(cpu.flags), "onednn_max_isa": cpu.onednn_max_isa or None},
+        "torch": {"version": cpu.torch_version, "cpu_capability": cpu.torch_capability,
+                  "onednn": cpu.mkldnn, "onednn_bf16": cpu.mkldnn_bf16},
+        "dtype": dtypes,
+        "threads": {"torch": torch.get_num_threads(),
+                    **{k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if os.environ.get(k)}},
+        "cache": {"models": str(cache_root() / "models"), "kv": default_kv_dir()},
+    }
+
+
+def _print(info: dict, out) -> None:
+    c, t = info["cpu"], info["torch"]
+    lines = [
+        f"ternlm {info['ternlm']} · Python {info['python']} · {info['platform']}",
+        f"cpu       {c['model']} · {c['cores_usable']} usable cores",
+        f"isa       class {c['isa_class']} · flags {' '.join(c['flags']) or '(none that matter)'}"
+        + (f" · ONEDNN_MAX_CPU_ISA={c['onednn_max_isa']}" if c["onednn_max_isa"] else ""),
+        f"torch     {t['version']} · cpu capability {t['cpu_capability']} · oneDNN "
+        f"{'yes' if t['onednn'] else 'no'} · oneDNN bf16 {'yes' if t['onednn_bf16'] else 'no'}",
+    ]
+    for name, d in info["dtype"].items():
+        label = f"--dtype {name}"
+        lines.append(f"{label:18s}refused: {d['refused']}" if "refused" in d
+                     else f"{label:18s}{d['dtype']}, {d['kernel']} ({d['reason']})")
+    th = info["threads"]
+    lines.append("threads   torch " + str(th["torch"]) + "".join(f" · {k}={v}" for k, v in th.items() if k != "torch"))
+    lines.append(f"cache     models {info['cache']['models']} · kv {info['cache']['kv']}")
+    lines.append(f"kernel fingerprint (auto): {info['dtype']['auto'].get('fingerprint', '-')}")
+    print("\n".join(lines), file=out)
+
+
+def cmd_info(args) -> int:
+    info = gather()
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        _print(info, sys.stdout)
+    return 0
+
+
+def add_info_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("info", help="CPU, torch, dtype choices, threads, cache dirs (for bug reports)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_info)
+    return p

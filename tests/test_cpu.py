@@ -1,0 +1,173 @@
+"""Every CPU a user has: `--dtype auto` picks what the CPU runs exactly and well, an unsupported dtype
+is one clear line (never a traceback from inside a layer), and the kernel fingerprint keeps one
+machine's KV out of another's cache.
+
+The AVX2-only host is reproduced on any host with oneDNN's own ISA cap (ONEDNN_MAX_CPU_ISA=AVX2 and
+ATEN_CPU_CAPABILITY=avx2): under it torch's bf16 weight packing raises exactly as it does on an AVX2
+EPYC ("bf16 path needs the cpu support avx_ne_convert or avx512bw..."), so the subprocess tests below
+run the AVX2 code path for real wherever the suite runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ternlm.cpu import (CLASSES, CpuInfo, UnsupportedDtypeError, choose_dtype, kernel_fingerprint, probe)
+
+AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def cpu(flags: set[str], bf16: bool, cap: str = "", torch_version: str = "2.13.0+cpu") -> CpuInfo:
+    return CpuInfo("test cpu", frozenset(flags), cap, torch_version, "AVX2", True, bf16)
+
+
+HOSTS = {   # the host kinds this project has met, as their flags and torch's oneDNN bf16 check read
+    "amx-sapphire-rapids": cpu(AVX512 | {"avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"}, True),
+    "avx512-epyc-zen4": cpu(AVX512 | {"avx512_bf16", "avx512_vnni"}, True),
+    "avx512-skylake": cpu(AVX512, True),
+    "avx2-epyc": cpu({"avx2", "fma", "f16c"}, False),
+    "old-x86": cpu(set(), False),
+}
+
+
+@pytest.mark.parametrize("host,cls,auto", [
+    ("amx-sapphire-rapids", "amx", "bfloat16"), ("avx512-epyc-zen4", "avx512_bf16", "bfloat16"),
+    ("avx512-skylake", "avx512", "float32"), ("avx2-epyc", "avx2", "float32"), ("old-x86", "baseline", "float32")])
+def test_auto_follows_the_cpu_class(host, cls, auto):
+    c = HOSTS[host]
+    assert c.isa_class == cls
+    choice = choose_dtype("auto", c)
+    assert choice.dtype == auto and choice.kernel == "onednn-packed"
+    assert choice.log_line.startswith(f"dtype auto -> {auto}, onednn-packed (cpu: ")
+    assert choose_dtype("float32", c).dtype == "float32"
+
+
+def test_bf16_without_onednn_bf16_is_one_clear_line():
+    with pytest.raises(UnsupportedDtypeError) as e:
+        choose_dtype("bfloat16", HOSTS["avx2-epyc"])
+    msg = str(e.value)
+    assert "\n" not in msg and "AVX2" in msg and "--dtype auto or float32" in msg
+    assert choose_dtype("bf16", HOSTS["avx512-skylake"]).dtype == "bfloat16"   # works there, just slower
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        choose_dtype("int3", HOSTS["amx-sapphire-rapids"])
+
+
+def test_onednn_cap_lowers_the_class_never_raises_it():
+    zen4 = HOSTS["avx512-epyc-zen4"]
+    assert dataclasses.replace(zen4, onednn_max_isa="AVX2").isa_class == "avx2"
+    assert dataclasses.replace(zen4, onednn_max_isa="avx512_core").isa_class == "avx512"
+    assert dataclasses.replace(zen4, onednn_max_isa="AVX512_CORE_AMX").isa_class == "avx512_bf16"
+    assert dataclasses.replace(HOSTS["avx2-epyc"], onednn_max_isa="ALL").isa_class == "avx2"
+
+
+def test_fingerprint_names_every_kernel_input():
+    base = HOSTS["avx512-epyc-zen4"]
+    prints = {kernel_fingerprint(choose_dtype(d, c), c)
+              for c in (base, HOSTS["amx-sapphire-rapids"], HOSTS["avx512-skylake"],
+                        dataclasses.replace(base, torch_version="2.14.0+cpu"),
+                        dataclasses.replace(base, torch_capability="AVX512"))
+              for d in ("float32", "bfloat16")}
+    assert len(prints) == 10        # 5 CPU/torch variants x 2 dtypes, all different
+
+
+def test_probe_agrees_with_torch():
+    c = probe()
+    assert c.isa_class in CLASSES and c.torch_version == torch.__version__
+    assert c.mkldnn_bf16 == (c.mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    if c.isa_class in ("avx512", "avx512_bf16", "amx"):
+        assert c.mkldnn_bf16
+    choice = choose_dtype("auto", c)
+    if choice.dtype == "bfloat16":
+        # what auto picks must run: pack a weight the way the model does
+        from ternlm.models.linear import Linear
+        lin = Linear(torch.randn(8, 16, dtype=torch.bfloat16))
+        assert lin.packed and lin(torch.randn(3, 16, dtype=torch.bfloat16)).shape == (3, 8)
+
+
+# ---- the AVX2 path for real, through the CLI (oneDNN capped to AVX2 in a child process) ------------
+
+AVX2_ENV = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def ternlm(*args: str, env=AVX2_ENV, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ternlm.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_info_on_an_avx2_cpu():
+    r = ternlm("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["cpu"]["isa_class"] == "avx2" and info["torch"]["onednn_bf16"] is False
+    assert info["dtype"]["auto"]["dtype"] == "float32"
+    assert "refused" in info["dtype"]["bfloat16"]
+    text = ternlm("info")
+    assert text.returncode == 0 and "--dtype auto      float32, onednn-packed (cpu: AVX2" in text.stdout
+
+
+def test_explicit_bf16_on_an_avx2_cpu_fails_in_one_line_before_loading(smollm2_gguf):
+    for cmd in (["generate", "--dtype", "bfloat16", "hi"], ["serve", "--dtype", "bf16", "--port", "1"]):
+        r = ternlm(*cmd)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("ternlm: error: --dtype bfloat16 needs a CPU")
+
+
+def test_auto_generates_on_an_avx2_cpu_like_float32(smollm2_gguf):
+    """The default path that crashed at load on an AVX2 EPYC now loads, logs its choice and answers
+    exactly as an explicit float32 run does (same kernels, same greedy text)."""
+    args = ["generate", "--max-tokens", "8", "--temperature", "0", "Once upon a time"]
+    auto = ternlm(*args)
+    assert auto.returncode == 0, auto.stderr
+    assert "dtype auto -> float32, onednn-packed (cpu: AVX2" in auto.stderr
+    f32 = ternlm(*args, "--dtype", "float32")
+    assert f32.returncode == 0 and auto.stdout == f32.stdout and auto.stdout.strip()
+
+
+# ---- the fingerprint in the cache: another machine's blocks are a miss, never an error -------------
+
+def test_a_block_from_another_fingerprint_is_a_miss(tmp_path):
+    from ternlm.kv.store import CacheConfig
+    from tiny import tiny_engine
+    here = probe()
+    r = random.Random(5)
+    prompt = [r.randrange(256) for _ in range(400)]
+
+    def engine(c: CpuInfo):
+        return tiny_engine("llama", seed=4, min_reuse=1, chunk_size=64, dtype="float32", cpu=c,
+                           cache=CacheConfig(0, tmp_path, 1 << 30))[1]
+
+    writer = engine(here)
+    first = writer.generate(prompt, max_tokens=2, keep_logits=True)
+    assert first.cached_tokens == 0
+    writer.persist_cache()
+    assert list(tmp_path.rglob("*.tkv"))
+    others = [dataclasses.replace(here, torch_version="0.0.0-other"),
+              dataclasses.replace(here, torch_capability="OTHER"),
+              dataclasses.replace(here, onednn_max_isa="SSE41")]
+    for other in others:
+        e = engine(other)
+        assert e.model_namespace != writer.model_namespace
+        out = e.generate(prompt + [1], max_tokens=2, keep_logits=True)
+        assert out.cached_tokens == 0 and out.restored.tier == "none"
+        assert e.store.disk.stats.damaged == 0                 # a miss, not a bad file
+    same = engine(here)                                        # control: the same fingerprint loads them
+    out = same.generate(prompt + [1], max_tokens=2)
+    assert out.restored.tier == "disk" and out.cached_tokens >= 384
+
+
+def test_config_as_loaded_is_in_the_namespace():
+    from tiny import tiny_engine, tiny_loaded
+    from ternlm.engine import Engine
+    _, a = tiny_engine("llama", seed=4)
+    _, loaded = tiny_loaded("llama", seed=4)
+    loaded.extra_sha256 = "another config.json"
+    b = Engine(loaded, dtype="float32")
+    assert a.model_namespace != b.model_namespace
