@@ -26,13 +26,16 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, *args: str, preexec_fn=None):
+    def __init__(self, *args: str, preexec_fn=None, env: dict[str, str] | None = None,
+                 default_cache_dir: bool = True):
         """args: `ternlm serve` flags. Without --cache-dir the disk KV tier goes to a fresh temporary
-        directory, so tests never read or fill the user's cache."""
+        directory, so tests never read or fill the user's cache (default_cache_dir=False leaves the
+        choice to the server: give `env` an XDG_CACHE_HOME then). env: extra environment variables."""
         self.args = list(args)
         self.preexec_fn = preexec_fn         # runs in the child before exec (e.g. resource limits)
+        self.env = dict(env or {})
         self.kv_dir: str | None = None
-        if "--cache-dir" not in self.args:
+        if "--cache-dir" not in self.args and default_cache_dir:
             self.kv_dir = tempfile.mkdtemp(prefix="ternlm-test-kv-")
             self.args += ["--cache-dir", self.kv_dir]
         self.port = 0
@@ -51,7 +54,7 @@ class ServerProc:
     def start(self) -> "ServerProc":
         """Launch without waiting for the model (call wait_ready)."""
         self.port = free_port()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=self.preexec_fn)

@@ -1,13 +1,13 @@
 """The disk tier: one verified file per KV block under a cache directory, LRU within a byte budget.
 
     <root>/blocks/<key[:2]>/<key>.tkv         a block (format: blockfile.py)
-    <root>/blocks/<key[:2]>/<key>.tmp-<pid>-<rand>   a write in progress (never read)
+    <root>/blocks/<key[:2]>/<key>.tmp-<pid>-<rand>   a write in progress (never read; flocked by its writer)
     <root>/.lock                              flock'ed while evicting or clearing
 
 Why it is safe to share and to crash:
 - A write goes to a create-only temporary file, is fsynced, then renamed over the final name, and the
   directory is fsynced. A reader sees the old file, the new file or none; never half of one. A
-  `kill -9` mid-write leaves only a tmp file, removed by the next scan once its writer is gone.
+  `kill -9` mid-write leaves only a tmp file, removed by the next scan: its writer's flock died with it.
 - Two servers writing one key write identical bytes (the key names the content), so either rename wins.
 - Readers verify every file (blockfile.decode). A bad file is logged, deleted and reported as a miss:
   the caller recomputes. Eviction takes the directory lock and rescans, so two servers' budgets
@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from contextlib import contextmanager
@@ -61,18 +62,48 @@ def block_path(root: Path, key: bytes) -> Path:
     return root / "blocks" / h[:2] / (h + SUFFIX)
 
 
-def _pid_alive(pid: int) -> bool:
+class UntrustedCacheDir(ValueError):
+    """A cache directory this process must not use (another user's): one line saying why."""
+
+
+def secure_dir(root: Path) -> None:
+    """Make `root` a directory only its owner can enter: block headers hold token ids, i.e. the
+    conversations. Creates it 0700 when missing; an existing one must belong to this user (else
+    UntrustedCacheDir: its owner could read every conversation, or swap files under us), and loses its
+    group/other permission bits (logged). Raises OSError when it cannot be created or is no directory."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(root)                     # follows a symlink: what matters is the directory used
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(root))
+    if st.st_uid != os.geteuid():
+        raise UntrustedCacheDir(
+            f"cache directory {root} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+            f"refusing it, its owner could read the conversations stored there; choose another --cache-dir")
+    if st.st_mode & 0o077:
+        os.chmod(root, 0o700)
+        log.warning("disk KV cache: %s was mode %o, readable by others; now 0700", root, stat.S_IMODE(st.st_mode))
+
+
+def _writer_gone(path: str) -> bool:
+    """Whether no process holds the write lock of a tmp file. Every writer flocks its tmp file for the
+    whole write, and the kernel drops the lock when the writer dies, so this holds across containers
+    and pid namespaces sharing the directory (a pid in the file name would not: it may be another
+    namespace's, or reused)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False                       # already gone, or not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except OSError:
+        return False                       # a live writer holds it
+    finally:
+        os.close(fd)                       # drops our probe lock too
 
 
 def scan(root: Path, clean_tmp: bool = True) -> dict[bytes, tuple[Path, int, float]]:
-    """key -> (path, size, mtime) of every block file; removes tmp files whose writer is gone."""
+    """key -> (path, size, mtime) of every block file; removes tmp files no live writer holds."""
     found: dict[bytes, tuple[Path, int, float]] = {}
     base = root / "blocks"
     if not base.is_dir():
@@ -89,13 +120,8 @@ def scan(root: Path, clean_tmp: bool = True) -> dict[bytes, tuple[Path, int, flo
                 except (ValueError, OSError):
                     continue
                 found[key] = (Path(f.path), st.st_size, st.st_mtime)
-            elif clean_tmp and ".tmp-" in name:
-                try:
-                    pid = int(name.split(".tmp-")[1].split("-")[0])
-                except (IndexError, ValueError):
-                    pid = -1
-                if pid <= 0 or not _pid_alive(pid):
-                    unlink_quiet(Path(f.path))
+            elif clean_tmp and ".tmp-" in name and _writer_gone(f.path):
+                unlink_quiet(Path(f.path))
     return found
 
 
@@ -136,7 +162,8 @@ class DiskTier:
         self._since_scan = 0
         try:
             # Block headers hold token ids, i.e. the conversations: owner-only, like the files (0o600).
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Another user's directory raises UntrustedCacheDir (not degraded to "no disk tier").
+            secure_dir(self.root)
             (self.root / "blocks").mkdir(mode=0o700, exist_ok=True)
             self._rescan()
         except OSError as e:
@@ -204,21 +231,14 @@ class DiskTier:
             self._forget(expect.key)
             self.stats.misses += 1
             return None
-        except OSError as e:
-            log.warning("disk KV cache: cannot read %s: %s", path.name, e)
-            self.stats.misses += 1
-            return None
+        except Exception as e:      # EIO, EACCES, MemoryError for an absurd file: a miss, never a 500
+            return self._drop(path, expect.key, f"cannot read: {e!r}")
         try:
             if got != size:
                 raise BadBlock("short read (file changed while reading)")
-            block = decode(buf, expect)
+            block = decode(buf, expect)     # raises BadBlock only, whatever the bytes
         except BadBlock as e:
-            log.warning("disk KV cache: dropped %s: %s", path.name, e.reason)
-            self.stats.damaged += 1
-            self.stats.misses += 1
-            unlink_quiet(path)
-            self._forget(expect.key)
-            return None
+            return self._drop(path, expect.key, e.reason)
         now = time.time()
         try:
             os.utime(path, (now, now))
@@ -229,6 +249,19 @@ class DiskTier:
         self.stats.bytes_read += size
         self.stats.load_s += time.perf_counter() - t0
         return block
+
+    def _drop(self, path: Path, key: bytes, reason: str) -> None:
+        """A file that failed to read or verify: logged, counted, removed, so the prefix is recomputed
+        once and the next write replaces it (left in place it would fail every later request)."""
+        log.warning("disk KV cache: dropped %s: %s", path.name, reason)
+        self.stats.damaged += 1
+        self.stats.misses += 1
+        try:
+            unlink_quiet(path)
+        except OSError as e:
+            log.warning("disk KV cache: cannot remove %s: %s", path.name, e)
+        self._forget(key)
+        return None
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, block: BlockKV) -> bool:
@@ -255,6 +288,7 @@ class DiskTier:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX)     # held until close: tells scan() the writer lives
                 for part in (header, *payload):
                     view = memoryview(part)
                     while view:

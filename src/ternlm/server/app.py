@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ log = logging.getLogger("ternlm.server")
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                        "/slots", "/tokenize", "/detokenize"})
+_MAX_OWNERS = 4096      # namespaces remembered for /slots scoping (least recently used dropped)
 _POLL_S = 0.25          # how often a waiting non-stream request checks whether its client is still there
 
 
@@ -58,6 +60,7 @@ class ServeConfig:
     chunk_size: int = 256
     threads: int | None = None
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # API keys that also see every tenant's slots in /slots
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
@@ -74,7 +77,7 @@ class ServeConfig:
                   (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
                   (self.shutdown_grace_s >= 0, "shutdown grace must be >= 0"),
                   (self.cache_ram >= 0 and self.cache_disk >= 0, "cache budgets must be >= 0"),
-                  (all(k.strip() for k in self.api_keys), "API keys must not be empty")]
+                  (all(k.strip() for k in self.api_keys + self.admin_keys), "API keys must not be empty")]
         for ok, why in checks:
             if not ok:
                 raise ValueError(why)
@@ -143,7 +146,11 @@ class ServerState:
         self.fingerprint = ""
         # sha256(key) -> the tenant salt for that key (its hex digest: never the key itself)
         self._keys = {hashlib.sha256(k.encode()).digest(): hashlib.sha256(k.encode()).hexdigest()
-                      for k in config.api_keys}
+                      for k in config.api_keys + config.admin_keys}
+        self._admins = {hashlib.sha256(k.encode()).hexdigest() for k in config.admin_keys}
+        # cache namespace -> the tenant whose request last used it: /slots shows a tenant its own slots
+        # only (bounded: cache_salt makes namespaces a client can mint at will)
+        self._owners: OrderedDict[bytes, str] = OrderedDict()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -239,10 +246,22 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def salt(tenant: str, cache_salt: str | None) -> str:
+    def salt(self, tenant: str, cache_salt: str | None) -> str:
+        """The request's cache-namespace salt. Side effect: remembers which tenant owns the namespace."""
         # JSON keeps the two parts unambiguous: no (tenant, salt) pair can spell another's
-        return json.dumps([tenant, cache_salt or ""])
+        salt = json.dumps([tenant, cache_salt or ""])
+        if self._keys and self.engine is not None:
+            ns = self.engine.namespace(salt)
+            self._owners[ns] = tenant
+            self._owners.move_to_end(ns)
+            while len(self._owners) > _MAX_OWNERS:
+                self._owners.popitem(last=False)
+        return salt
+
+    def sees_slot(self, tenant: str, namespace: bytes) -> bool:
+        """/slots scoping: without keys everything; an admin key everything; a key its own slots."""
+        return (not self._keys or tenant in self._admins
+                or bool(namespace) and self._owners.get(namespace) == tenant)
 
 
 def cache_line(engine: Engine) -> str:
@@ -490,7 +509,8 @@ def _routes(app: FastAPI, st: ServerState) -> None:
 
     @app.get("/slots")
     async def slots(request: Request):
-        st.tenant(request)
+        """Slots the caller may see (its own tenant's; all with an admin key or without keys)."""
+        tenant = st.tenant(request)
         _, sched = st.ready()
         s = sched.state()
         wall, mono = time.time(), time.monotonic()
@@ -499,7 +519,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
              "last_used": round(wall - (mono - x.last_used), 3) if x.last_used else None,
              # a short hash of the namespace: tells slots apart, reveals no key, salt or text
              "namespace": hashlib.sha256(x.namespace).hexdigest()[:12] if x.namespace else None}
-            for x in s.slots]}
+            for x in s.slots if st.sees_slot(tenant, x.namespace)]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -23,13 +23,18 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--slots", type=int, default=4, help="KV sequences (concurrent requests)")
     p.add_argument("--api-key", dest="api_keys", action="extend", nargs="+", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY'; each key is its own cache namespace")
+    p.add_argument("--admin-key", dest="admin_keys", action="extend", nargs="+", default=[], metavar="KEY",
+                   help="like --api-key, and /slots shows every tenant's slots to it (other keys see their own)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
+    p.add_argument("--max-body", type=_size, default="4MiB", metavar="SIZE",
+                   help="largest request body (default 4MiB); larger ones get 413 before they are read whole")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests get to finish on SIGTERM/Ctrl-C")
     p.add_argument("--cache-ram", type=_size, default="2GiB", metavar="SIZE",
                    help="host RAM for KV blocks of conversations whose slot was reused (default 2GiB; 0: none)")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="disk tier directory (default $XDG_CACHE_HOME/ternlm/kv)")
+                   help="disk tier directory (default $XDG_CACHE_HOME/ternlm/kv; with --api-key the disk tier "
+                        "is off unless a directory is given here)")
     p.add_argument("--cache-disk", type=_size, default="20GiB", metavar="SIZE",
                    help="disk budget for KV blocks (default 20GiB; 0: no disk tier)")
     p.set_defaults(func=cmd_serve, ctx=8192)   # serve's default context (the model's max still caps it)
@@ -50,6 +55,19 @@ def default_kv_dir() -> str:
     return str(cache_root() / "kv")
 
 
+def disk_dir(args) -> str | None:
+    """The disk tier's directory. With API keys the server is multi-tenant and block headers hold every
+    tenant's token ids, so conversations go to disk only where the operator chose a directory."""
+    if args.cache_dir:
+        return args.cache_dir
+    if args.api_keys or args.admin_keys:
+        import logging
+        logging.getLogger("ternlm.server").info(
+            "disk KV tier off: with --api-key it is opt-in (--cache-dir DIR); RAM tier only")
+        return None
+    return default_kv_dir()
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -57,9 +75,18 @@ def cmd_serve(args) -> int:
 
     config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
-                         threads=args.threads, api_keys=tuple(args.api_keys), max_queue=args.max_queue,
+                         threads=args.threads, api_keys=tuple(args.api_keys), admin_keys=tuple(args.admin_keys),
+                         max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
-                         cache_dir=args.cache_dir or default_kv_dir(), cache_disk=args.cache_disk)
+                         cache_dir=disk_dir(args), cache_disk=args.cache_disk)
+    if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
+        from pathlib import Path
+
+        from ..kv.disk import secure_dir
+        try:
+            secure_dir(Path(config.cache_dir))   # another user's directory: one line now, not at load
+        except OSError:
+            pass                                 # unusable: the disk tier turns itself off at load, logged
     server = None
 
     def on_fatal(message: str) -> None:
