@@ -1,4 +1,4 @@
-"""`ternlm bench engine|reuse|tiers|multiturn` argument parsing."""
+"""`ternlm bench engine|dtype|reuse|tiers|multiturn` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -17,6 +17,14 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list: transformers,llamacpp")
     _common(p)
     p.set_defaults(func=lambda a: _run("engine", a, load_engine))
+
+    p = which.add_parser("dtype", help="float32 vs bfloat16 on this CPU, and what --dtype auto picks here")
+    engine_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=_dtype)
 
     p = which.add_parser("reuse", help="time to first token of a long conversation's next turn")
     engine_args(p)
@@ -83,6 +91,14 @@ def _multiturn(args, default_model: str) -> int:
     if args.model is None and not args.url:
         args.model = default_model
     return run(args)
+
+
+def _dtype(args) -> int:
+    from .dtype import run
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
+    run(args)
+    return 0
 
 
 def _tiers(args) -> int:
