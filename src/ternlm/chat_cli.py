@@ -23,6 +23,7 @@ import argparse
 import logging
 import os
 import queue
+import signal
 import statistics
 import sys
 import threading
@@ -419,6 +420,11 @@ def add_chat_parser(sub, engine_args: Callable[[argparse.ArgumentParser], None],
 
 
 def cmd_chat(args: argparse.Namespace, load_engine, default_model: str) -> int:
+    # Ctrl-C is how a user stops an answer. A parent that started us with SIGINT ignored (a background
+    # job of a shell without job control, some wrappers) would make it do nothing: Python installs its
+    # KeyboardInterrupt handler only where SIGINT was left at its default.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not getattr(args, "verbose", False):   # a log line per turn (reuse, HTTP request) would clutter the chat
         for name in ("ternlm", "httpx2", "httpx"):
             logging.getLogger(name).setLevel(logging.WARNING)
