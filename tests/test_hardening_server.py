@@ -2,6 +2,7 @@
 - with --api-key the disk tier is opt-in: no --cache-dir, nothing of any conversation reaches disk;
 - /slots shows a key its own tenant's slots only, an --admin-key all of them;
 - --max-body: a larger body is a 413 with an OpenAI error body, and the server carries on;
+- --cors-origins: preflight answered, the header on answers, streams and errors, for listed origins only;
 - a cache directory owned by another user is refused at start in one line; ours with loose
   permissions is tightened to 0700.
 """
@@ -20,6 +21,7 @@ from server_proc import ServerProc
 
 COMMON = ("-m", "smollm2-135m", "--dtype", "float32", "--threads", "1")
 ALICE, BOB, ROOT = "key-alice", "key-bob", "key-admin"
+WEB_APP = "http://app.example.test:5173"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def keyed(tmp_path_factory):
     """A multi-tenant server given no --cache-dir, its XDG cache pointed at a fresh folder."""
     xdg = tmp_path_factory.mktemp("xdg")
     p = ServerProc(*COMMON, "--slots", "3", "--api-key", ALICE, BOB, "--admin-key", ROOT, "--max-body", "2KiB",
-                   env={"XDG_CACHE_HOME": str(xdg)}, default_cache_dir=False)
+                   "--cors-origins", WEB_APP, env={"XDG_CACHE_HOME": str(xdg)}, default_cache_dir=False)
     try:
         p.start()
         p.wait_ready()
@@ -97,3 +99,27 @@ def test_our_cache_dir_readable_by_others_is_tightened(tmp_path):
     os.chmod(d, 0o755)
     DiskTier(d, 1 << 20)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def test_cors_for_the_listed_origin_only(keyed):
+    server, _ = keyed
+    url = server.v1 + "/chat/completions"
+    pre = httpx.options(url, headers={"Origin": WEB_APP, "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "authorization, content-type"}, timeout=30)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == WEB_APP
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    body = {"model": "smollm2-135m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    auth = {"Authorization": f"Bearer {ALICE}", "Origin": WEB_APP}
+    ok = httpx.post(url, json=body, headers=auth, timeout=120)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == WEB_APP
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == WEB_APP
+        assert any("[DONE]" in line for line in r.iter_lines())
+    err = httpx.post(url, json=body, headers={"Origin": WEB_APP}, timeout=30)          # no key: 401
+    assert err.status_code == 401 and err.headers["access-control-allow-origin"] == WEB_APP
+    assert err.json()["error"]["code"] == "invalid_api_key"
+    other = httpx.post(url, json=body, headers={**auth, "Origin": "http://evil.example.test"}, timeout=120)
+    assert "access-control-allow-origin" not in other.headers
+    bad = httpx.options(url, headers={"Origin": "http://evil.example.test", "Access-Control-Request-Method": "POST"},
+                        timeout=30)
+    assert "access-control-allow-origin" not in bad.headers

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
@@ -61,6 +62,7 @@ class ServeConfig:
     threads: int | None = None
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()  # API keys that also see every tenant's slots in /slots
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_queue: int = 64
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
@@ -414,6 +416,13 @@ def create_app(config: ServeConfig, *, load_engine: Callable[[], Engine] | None 
     app.state.ternlm = st
     install_handlers(app)
     app.add_middleware(StatusCounter, metrics=st.metrics, endpoints=ENDPOINTS)
+    if config.cors_origins:
+        # Outermost, so preflights are answered and every response (errors and SSE streams too) carries
+        # the headers. No credentials mode: the API authenticates by an Authorization header the page
+        # must hold itself, never by cookies, so "*" lends a page nothing it did not already have.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"],
+                           max_age=600)
     _routes(app, st)
     mount_ui(app)
     return app

@@ -25,6 +25,9 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
                    help="require 'Authorization: Bearer KEY'; each key is its own cache namespace")
     p.add_argument("--admin-key", dest="admin_keys", action="extend", nargs="+", default=[], metavar="KEY",
                    help="like --api-key, and /slots shows every tenant's slots to it (other keys see their own)")
+    p.add_argument("--cors-origins", action="extend", nargs="+", default=[], metavar="ORIGIN",
+                   help="browser origins (e.g. http://localhost:5173, or *) allowed to call the API from "
+                        "another origin; default none (the chat page at / is same-origin)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
     p.add_argument("--max-body", type=_size, default="4MiB", metavar="SIZE",
                    help="largest request body (default 4MiB); larger ones get 413 before they are read whole")
@@ -76,6 +79,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
                          threads=args.threads, api_keys=tuple(args.api_keys), admin_keys=tuple(args.admin_keys),
+                         cors_origins=tuple(args.cors_origins),
                          max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk)
