@@ -171,3 +171,19 @@ def test_config_as_loaded_is_in_the_namespace():
     loaded.extra_sha256 = "another config.json"
     b = Engine(loaded, dtype="float32")
     assert a.model_namespace != b.model_namespace
+
+
+@pytest.mark.parametrize("flags,avx512", [("fpu sse avx f16c fma avx2", "OFF"),
+                                          ("avx f16c fma avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16", "ON")])
+def test_peer_build_flags_follow_the_host(tmp_path, flags, avx512):
+    """`make bench-peers` builds llama.cpp with the ISA options the host has: an AVX2-only CPU gets no
+    AVX-512 (that build could not run there), and AMX is off everywhere (its path crashes)."""
+    from pathlib import Path
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "peer-cmake-flags"
+    out = subprocess.run([str(script)], env={**os.environ, "CPUINFO": str(info)}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert f"-DGGML_AVX512={avx512}" in out and "-DGGML_AVX2=ON" in out and "-DGGML_NATIVE=OFF" in out
+    assert "-DGGML_AMX_INT8=OFF" in out and "-DGGML_AMX_TILE=OFF" in out
+    assert ("-DGGML_AVX512_BF16=ON" in out) == (avx512 == "ON")
