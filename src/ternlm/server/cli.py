@@ -24,6 +24,9 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--api-key", dest="api_keys", action="extend", nargs="+", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY'; each key is its own cache namespace")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
+    p.add_argument("--step-tokens", type=int, default=64,
+                   help="rows one batched step feeds while some request decodes: decodes plus prefill "
+                        "chunks (default 64; smaller keeps streams smooth during a long prefill)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests get to finish on SIGTERM/Ctrl-C")
     p.add_argument("--cache-ram", type=_size, default="2GiB", metavar="SIZE",
@@ -58,6 +61,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
                          threads=args.threads, api_keys=tuple(args.api_keys), max_queue=args.max_queue,
+                         step_tokens=args.step_tokens,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=args.cache_dir or default_kv_dir(), cache_disk=args.cache_disk)
     server = None
