@@ -7,8 +7,9 @@ nothing about slots, records or HTTP; recording what was written is the runner's
 
 Batching without changing bits [BATCH-INVARIANT]: the projections, norms, RoPE and the MLP are
 row-wise (linear.py: a row's result does not depend on the other rows), so they run once over all
-rows concatenated; attention runs per segment on exactly the tensors a lone sequence would build
-(same shapes, same strides), so a sequence's logits and KV are the same alone or in company.
+rows concatenated (elementwise ops and last-dim reductions give each row the same bits whatever the
+row count); the KV write and attention run per segment, and attention copies its inputs into the
+layouts a lone sequence's would have, so a sequence's logits and KV are the same alone or in company.
 
 Differences between the three architectures are two flags on ModelConfig:
   qwen2: bias on the q/k/v projections (qkv_bias)      qwen3: RMSNorm over head_dim on q and k (qk_norm)
@@ -117,8 +118,6 @@ class _Part:
     r0: int
     r1: int
     start: int
-    cos: torch.Tensor         # (T, head_dim) in the compute dtype
-    sin: torch.Tensor
     bias: torch.Tensor        # (T, S) from causal_bias
     k_cache: torch.Tensor     # (kv_heads, capacity, head_dim)
     v_cache: torch.Tensor
@@ -143,27 +142,31 @@ class Layer(nn.Module):
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), pack=pack)  # (2 I, hidden)
         self.down = Linear(w["mlp.down_proj.weight"], pack=pack)              # (hidden, I)
 
-    def forward(self, x: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
-        """x: (M, hidden), the rows of every part in order. Side effect: writes K/V of each part's
-        positions into that part's caches. Projections and the MLP run once over all M rows."""
-        qkv = self.qkv(rms_norm(x, self.input_norm, self.cfg.rms_norm_eps))   # (M, q + 2 kv)
-        outs = [self._attend(qkv[p.r0:p.r1], p) for p in parts]               # (T_i, q) each
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)                  # (M, q)
-        x = x + self.o(attn.to(x.dtype))
-        g, u = self.gate_up(rms_norm(x, self.post_norm, self.cfg.rms_norm_eps)).chunk(2, dim=-1)  # (M, I) each
-        return x + self.down(F.silu(g) * u)
-
-    def _attend(self, qkv: torch.Tensor, p: _Part) -> torch.Tensor:
-        """One sequence's attention. qkv: (T, q + 2 kv), its rows only (a contiguous row slice, so
-        every tensor below has the shape and strides of a lone sequence's). -> (T, q) in KV_DTYPE.
-        Side effect: writes K/V of positions [start, start + T) into p's caches."""
-        cfg, T, start = self.cfg, qkv.shape[0], p.start
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
+        """x: (M, hidden), the rows of every part in order; cos/sin: (M, head_dim), each row's
+        position. Side effect: writes K/V of each part's positions into that part's caches.
+        Everything row-wise (projections, norms, RoPE, MLP) runs once over all M rows; only the KV
+        write and attention run per part."""
+        cfg, M = self.cfg, x.shape[0]
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KV, d).transpose(0, 1)  # (H + KV, T, D)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, KV, d).transpose(0, 1)        # (KV, T, D)
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv)
+        qk = qkv[:, : self.q_size + self.kv_size].view(M, H + KV, d).transpose(0, 1)  # (H + KV, M, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(M, KV, d).transpose(0, 1)        # (KV, M, D)
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
-        qk = apply_rope(qk, p.cos, p.sin)                                        # q and k in one pass
+        qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
+        outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)                  # (M, q)
+        x = x + self.o(attn.to(x.dtype))
+        g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
+        return x + self.down(F.silu(g) * u)
+
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, p: _Part) -> torch.Tensor:
+        """One sequence's KV write and attention. qk: (H + KV, T, D) after norm and RoPE, v: (KV, T, D):
+        its rows only. -> (T, q) in KV_DTYPE. Side effect: writes K/V of positions [start, start + T)
+        into p's caches. `attention` makes its own contiguous copies, so its GEMMs see the same
+        layouts whether this sequence ran alone or in company."""
+        H, T, start = self.cfg.num_heads, qk.shape[1], p.start
         end = start + T
         p.k_cache[:, start:end] = qk[H:]
         p.v_cache[:, start:end] = v
@@ -222,6 +225,7 @@ class Transformer(nn.Module):
         if sum(s.length for s in segments) != x.shape[0] or any(s.length < 1 for s in segments):
             raise ValueError("segments must cover the rows of x, each with at least one row")
         parts: list[list[_Part]] = [[] for _ in self.layers]
+        cos, sin = [], []                                                        # (T_i, head_dim) each
         r0 = 0
         for s in segments:
             end = s.start + s.length
@@ -229,13 +233,16 @@ class Transformer(nn.Module):
                 raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
             if s.k_cache.shape[2] % ATTN_BLOCK:
                 raise ValueError(f"KV capacity {s.k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
-            cos, sin = self.cos[s.start:end], self.sin[s.start:end]
+            cos.append(self.cos[s.start:end])
+            sin.append(self.sin[s.start:end])
             bias = causal_bias(s.start, s.length, s.k_cache.shape[2])
             for i, layer_parts in enumerate(parts):
-                layer_parts.append(_Part(r0, r0 + s.length, s.start, cos, sin, bias, s.k_cache[i], s.v_cache[i]))
+                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
             r0 += s.length
+        cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
+        sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
         for layer, layer_parts in zip(self.layers, parts):
-            x = layer(x, layer_parts)
+            x = layer(x, cos_m, sin_m, layer_parts)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
         picks, r0 = [], 0
         for s in segments:
