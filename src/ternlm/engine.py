@@ -194,10 +194,6 @@ class Engine:
         best_k, best = max(scored, key=lambda ks: (ks[0], -ks[1].last_used))
         return (best if best_k > 0 else min(cands, key=lambda s: s.last_used)).index
 
-    def lru_slot(self, among: list[int]) -> int:
-        """The least recently used slot of `among`. Does not modify any slot."""
-        return min((self.slots[i] for i in among), key=lambda s: s.last_used).index
-
     # ---- a request: open, step, stream ---------------------------------------------------------
     def open(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,

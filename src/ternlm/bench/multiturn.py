@@ -347,7 +347,7 @@ def cold_prompt(backend: OpenAIBackend, label: str, tokens: int, delay_s: float,
     """After `delay_s`, send one prompt of ~`tokens` tokens that shares nothing with the conversations
     (a cold prefill) and wait for its single token."""
     time.sleep(delay_s)
-    text = f"[{seed}] " + synthetic_text(random.Random(seed ^ 0xC01D), round(tokens / 1.2))
+    text = f"[{seed}] " + synthetic_text(random.Random(seed ^ 0xC01D), round(tokens / 1.1))   # ~1.1 tokens a word with a chat template
     sent, stats = time.perf_counter(), None
     for ev in backend.stream([{"role": "user", "content": text}], max_tokens=1, temperature=0.0):
         if isinstance(ev, TurnStats):
