@@ -305,7 +305,7 @@ class Scheduler:
             for t in [t for t in self._queue if t.cancelled]:
                 self._queue.remove(t)
                 dropped.append(t)
-            info = {s.index: s for s in self.engine.slot_info()}
+            info = {s.index: s for s in self.engine.slot_info()} if self._queue else {}
             while self._queue and len(self._busy) < self.engine.num_slots:
                 ticket = self._queue.popleft()
                 free = [i for i in info if i not in self._busy]
