@@ -27,7 +27,9 @@ def test_union_and_aggregate():
 def test_gaps_split_by_window():
     assert gaps([0.0, 0.1, 0.3]) == pytest.approx([0.1, 0.2])
     during, outside = split_gaps([[0.0, 0.1, 0.5, 0.6]], [(0.2, 0.55)])
-    assert during == pytest.approx([0.4]) and outside == pytest.approx([0.1, 0.1])
+    assert during == pytest.approx([0.4, 0.1]) and outside == pytest.approx([0.1])
+    frozen, rest = split_gaps([[0.0, 0.1, 30.0, 30.1]], [(0.15, 29.0)])   # a stream frozen by the prefill
+    assert frozen == pytest.approx([29.9]) and rest == pytest.approx([0.1, 0.1])
     p = pcts([0.1] * 99 + [1.0])
     assert p["p50"] == pytest.approx(0.1) and p["n"] == 100 and p["p99"] > 0.1
     assert pcts([]) == {"p50": None, "p99": None, "n": 0}

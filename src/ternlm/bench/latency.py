@@ -5,8 +5,9 @@ Used by `ternlm bench multiturn --concurrency N`: what users of N concurrent str
 - Aggregate decode tok/s: tokens that arrived after each answer's first, over the time at least one
   answer was streaming (the union of [first token, last token] intervals), so idle gaps between
   turns and prefills before anyone streams do not count, and overlapping streams are not double-timed.
-- A cold prompt's window: the ITL gaps of the other streams that ended while it was prefilling
-  (sent -> its first token), against the gaps outside any such window.
+- A cold prompt's window: the ITL gaps of the other streams that overlap its prefill (sent -> its
+  first token), against the others. Overlap, not "ended inside": a server that freezes every stream
+  for the whole prefill shows one long gap that ends after the window.
 """
 from __future__ import annotations
 
@@ -40,11 +41,11 @@ def aggregate_decode_tok_s(answers: list[list[float]]) -> float | None:
 
 
 def split_gaps(answers: list[list[float]], windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    """ITL gaps ending inside any window (during), and the others (outside)."""
+    """ITL gaps overlapping any window (during), and the others (outside)."""
     during, outside = [], []
     for times in answers:
         for a, b in zip(times, times[1:]):
-            (during if any(w0 <= b <= w1 for w0, w1 in windows) else outside).append(b - a)
+            (during if any(a < w1 and b > w0 for w0, w1 in windows) else outside).append(b - a)
     return during, outside
 
 

@@ -316,6 +316,7 @@ def cold_summary(turns: list[TurnResult], colds: list[ColdResult]) -> dict:
     during, outside = split_gaps([r.token_times for r in turns], [(c.sent, c.first) for c in colds])
     d, o = pcts(during), pcts(outside)
     return {"prompt_tokens": [c.prompt_tokens for c in colds], "prefill_s": [c.first - c.sent for c in colds],
+            "windows": [[c.sent, c.first] for c in colds],
             "itl_during_s": d, "itl_outside_s": o,
             "p99_during_over_p50_outside": d["p99"] / o["p50"] if d["p99"] and o["p50"] else None}
 
