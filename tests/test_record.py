@@ -31,6 +31,15 @@ class FakeModel:
         v_cache[:, :, start:start + T, :] = torch.arange(start, start + T, dtype=torch.float32).view(1, 1, T, 1)
         return torch.zeros(T, 1000)
 
+    def forward_batch(self, x, segments):
+        """The batched interface the runner calls: each segment through __call__ on its own rows."""
+        out, r0 = [], 0
+        for s in segments:
+            logits = self(x[r0:r0 + s.length], s.start, s.k_cache, s.v_cache)
+            out.append(None if s.logits == "none" else logits if s.logits == "all" else logits[-1:])
+            r0 += s.length
+        return out
+
 
 def make_slot(cap=4, max_cap=64):
     return Slot(0, KVShape(2, 1, 2, torch.float32, max_cap), initial_capacity=cap)

@@ -114,16 +114,30 @@ def test_queue_limit_429_and_fifo(eng):
     assert sched.state().busy == 0 and sched.state().idle == 2
 
 
-def test_steps_interleave_and_match_sequential(eng, engines):
+def test_steps_batch_every_running_request_into_one_forward(eng, engines, monkeypatch):
+    """Continuous batching: each round is ONE forward pass holding rows of both requests (prefill
+    chunks of 8 while both prefill, then one decode row each), and each answer equals a lone run."""
     _, cold = engines
+    segments_per_forward = []
+    real = eng.model.forward_batch
+
+    def counting(x, segments):
+        segments_per_forward.append(len(segments))
+        return real(x, segments)
+    monkeypatch.setattr(eng.model, "forward_batch", counting)
     sched = Scheduler(eng)
     a, b = Sink(), Sink()
     sched.submit(req(P1, max_tokens=8), a)
     sched.submit(req(P2, max_tokens=8), b)
-    for rounds in range(1, 4):
+    rounds = 0
+    while not (a.deltas or b.deltas):
         sched.run_once()
-        # one step each per round: the first round prefills both, every round yields one token each
-        assert len(a.deltas) == len(b.deltas) == rounds
+        rounds += 1
+    assert rounds == 5                         # 40-token prompts in 8-token chunks, side by side
+    for n in range(1, 4):                      # then every round yields one token each
+        assert len(a.deltas) == len(b.deltas) == n
+        sched.run_once()
+    assert segments_per_forward == [2] * (rounds + 3)
     drain(sched)
     assert a.completion.token_ids == cold_tokens(cold, P1, 8)
     assert b.completion.token_ids == cold_tokens(cold, P2, 8)
@@ -229,7 +243,7 @@ def test_cancel_mid_decode_frees_slot_and_record_stays_exact(eng, engines):
     sched = Scheduler(eng)
     s = Sink()
     t = sched.submit(req(P1, max_tokens=20), s)
-    for _ in range(4):
+    while len(s.deltas) < 3:                                    # prefill chunks, then 3 tokens
         sched.run_once()
     t.cancel()
     sched.run_once()                                            # acted on within one step

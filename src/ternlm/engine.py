@@ -6,26 +6,40 @@
 
 The engine keeps its slots (KV sequences) between calls, so turn after turn of a conversation
 prefills only the new tail. It is not thread-safe: the server's scheduler serialises access.
+
+A request's life, in three parts that each do one thing:
+  open    validate, decide reuse (kv/record), plan placement (kv/placement, pure) and act on the plan
+          -> a Sequence (sequence.py: sampler, detokenizer, stop matcher, timings, output ids)
+  step    one forward pass over rows of many sequences (runner.step), then each sequence samples
+  stream  open + step until done: a single request is a batch of one, on the same path as the
+          server's scheduler, which steps many sequences at once (continuous batching)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
 from .kv.blocks import BLOCK_TOKENS
+from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
 from .kv.slots import KVShape, Slot
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
 from .models.loaded import LoadedModel
-from .runner import Embed, Runner, digest_tensor
+from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Sampler, SamplingParams
+from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
+from .step_plan import Want, plan_step
+
+__all__ = ["Engine", "ChatIds", "Completion", "Delta", "Restored", "Sequence", "Timings", "SlotInfo",
+           "StepOutcome", "reuse_line"]
 
 log = logging.getLogger("ternlm")
 
@@ -40,57 +54,21 @@ class ChatIds(list):
     message_ends: Callable[[], list[int]]
 
 
-@dataclass
-class Timings:
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    ttft_s: float = 0.0          # request start -> first sampled token
+@dataclass(frozen=True)
+class SlotInfo:
+    """A slot as the scheduler and /slots see it (no tensors, no ids)."""
+    index: int
+    tokens: int                  # positions its KV holds (len of its record)
+    last_used: float             # time.monotonic() of its last use; 0.0 = never
+    namespace: bytes
 
 
 @dataclass(frozen=True)
-class Restored:
-    """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
-    loaded from the tiers below it (RAM, then disk), in position order."""
-    slot: int = 0
-    ram: int = 0
-    disk: int = 0
-    load_s: float = 0.0          # reading + verifying + copying tier blocks
-
-    @property
-    def tokens(self) -> int:
-        return self.slot + self.ram + self.disk
-
-    @property
-    def tier(self) -> str:
-        """The slowest tier that contributed: "disk" | "ram" | "slot" | "none"."""
-        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot else "none"
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: str           # "stop" (EOS, end-of-turn token, stop string) | "length"
-    prompt_tokens: int
-    cached_tokens: int           # positions reused from the KV: [0, cached_tokens)
-    reuse: Reuse
-    timings: Timings = field(default_factory=Timings)
-    slot: int = 0
-    logits: torch.Tensor | None = None   # (generated, vocab) fp32, only with keep_logits=True
-    restored: Restored = Restored()      # where [0, cached_tokens) came from
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One step of a stream: newly completed text (may be empty while UTF-8 or a stop string is pending).
-    token_id is -1 for the final flush of held-back text. logprob/top_logprobs (of the model's raw
-    distribution, before sampling filters) only when the stream was asked for logprobs."""
-    text: str
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+class StepOutcome:
+    """One sequence's result of a step: the events it produced, or the error that ended it (its
+    record is exact either way: it describes every write that completed)."""
+    events: list[Delta | Completion]
+    error: BaseException | None = None
 
 
 class Engine:
@@ -177,8 +155,10 @@ class Engine:
                                             add_special_tokens=False))
         ids.messages = messages
 
+        @functools.cache
         def message_ends() -> list[int]:
-            # Token offset where each message ends; computed only when a divergence is reported.
+            # Token offset where each message ends; computed only when a divergence's reason is
+            # read (Reuse.reason), on the reader's thread, once.
             from .chat import message_boundaries
             tok = self.tokenizer
             text = self._render(messages, add_generation_prompt, **kw)
@@ -201,32 +181,48 @@ class Engine:
         """(len(ids), vocab) fp32 logits of one full forward pass; touches no slot."""
         return self.runner.full_logits(list(ids))
 
-    def usable_prefix(self, slot: Slot, prompt: list[int], namespace: bytes) -> int:
+    # ---- slots (the scheduler asks through these; it never holds a Slot) ------------------------
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.runner.chunk_size
+
+    def slot_info(self) -> list[SlotInfo]:
+        """A snapshot of every slot. Lengths and namespaces are single attribute reads: safe enough
+        to call from another thread for reporting while the worker runs."""
+        return [SlotInfo(s.index, len(s.record.fed), s.last_used, s.record.namespace) for s in self.slots]
+
+    def usable_prefix(self, slot: Slot | int, prompt: list[int], namespace: bytes) -> int:
         """Positions of `slot` this prompt would actually keep (namespace, taint, [FRESH-LOGITS] and
         min_reuse applied). Does not modify the slot."""
+        slot = self.slots[slot] if isinstance(slot, int) else slot
         return decide_reuse(slot.record, prompt, namespace, min_reuse=self.min_reuse,
                             enabled=self.prefix_reuse).tokens
 
-    def pick_slot(self, prompt: list[int], namespace: bytes, slots: list[Slot] | None = None) -> Slot:
-        """The slot with the longest usable prefix for this prompt; a miss (nothing usable, e.g. only a
-        shared template opening below min_reuse) evicts the least recently used slot rather than a
-        warm near-miss. Does not modify any slot."""
-        cands = slots if slots is not None else self.slots
+    def pick_slot(self, prompt: list[int], namespace: bytes, among: list[int] | None = None) -> int:
+        """Index of the slot with the longest usable prefix for this prompt (among `among`, default
+        all); a miss (nothing usable, e.g. only a shared template opening below min_reuse) takes the
+        least recently used slot rather than a warm near-miss. Does not modify any slot."""
+        cands = [self.slots[i] for i in among] if among is not None else self.slots
         scored = [(self.usable_prefix(s, prompt, namespace), s) for s in cands]
         best_k, best = max(scored, key=lambda ks: (ks[0], -ks[1].last_used))
-        return best if best_k > 0 else min(cands, key=lambda s: s.last_used)
+        return (best if best_k > 0 else min(cands, key=lambda s: s.last_used)).index
 
-    def stream(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
-               stop: list[str] | None = None, embeds: dict[int, torch.Tensor] | None = None,
-               digest_embeds: bool = True, cache_salt: str = "", slot: Slot | None = None,
-               on_chunk: Callable[[int], None] | None = None,
-               keep_logits: bool = False, logprobs: int | None = None,
-               ignore_eos: bool = False) -> Iterator[Delta | Completion]:
-        """Generate, yielding Delta per sampled token and finally the Completion.
-        Closing the generator early (cancellation) stops after the current step; the slot's record
-        then describes exactly what was written. Side effects: rewrites the chosen slot's KV/record."""
-        from .detok import IncrementalDetokenizer, StopMatcher
+    # ---- a request: open, step, stream ---------------------------------------------------------
+    def open(self, prompt: list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+             stop: list[str] | None = None, embeds: dict[int, torch.Tensor] | None = None,
+             digest_embeds: bool = True, cache_salt: str = "", slot: Slot | int | None = None,
+             on_chunk: Callable[[int], None] | None = None,
+             keep_logits: bool = False, logprobs: int | None = None,
+             ignore_eos: bool = False) -> Sequence:
+        """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
+        Returns its Sequence, ready for `step`. Raises ValueError for a bad request (nothing
+        changed then). Side effects: may save the slot's blocks to the store, truncate or reset the
+        slot, load tier blocks into it (each load recorded where fed)."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
         n = len(prompt)
@@ -246,109 +242,126 @@ class Engine:
         if any(not 0 <= p < n for p in emb):
             raise ValueError("embeds positions must lie inside the prompt")
 
-        slot = slot or self.pick_slot(prompt, ns)
-        rec = slot.record
+        if slot is None:
+            slot = self.pick_slot(prompt, ns)
+        slot = self.slots[slot] if isinstance(slot, int) else slot
         digests = {p: e.digest or b"" for p, e in emb.items()}
-        reuse = decide_reuse(rec, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
-                             enabled=self.prefix_reuse)
-        if "diverged" in reuse.reason and isinstance(prompt_in, ChatIds):
-            # Only now pay for locating the message the divergence fell in.
-            reuse = decide_reuse(rec, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
-                                 enabled=self.prefix_reuse, message_ends=prompt_in.message_ends())
+        ends = prompt_in.message_ends if isinstance(prompt_in, ChatIds) else None
+        reuse = decide_reuse(slot.record, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
+                             enabled=self.prefix_reuse, message_ends=ends)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
         k = restored.tokens
-        assert len(rec) == k and rec.fed == prompt[:k]
+        assert len(slot.record) == k and slot.record.fed == prompt[:k]
         # [0, k) reused | [k, n) prefilled | [n, n + generated) decoded
-        timings = Timings()
-        t0 = time.perf_counter()
-        logits = self.runner.prefill(slot, prompt[k:], emb, on_chunk)
-        timings.prefill_tokens, timings.prefill_s = n - k, time.perf_counter() - t0
-        log.info("%s", reuse_line(reuse, n, timings, restored))
-
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stopper = StopMatcher(list(stop or []))
         stop_ids = frozenset() if ignore_eos else self.tokenizer.stop_ids
-        out_ids: list[int] = []
-        kept: list[torch.Tensor] = []
-        text: list[str] = []
-        finish = "length"
-        by_string = False
-        t_dec = time.perf_counter()
+        return Sequence(slot=slot, prompt=prompt, reused=k, reuse=reuse, restored=restored, sampler=sampler,
+                        tokenizer=self.tokenizer, stop=list(stop or []),
+                        limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
+                        keep_logits=keep_logits, logprobs=logprobs, started=t_start)
+
+    @staticmethod
+    def want(seq: Sequence) -> Want:
+        """What `seq` could feed now, for the step planner (step_plan.plan_step)."""
+        return Want(len(seq.pending), not seq.prefilling)
+
+    def step(self, work: list[tuple[Sequence, int]]) -> list[StepOutcome]:
+        """One forward pass: each (sequence, count) feeds its next `count` pending ids (distinct
+        slots). Returns one outcome per item, in order. Side effects: writes each slot's KV and
+        record (runner.step, [RECORD-WHERE-FED]); each sequence samples and advances.
+        Isolation: a sequence that cannot run (context overflow) or whose hook or sampling raises
+        fails alone; if the forward itself raises, every sequence of the step fails and no record
+        changed. A failed sequence is closed."""
+        outcomes: list[StepOutcome | None] = [None] * len(work)
+        feeds, live = [], []
+        for i, (seq, count) in enumerate(work):
+            ids, logits = seq.take(count)
+            try:
+                seq.slot.ensure_capacity(len(seq.slot.record) + count)
+            except Exception as e:           # ContextOverflow: this sequence only
+                outcomes[i] = self._fail(seq, e)
+                continue
+            feeds.append(Feed(seq.slot, ids, seq.embeds or None, "last" if logits else "none"))
+            live.append(i)
+        if feeds:
+            try:
+                results = self.runner.step(feeds)
+            except Exception as e:           # the whole forward failed: no record changed
+                for i in live:
+                    outcomes[i] = self._fail(work[i][0], e)
+                return outcomes
+            for i, logits in zip(live, results):
+                seq, count = work[i]
+                was_prefilling = seq.prefilling
+                try:
+                    outcomes[i] = StepOutcome(seq.accept(count, None if logits is None else logits[-1]))
+                except Exception as e:       # its hook or its sampling: this sequence only
+                    outcomes[i] = self._fail(seq, e)
+                if was_prefilling and not seq.prefilling:
+                    log.info("%s", reuse_line(seq.reuse, seq.n, seq.timings, seq.restored))
+        return outcomes
+
+    @staticmethod
+    def _fail(seq: Sequence, error: BaseException) -> StepOutcome:
+        seq.close()
+        return StepOutcome([], error)
+
+    def stream(self, prompt: list[int], **kw) -> Iterator[Delta | Completion]:
+        """Generate, yielding Delta per sampled token and finally the Completion. Takes `open`'s
+        keyword arguments. A batch of one: prefill chunks of chunk_size, then one decode per step.
+        Closing the generator early (cancellation) stops after the current step; the slot's record
+        then describes exactly what was written. Side effects: rewrites the chosen slot's KV/record."""
+        seq = self.open(prompt, **kw)
         try:
-            while True:
-                tok = sampler.sample(logits)
-                if keep_logits:
-                    kept.append(logits)
-                if not out_ids:
-                    timings.ttft_s = time.perf_counter() - t_start
-                if tok in stop_ids:
-                    finish = "stop"
-                    break
-                out_ids.append(tok)
-                emit, stopped = stopper.feed(detok.push(tok))
-                text.append(emit)
-                if logprobs is None:
-                    yield Delta(emit, tok)
-                else:
-                    lp = torch.log_softmax(logits, dim=-1)
-                    top = torch.topk(lp, logprobs) if logprobs > 0 else None
-                    yield Delta(emit, tok, float(lp[tok]),
-                                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
-                if stopped:
-                    finish, by_string = "stop", True
-                    break
-                if len(out_ids) >= max_tokens or len(rec) >= self.ctx:
-                    break
-                logits = self.runner.decode(slot, tok)
-                timings.decode_tokens += 1
+            while not seq.done:
+                count = plan_step([self.want(seq)], self.chunk_size, self.chunk_size)[0]
+                out = self.step([(seq, count)])[0]
+                if out.error is not None:
+                    raise out.error
+                yield from out.events
         finally:
-            timings.decode_s = time.perf_counter() - t_dec
-            slot.touch()
-        if not by_string:
-            tail, stopped = stopper.feed(detok.flush())
-            if not stopped:
-                tail += stopper.flush()
-            if tail:
-                text.append(tail)
-                yield Delta(tail, -1)
-        yield Completion("".join(text), out_ids, finish, n, k, reuse, timings, slot.index,
-                         torch.stack(kept) if keep_logits else None, restored)
+            seq.close()
 
     def _place(self, slot: Slot, prompt: list[int], ns: bytes, k: int, first_embed: int) -> Restored:
-        """Make the slot's record a prefix of the prompt: keep the slot's usable prefix [0, k), or a
-        longer one loaded from the tiers. Side effects: saves the slot's blocks into the store before
-        discarding any of its positions; truncates or resets the slot; may load blocks into it.
-        `first_embed`: first position fed from a caller embedding (stored blocks never carry one)."""
+        """Make the slot's record a prefix of the prompt, acting on a kv/placement plan: keep the
+        slot's usable prefix [0, k), or a longer one loaded from the tiers. Side effects: saves the
+        slot's blocks into the store before discarding any of its positions; truncates or resets the
+        slot; may load blocks into it. `first_embed`: first position fed from a caller embedding."""
         rec, store, n = slot.record, self.store, len(prompt)
-        if store is not None and k < len(rec):
+
+        def plan(tier_blocks: int) -> Placement:
+            return plan_placement(n=n, record_len=len(rec), slot_usable=k, tier_blocks=tier_blocks,
+                                  first_embed=first_embed, min_reuse=self.min_reuse, store=store is not None)
+        p = plan(0)                            # save_slot never depends on the tiers' match
+        if p.save_slot:
             store.save(slot)                   # what the slot is about to lose goes down a tier
+        load_s, tiers = 0.0, []
         if store is not None:
-            limit = min(n - 1, first_embed)    # [FRESH-LOGITS] feed >= 1 token; embeds are prefilled
-            refs = store.match(prompt, ns, limit)
-            first = k // BLOCK_TOKENS          # blocks [0, first) are in the slot already
-            beat = max(k, self.min_reuse - 1)  # the tiers are used only for more than this
-            if min(len(refs) * BLOCK_TOKENS, limit) > beat and len(refs) > first:
-                got = store.fetch(refs[first:], ns)
-                keep = first * BLOCK_TOKENS
-                if min(keep + got.tokens, limit) > beat:
-                    if keep == 0:
-                        slot.reset(ns)
-                    else:
-                        rec.truncate(keep)
-                    # [0, keep) kept from the slot | [keep, len) loaded from tiers | then prefill
+            refs = store.match(prompt, ns, min(n - 1, first_embed))
+            p = plan(len(refs))
+            if p.blocks:
+                got = store.fetch(refs[p.first_block:p.first_block + p.blocks], ns)
+                p = plan(p.first_block + len(got.blocks))   # what was actually read (a bad file stops it)
+                if p.blocks:
+                    self._keep(slot, p.keep, ns)
+                    # [0, keep) kept from the slot | [keep, loaded) loaded from tiers | then prefill
                     t0 = time.perf_counter()
-                    self.runner.load_blocks(slot, got.blocks)
+                    self.runner.load_blocks(slot, got.blocks[:p.blocks])
                     load_s = got.load_s + time.perf_counter() - t0
-                    rec.truncate(limit)
-                    per = [(t, max(0, min(BLOCK_TOKENS, limit - keep - i * BLOCK_TOKENS)))
-                           for i, t in enumerate(got.tiers)]
-                    return Restored(keep, sum(c for t, c in per if t == "ram"),
-                                    sum(c for t, c in per if t == "disk"), load_s)
-        if k == 0:
+                    rec.truncate(p.loaded)
+                    tiers = got.tiers[:p.blocks]
+        if not tiers:
+            self._keep(slot, p.keep, ns)
+            return Restored(slot=p.keep)
+        per = [(t, max(0, min(BLOCK_TOKENS, p.loaded - p.keep - i * BLOCK_TOKENS))) for i, t in enumerate(tiers)]
+        return Restored(p.keep, sum(c for t, c in per if t == "ram"), sum(c for t, c in per if t == "disk"), load_s)
+
+    @staticmethod
+    def _keep(slot: Slot, keep: int, ns: bytes) -> None:
+        """Keep positions [0, keep) of the slot: truncate, or reset into namespace `ns` when 0."""
+        if keep == 0:
             slot.reset(ns)
         else:
-            rec.truncate(k)
-        return Restored(slot=k)
+            slot.record.truncate(keep)
 
     def persist_cache(self) -> int:
         """Shutdown: write live slots and the RAM tier to the disk tier. Returns blocks on disk.
@@ -375,4 +388,4 @@ def reuse_line(reuse: Reuse, n: int, t: Timings, r: Restored = Restored()) -> st
                 f"load {r.load_s * 1e3:.1f} ms), {prefill}")
     if r.slot:
         return f"reuse {r.slot}-token KV prefix (of {n}) from the slot, {prefill}"
-    return f"no reuse: {reuse.reason}; {prefill}"
+    return f"no reuse: {reuse.why}; {prefill}"   # why, not reason: naming the message renders templates

@@ -1,10 +1,12 @@
-"""Prefill and decode: THE place where KV is written, and therefore where the record is written.
+"""Steps, prefill and decode: THE place where KV is written, and therefore where the record is written.
 
-Every write into a slot's KV goes through `prefill`, `decode` or `load_blocks` below, and each appends
-to the slot's PrefixRecord right after the write that filled those positions returned
-([RECORD-WHERE-FED]); for `load_blocks` the ids are the verified block's own.
-An exception inside a model call leaves the record at the last completed write: positions the
-failed call touched are beyond len(record) and therefore never read as reusable.
+Every write into a slot's KV goes through `step` (one forward pass over the rows of many slots:
+continuous batching), its one-slot conveniences `prefill` and `decode`, or `load_blocks`. Each slot's
+PrefixRecord is appended right after the write that filled those positions returned
+([RECORD-WHERE-FED]): for `step`, per slot, right after the batched forward returned; for
+`load_blocks`, the verified block's own ids. An exception inside a model call leaves every record in
+the batch at its last completed write: positions the failed call touched are beyond len(record) and
+therefore never read as reusable.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from .kv.blockfile import BlockKV
 from .kv.slots import Slot
-from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
+from .models.llama import ATTN_BLOCK, KV_DTYPE, Segment, Transformer
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,16 @@ def digest_tensor(t: torch.Tensor) -> bytes:
     return h.digest()
 
 
+@dataclass(frozen=True)
+class Feed:
+    """One slot's rows in a step: `ids` go to positions [len(record), len(record) + len(ids)).
+    logits: "last" | "all" | "none" (see models.llama.Segment)."""
+    slot: Slot
+    ids: list[int]
+    embeds: dict[int, Embed] | None = None    # absolute position -> caller embedding
+    logits: str = "last"
+
+
 class Runner:
     def __init__(self, model: Transformer, chunk_size: int = 256):
         if chunk_size < 1:
@@ -43,54 +55,69 @@ class Runner:
         self.model = model
         self.chunk_size = chunk_size
 
-    def _inputs(self, ids: list[int], start: int, embeds: dict[int, Embed] | None) -> torch.Tensor:
-        """(T, hidden) input embeddings for positions [start, start + len(ids))."""
+    def _inputs(self, feeds: list[Feed]) -> torch.Tensor:
+        """(M, hidden) input embeddings of every feed's rows, concatenated in order."""
+        ids = [t for f in feeds for t in f.ids]
         x = self.model.embed_ids(torch.tensor(ids, dtype=torch.long))
-        if embeds:
-            for pos, e in embeds.items():
-                if start <= pos < start + len(ids):
-                    x[pos - start] = e.vector.to(x.dtype)
+        r0 = 0
+        for f in feeds:
+            if f.embeds:
+                start = len(f.slot.record)
+                for pos, e in f.embeds.items():
+                    if start <= pos < start + len(f.ids):
+                        x[r0 + pos - start] = e.vector.to(x.dtype)
+            r0 += len(f.ids)
         return x
 
     @torch.inference_mode()
+    def step(self, feeds: list[Feed]) -> list[torch.Tensor | None]:
+        """One forward pass over the rows of all feeds (distinct slots): linears once over all rows,
+        attention per slot. Returns per feed fp32 logits as its Feed.logits asks ((1, vocab) for "last").
+        Side effects: may grow each slot (ensure_capacity; ContextOverflow empties that slot's record
+        and raises before anything is computed); writes KV; then, per slot, appends its ids (and
+        embedding digests / taint) to its record [RECORD-WHERE-FED]. If the forward raises, no record
+        changes."""
+        if not feeds or any(not f.ids for f in feeds):
+            raise ValueError("a step feeds at least one token per slot")   # [FRESH-LOGITS]
+        if len({id(f.slot) for f in feeds}) != len(feeds):
+            raise ValueError("a slot appears twice in one step")
+        for f in feeds:
+            f.slot.ensure_capacity(len(f.slot.record) + len(f.ids))
+        x = self._inputs(feeds)
+        segs = [Segment(len(f.slot.record), len(f.ids), f.slot.k, f.slot.v, f.logits) for f in feeds]
+        logits = self.model.forward_batch(x, segs)
+        for f in feeds:                               # the forward returned: every write succeeded
+            pos = len(f.slot.record)
+            digests, taint_at = {}, None
+            for p, e in (f.embeds or {}).items():
+                if pos <= p < pos + len(f.ids):
+                    if e.digest is None:
+                        taint_at = p if taint_at is None else min(taint_at, p)
+                    digests[p] = e.digest or b""
+            f.slot.record.append(f.ids, digests, taint_at)  # [RECORD-WHERE-FED]
+        return logits
+
     def prefill(self, slot: Slot, ids: list[int], embeds: dict[int, Embed] | None = None,
                 on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Feed ids as positions [len(record), len(record) + len(ids)), chunk by chunk.
+        """Feed ids as positions [len(record), len(record) + len(ids)), chunk by chunk (one step each).
         Side effects: writes KV and appends to slot.record after each chunk; `on_chunk(end)` runs
         after each recorded chunk (cancellation and fault hooks; an exception there stops the
         prefill with the record exact). Returns fp32 logits (vocab,) of the last position."""
         if not ids:
             raise ValueError("prefill needs at least one token")  # [FRESH-LOGITS]
-        start = len(slot.record)
         logits = None
         for c0 in range(0, len(ids), self.chunk_size):
             chunk = ids[c0:c0 + self.chunk_size]
-            pos = start + c0
-            slot.ensure_capacity(pos + len(chunk))
-            x = self._inputs(chunk, pos, embeds)
-            logits = self.model(x, pos, slot.k, slot.v)
-            digests, taint_at = {}, None
-            for p in range(pos, pos + len(chunk)):
-                e = embeds.get(p) if embeds else None
-                if e is not None:
-                    if e.digest is None and taint_at is None:
-                        taint_at = p
-                    digests[p] = e.digest or b""
-            slot.record.append(chunk, digests, taint_at)  # [RECORD-WHERE-FED]
+            last = c0 + self.chunk_size >= len(ids)
+            logits = self.step([Feed(slot, chunk, embeds, "last" if last else "none")])[0]
             if on_chunk is not None:
-                on_chunk(pos + len(chunk))
+                on_chunk(len(slot.record))
         return logits[-1]
 
-    @torch.inference_mode()
     def decode(self, slot: Slot, token: int) -> torch.Tensor:
         """Feed one sampled token at position len(record). Side effects: writes KV, appends the
         token to the record. Returns fp32 logits (vocab,)."""
-        pos = len(slot.record)
-        slot.ensure_capacity(pos + 1)
-        x = self.model.embed_ids(torch.tensor([token], dtype=torch.long))
-        logits = self.model(x, pos, slot.k, slot.v)
-        slot.record.append([token])  # [RECORD-WHERE-FED]
-        return logits[-1]
+        return self.step([Feed(slot, [token])])[0][-1]
 
     @torch.inference_mode()
     def load_blocks(self, slot: Slot, blocks: list[BlockKV]) -> None:
@@ -114,4 +141,4 @@ class Runner:
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
         k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=KV_DTYPE)
         v = torch.zeros_like(k)
-        return m(self._inputs(ids, 0, None), 0, k, v, all_logits=True)
+        return m(m.embed_ids(torch.tensor(ids, dtype=torch.long)), 0, k, v, all_logits=True)

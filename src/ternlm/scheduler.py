@@ -1,20 +1,25 @@
-"""Scheduler: one worker thread owns the engine; requests wait FIFO for a slot; decode steps interleave.
+"""Scheduler: one worker thread owns the engine; requests wait FIFO for a slot; every step batches
+all running requests into one forward pass (continuous batching).
 
 Why this shape:
 - The engine is not thread-safe and its work is CPU-bound torch calls, so exactly one thread (the
   worker) ever touches slots or calls the model. Other threads talk to it only through `submit` (a
   lock-guarded FIFO) and `Ticket.cancel` (a flag); results leave through each request's `sink`.
-- Interleaving is a round robin over the active stream generators, one `next()` each per round, so
-  every admitted request advances one decode step per round and a long answer never starves a short
-  one. A prefill is a single `next()`: the engine does not yield between prefill chunks.
+- One round (`run_once`) = admit, drop the cancelled, then ONE engine step: every decoding request
+  feeds its next token and prefilling requests feed chunks of their prompt within `step_tokens`
+  (step_plan.plan_step, pure). Linears run once over all those rows, so eight streams cost little
+  more than one, and a 4,000-token cold prompt advances a chunk per step beside the decodes instead
+  of freezing them. A request's bits do not depend on its neighbours ([BATCH-INVARIANT]).
 - Slot choice is the engine's (longest common prefix in the request's namespace) over the FREE slots,
-  with two refinements: a prefix the engine would not reuse (below min_reuse, other namespace) is a
+  with refinements: a prefix the engine would not reuse (below min_reuse, other namespace) is a
   miss, and a miss takes the least recently used free slot instead of evicting a warm one for nothing;
-  a `prompt_cache_key` pins a conversation to the slot it used last while that slot is free.
-- Cancellation is a flag checked before every step and after every prefill chunk; closing the
-  generator ends the request after the current step and the engine leaves the slot's record exact.
-- Errors inside one request (context overflow, bad sampling parameters) end that request with a
-  `Failed` event; the worker itself never dies of them.
+  a `prompt_cache_key` pins a conversation to the slot it used last while that slot is free and
+  still holds that conversation (a pinned slot taken over by another conversation is not evicted
+  for a prompt that shares nothing with it either).
+- Cancellation is a flag checked before every step (a step feeds at most one chunk per request), so
+  a request ends after the step it was in, with its slot's record exact.
+- Errors inside one request (context overflow, bad sampling parameters, a failing hook) end that
+  request with a `Failed` event; the others in the batch go on; the worker itself never dies of them.
 """
 from __future__ import annotations
 
@@ -25,10 +30,10 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
-from .engine import Completion, Delta, Engine
-from .kv.slots import Slot
+from .engine import Completion, Delta, Engine, Sequence
+from .step_plan import plan_step
 
 log = logging.getLogger("ternlm.scheduler")
 
@@ -112,10 +117,6 @@ class ShuttingDown(Exception):
     """The server is shutting down and takes no more work."""
 
 
-class _Abort(Exception):
-    """Raised from the prefill chunk hook to stop a cancelled request mid-prefill."""
-
-
 class Ticket:
     """A submitted request. `cancel()` is thread-safe; the worker acts on it within one step."""
 
@@ -137,11 +138,11 @@ class Ticket:
 @dataclass
 class _Running:
     ticket: Ticket
-    slot: Slot
-    gen: Iterator[Delta | Completion]
+    slot: int
     held: int                        # tokens the slot's record held at admission (for slot_reset)
     queued_s: float
     started: float
+    seq: Sequence | None = None      # opened on the worker right after admission
 
 
 @dataclass(frozen=True)
@@ -167,12 +168,17 @@ class Scheduler:
     starting the thread)."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, affinity_size: int = 4096,
-                 on_done: Callable[[Ticket, Event], None] | None = None,
+                 step_tokens: int = 64, on_done: Callable[[Ticket, Event], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        """step_tokens: rows one step may feed while some request decodes (decodes + prefill chunks);
+        smaller keeps running streams smooth while a long prompt prefills, larger prefills faster."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         self.engine = engine
         self.max_queue = max_queue
+        self.step_tokens = step_tokens
         self.on_done = on_done           # observer of terminal events (metrics); worker thread
         self._clock = clock
         self._cv = threading.Condition()
@@ -182,13 +188,13 @@ class Scheduler:
         # (salt, prompt_cache_key) -> slot index it used last; bounded, oldest forgotten first
         self._affinity: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._affinity_size = affinity_size
+        self._owner: dict[int, tuple[str, str] | None] = {}   # slot -> key of the request that ran there last
         self._ids = itertools.count(1)
         self._closing = False
         self._deadline: float | None = None   # when closing: active requests are cut at this time
         self._service_s = 1.0                 # moving average of request service time (Retry-After)
         self._thread: threading.Thread | None = None
 
-    # ---- any thread ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker thread (daemon: a hung model call never blocks interpreter exit)."""
         if self._thread is not None:
@@ -202,7 +208,7 @@ class Scheduler:
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            free = len(self.engine.slots) - len(self._busy)
+            free = self.engine.num_slots - len(self._busy)
             if len(self._queue) >= self.max_queue + max(free, 0):
                 raise QueueFull(len(self._queue), self._retry_after())
             ticket = Ticket(next(self._ids), request, sink, self._clock())
@@ -229,38 +235,45 @@ class Scheduler:
         return True
 
     def state(self) -> SchedulerState:
-        """A snapshot for /slots and the gauges. Reads slot records without the worker's help:
-        lengths and namespaces are single attribute reads, good enough for reporting."""
+        """A snapshot for /slots and the gauges (engine.slot_info: single attribute reads, good
+        enough for reporting without the worker's help)."""
         with self._cv:
             busy = set(self._busy)
             queued = len(self._queue)
-        slots = [SlotState(s.index, s.index in busy, len(s.record.fed), s.last_used, s.record.namespace)
-                 for s in self.engine.slots]
+        slots = [SlotState(s.index, s.index in busy, s.tokens, s.last_used, s.namespace)
+                 for s in self.engine.slot_info()]
         return SchedulerState(queued, len(busy), len(slots) - len(busy), slots)
 
     # ---- slot choice (pure: reads slots, modifies nothing) --------------------------------------
-    def choose_slot(self, request: GenRequest, free: list[Slot]) -> Slot:
+    def choose_slot(self, request: GenRequest, free: list[int]) -> int:
         """The free slot this request should run in: its pinned slot (prompt_cache_key) unless another
-        free slot offers more reusable prefix; else the longest usable prefix; else the LRU slot."""
+        free slot offers more reusable prefix, or the pinned slot now holds another conversation and
+        offers nothing; else the longest usable prefix; else the LRU slot."""
         eng = self.engine
         ns = eng.namespace(request.salt)
-
-        best = eng.pick_slot(request.prompt, ns, slots=free)
+        best = eng.pick_slot(request.prompt, ns, among=free)
         if request.affinity is not None:
-            pinned = self._affinity.get((request.salt, request.affinity))
-            pin = next((s for s in free if s.index == pinned), None)
-            usable = eng.usable_prefix
-            if pin is not None and usable(pin, request.prompt, ns) >= usable(best, request.prompt, ns):
-                return pin
+            key = (request.salt, request.affinity)
+            pin = self._affinity.get(key)
+            if pin in free:
+                usable = eng.usable_prefix(pin, request.prompt, ns)
+                ours = self._owner.get(pin) == key      # nobody else ran there since
+                if usable >= eng.usable_prefix(best, request.prompt, ns) and (usable > 0 or ours):
+                    return pin
         return best
 
     # ---- worker thread -------------------------------------------------------------------------
     def run_once(self) -> bool:
-        """One scheduling round: admit waiting requests into free slots, then advance every active
-        request by one step. Returns whether anything is left to do."""
+        """One scheduling round: admit waiting requests into free slots, end the cancelled ones, then
+        one engine step over every running request (one forward pass). Returns whether anything is
+        left to do."""
         self._admit()
         for run in list(self._running):
-            self._step(run)
+            if run.ticket.cancelled:
+                self._end(run, Cancelled("running"))
+            elif self._past_deadline():
+                self._end(run, Failed(ShuttingDown("the server shut down mid-request"), "shutdown"))
+        self._step()
         with self._cv:
             return bool(self._queue or self._running)
 
@@ -292,74 +305,69 @@ class Scheduler:
             for t in [t for t in self._queue if t.cancelled]:
                 self._queue.remove(t)
                 dropped.append(t)
-            while self._queue and len(self._busy) < len(self.engine.slots):
+            info = {s.index: s for s in self.engine.slot_info()} if self._queue else {}
+            while self._queue and len(self._busy) < self.engine.num_slots:
                 ticket = self._queue.popleft()
-                free = [s for s in self.engine.slots if s.index not in self._busy]
+                free = [i for i in info if i not in self._busy]
                 slot = self.choose_slot(ticket.request, free)
-                self._busy.add(slot.index)
+                self._busy.add(slot)
+                key = None
                 if ticket.request.affinity is not None:
                     key = (ticket.request.salt, ticket.request.affinity)
-                    self._affinity[key] = slot.index
+                    self._affinity[key] = slot
                     self._affinity.move_to_end(key)
                     while len(self._affinity) > self._affinity_size:
                         self._affinity.popitem(last=False)
+                self._owner[slot] = key
                 now = self._clock()
-                run = _Running(ticket, slot, self._open(ticket, slot), len(slot.record), now - ticket.submitted, now)
+                run = _Running(ticket, slot, info[slot].tokens, now - ticket.submitted, now)
                 self._running.append(run)
                 started.append(run)
         for t in dropped:
             self._done(t, Cancelled("queued"))
         for run in started:
-            self._post(run.ticket, Admitted(run.slot.index, run.queued_s))
+            self._post(run.ticket, Admitted(run.slot, run.queued_s))
+            self._open(run)
 
-    def _open(self, ticket: Ticket, slot: Slot) -> Iterator[Delta | Completion]:
-        """The engine stream for a request (a generator: nothing runs until the first next())."""
-        p = ticket.request.params
-
-        def on_chunk(end: int) -> None:
-            # a cancelled (or shutdown-cut) request stops after the chunk just recorded
-            if ticket.cancelled or self._past_deadline():
-                raise _Abort()
-
-        return self.engine.stream(ticket.request.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
-                                  top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
-                                  stop=list(p.stop) or None, cache_salt=ticket.request.salt, slot=slot,
-                                  on_chunk=on_chunk, logprobs=p.logprobs)
-
-    def _step(self, run: _Running) -> None:
-        if run.ticket.cancelled:
-            self._end(run, Cancelled("running"))
-            return
+    def _open(self, run: _Running) -> None:
+        """Validate and place the request (engine.open); a bad request ends here with Failed."""
+        p, r = run.ticket.request.params, run.ticket.request
         try:
-            ev = next(run.gen)
-        except _Abort:
-            if run.ticket.cancelled:
-                self._end(run, Cancelled("running"))
-            else:
-                self._end(run, Failed(ShuttingDown("the server shut down mid-request"), "shutdown"))
-            return
-        except StopIteration:
-            self._end(run, Failed(RuntimeError("the engine stream ended without a completion"), "error"))
-            return
+            run.seq = self.engine.open(r.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                                       top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+                                       stop=list(p.stop) or None, cache_salt=r.salt, slot=run.slot,
+                                       logprobs=p.logprobs)
         except Exception as e:  # one request's error (e.g. context overflow) ends that request only
             log.warning("request %d failed: %s", run.ticket.id, e)
             self._end(run, Failed(e, "error"))
+
+    def _step(self) -> None:
+        """One engine step over every running request, then each one's events to its sink."""
+        runs = [r for r in self._running if r.seq is not None and not r.seq.done]
+        if not runs:
             return
-        if isinstance(ev, Completion):
-            elapsed = self._clock() - run.started
-            self._service_s = 0.8 * self._service_s + 0.2 * elapsed
-            self._end(run, Finished(ev, run.queued_s, slot_reset=run.held > 0 and ev.cached_tokens == 0))
-        else:
-            self._post(run.ticket, ev)
+        counts = plan_step([self.engine.want(r.seq) for r in runs], self.step_tokens, self.engine.chunk_size)
+        chosen = [(r, c) for r, c in zip(runs, counts) if c > 0]
+        outcomes = self.engine.step([(r.seq, c) for r, c in chosen])
+        for (run, _), out in zip(chosen, outcomes):
+            if out.error is not None:
+                log.warning("request %d failed: %s", run.ticket.id, out.error)
+                self._end(run, Failed(out.error, "error"))
+                continue
+            for ev in out.events:
+                if isinstance(ev, Completion):
+                    elapsed = self._clock() - run.started
+                    self._service_s = 0.8 * self._service_s + 0.2 * elapsed
+                    self._end(run, Finished(ev, run.queued_s, slot_reset=run.held > 0 and ev.cached_tokens == 0))
+                else:
+                    self._post(run.ticket, ev)
 
     def _end(self, run: _Running, event: Event) -> None:
-        """Close the stream (the engine leaves the record exact), free the slot, post the last event."""
-        try:
-            run.gen.close()
-        except Exception:
-            log.exception("closing request %d's stream failed", run.ticket.id)
+        """Close the request (its slot's record is already exact), free the slot, post the last event."""
+        if run.seq is not None:
+            run.seq.close()
         with self._cv:
-            self._busy.discard(run.slot.index)
+            self._busy.discard(run.slot)
             if run in self._running:
                 self._running.remove(run)
         self._done(run.ticket, event)
@@ -376,7 +384,7 @@ class Scheduler:
 
     def _retry_after(self) -> int:
         """Seconds until a queue slot is likely free: a rough estimate, clamped to [1, 60]."""
-        rounds = (len(self._queue) + 1) / max(len(self.engine.slots), 1)
+        rounds = (len(self._queue) + 1) / max(self.engine.num_slots, 1)
         return int(min(60, max(1, math.ceil(self._service_s * rounds))))
 
     def _done(self, ticket: Ticket, event: Event) -> None:

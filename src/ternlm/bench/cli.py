@@ -73,7 +73,18 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--user-words", type=int, default=40, help="synthetic user turn length (0.5x-1.5x)")
     p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--clients", type=int, default=1, help="conversations replayed concurrently")
+    p.add_argument("--concurrency", "--clients", dest="clients", type=int, default=1,
+                   help="conversations replayed concurrently through the HTTP API (default 1)")
+    p.add_argument("--slots", type=int, default=0,
+                   help="slots of the servers -m starts (default: concurrency, +1 with --cold-prompt-tokens)")
+    p.add_argument("--step-tokens", type=int, default=0, help="--step-tokens of the servers -m starts (default: theirs)")
+    p.add_argument("--only-reuse", action="store_true",
+                   help="-m starts only the reuse-on server (no reuse-off twin, no identity check)")
+    p.add_argument("--cold-prompt-tokens", type=int, default=0,
+                   help="while the conversations run, send one unrelated prompt of about this many tokens "
+                        "and report the other streams' inter-token latency during its prefill")
+    p.add_argument("--cold-prompt-delay", type=float, default=3.0,
+                   help="seconds after a contender's batch starts before the cold prompt is sent")
     p.add_argument("--require-identical", action="append", metavar="A,B",
                    help="also require these two contenders to answer identically (repeatable)")
     p.add_argument("--out", default="benchmarks/results/multiturn")

@@ -13,6 +13,12 @@ first rule). That pair, plus any `--require-identical A,B`, is required to match
 mismatch is printed, flagged in results.json and makes the exit status 1. Other contenders are compared
 with the first one for information only (another engine may round differently).
 
+Concurrency (`--concurrency N`): N conversations replay at once, each on its own client thread, so
+the server batches their steps. Token arrival times are recorded per answer, and the summary gives
+aggregate decode tok/s, TTFT and inter-token latency (median, p99) (bench/latency.py). With
+`--cold-prompt-tokens T`, one unrelated T-token prompt is sent while they stream, and the other streams'
+inter-token latency during its prefill is reported beside the rest.
+
 Outputs in --out: results.json (settings, every turn, summaries, comparisons), ttft.png (median time to
 first token by turn number, one line per configuration), logs/ (the servers we started).
 """
@@ -38,6 +44,7 @@ import numpy as np
 
 from ..chat_cli import OpenAIBackend, TurnStats
 from .common import command_line, synthetic_text, write_json
+from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
 
 REUSE, NO_REUSE = "ternlm-reuse", "ternlm-no-reuse"
 
@@ -157,8 +164,11 @@ class Contender:
 def ternlm_serve_args(args, reuse: bool) -> list[str]:
     """The engine flags of this bench passed on to `ternlm serve`; slots = clients so every concurrent
     conversation can keep its own KV."""
+    slots = getattr(args, "slots", 0) or max(1, args.clients) + (1 if getattr(args, "cold_prompt_tokens", 0) else 0)
     out = ["-m", args.model, "--dtype", args.dtype, "--min-reuse", str(args.min_reuse), "--chunk", str(args.chunk),
-           "--slots", str(max(1, args.clients))]
+           "--slots", str(slots)]
+    if getattr(args, "step_tokens", 0):
+        out += ["--step-tokens", str(args.step_tokens)]
     if args.ctx:
         out += ["--ctx", str(args.ctx)]
     if args.threads:
@@ -183,6 +193,7 @@ class TurnResult:
     e2e_s: float
     finish_reason: str | None
     measured: str                    # "server": prefill/decode from the server's timings; "client": wall clock
+    token_times: list[float] = field(default_factory=list)   # perf_counter() at each content chunk's arrival
 
 
 def replay(backend: OpenAIBackend, label: str, conv: Conversation, max_tokens: int,
@@ -193,17 +204,18 @@ def replay(backend: OpenAIBackend, label: str, conv: Conversation, max_tokens: i
     out = []
     for t, user in enumerate(conv.user_turns, 1):
         history.append({"role": "user", "content": user})
-        pieces, stats = [], None
+        pieces, stats, times = [], None, []
         for ev in backend.stream(list(history), max_tokens=max_tokens, temperature=0.0):
             if isinstance(ev, TurnStats):
                 stats = ev
             else:
+                times.append(time.perf_counter())
                 pieces.append(ev)
         text = "".join(pieces)
         history.append({"role": "assistant", "content": text})
         out.append(TurnResult(label, conv.id, t, text, stats.prompt_tokens, stats.cached_tokens,
                               stats.completion_tokens, stats.ttft_s, stats.prefill_tok_s, stats.decode_tok_s,
-                              stats.e2e_s, stats.finish_reason, stats.measured))
+                              stats.e2e_s, stats.finish_reason, stats.measured, times))
         on_turn()
     return out
 
@@ -280,6 +292,8 @@ def summarize(turns: list[TurnResult], wall_s: float) -> dict:
             "e2e_s": {"p50": pct(e2e, 50), "p90": pct(e2e, 90), "p99": pct(e2e, 99)},
             "prefill_tok_s_median": median([r.prefill_tok_s for r in turns if r.prefill_tok_s]),
             "decode_tok_s_median": median([r.decode_tok_s for r in turns if r.decode_tok_s]),
+            "itl_s": pcts([g for r in turns for g in gaps(r.token_times)]),
+            "decode_tok_s_aggregate": aggregate_decode_tok_s([r.token_times for r in turns]),
             "wall_s": wall_s, "completion_tokens": done,
             "throughput_tok_s": done / wall_s if counted and wall_s else None,
             "turns_per_s": len(turns) / wall_s if wall_s else None}
@@ -297,6 +311,16 @@ def by_turn(turns: list[TurnResult]) -> dict[int, dict]:
     return out
 
 
+def cold_summary(turns: list[TurnResult], colds: list[ColdResult]) -> dict:
+    """The other streams' inter-token latency while a cold prompt prefilled, against the rest."""
+    during, outside = split_gaps([r.token_times for r in turns], [(c.sent, c.first) for c in colds])
+    d, o = pcts(during), pcts(outside)
+    return {"prompt_tokens": [c.prompt_tokens for c in colds], "prefill_s": [c.first - c.sent for c in colds],
+            "windows": [[c.sent, c.first] for c in colds],
+            "itl_during_s": d, "itl_outside_s": o,
+            "p99_during_over_p50_outside": d["p99"] / o["p50"] if d["p99"] and o["p50"] else None}
+
+
 # ---- the run ------------------------------------------------------------------------------------
 
 @dataclass
@@ -306,16 +330,42 @@ class Plan:
     clients: int
     max_tokens: int
     required: list[tuple[str, str]] = field(default_factory=list)
+    cold_tokens: int = 0             # > 0: one unrelated prompt this long per contender batch
+    cold_delay_s: float = 3.0
+    seed: int = 0
 
 
-def run_plan(plan: Plan, progress) -> tuple[list[TurnResult], dict[str, float]]:
+@dataclass
+class ColdResult:
+    """The cold prompt sent while a contender's conversations streamed: its prefill window."""
+    contender: str
+    sent: float                      # perf_counter() when sent
+    first: float                     # ... when its (only) token arrived: the prefill is over
+    prompt_tokens: int | None
+
+
+def cold_prompt(backend: OpenAIBackend, label: str, tokens: int, delay_s: float, seed: int) -> ColdResult:
+    """After `delay_s`, send one prompt of ~`tokens` tokens that shares nothing with the conversations
+    (a cold prefill) and wait for its single token."""
+    time.sleep(delay_s)
+    text = f"[{seed}] " + synthetic_text(random.Random(seed ^ 0xC01D), round(tokens / 1.1))   # ~1.1 tokens a word with a chat template
+    sent, stats = time.perf_counter(), None
+    for ev in backend.stream([{"role": "user", "content": text}], max_tokens=1, temperature=0.0):
+        if isinstance(ev, TurnStats):
+            stats = ev
+    return ColdResult(label, sent, sent + (stats.ttft_s if stats else 0.0), stats.prompt_tokens if stats else None)
+
+
+def run_plan(plan: Plan, progress) -> tuple[list[TurnResult], dict[str, float], list[ColdResult]]:
     """Batches of `clients` conversations; per batch every contender in turn (order rotated), the
-    batch's conversations concurrently on one thread each. Returns (all turns, wall seconds per contender)."""
+    batch's conversations concurrently on one thread each (plus the cold prompt's thread, if asked).
+    Returns (all turns, wall seconds per contender, cold prompts)."""
     turns: list[TurnResult] = []
+    colds: list[ColdResult] = []
     wall = {c.label: 0.0 for c in plan.contenders}
     task = progress.add_task("replaying", total=len(plan.contenders) * sum(len(c.user_turns) for c in plan.conversations))
     conv = plan.conversations
-    with ThreadPoolExecutor(max_workers=plan.clients) as pool:
+    with ThreadPoolExecutor(max_workers=plan.clients + 1) as pool:
         for b, start in enumerate(range(0, len(conv), plan.clients)):
             batch = conv[start:start + plan.clients]
             k = b % len(plan.contenders)
@@ -324,11 +374,15 @@ def run_plan(plan: Plan, progress) -> tuple[list[TurnResult], dict[str, float]]:
                 t0 = time.perf_counter()
                 futs = [pool.submit(replay, c.backend, c.label, cv, plan.max_tokens,
                                     lambda: progress.advance(task)) for cv in batch]
+                cold = (pool.submit(cold_prompt, c.backend, c.label, plan.cold_tokens, plan.cold_delay_s,
+                                    plan.seed * 1000 + b) if plan.cold_tokens > 0 else None)
                 got = [f.result() for f in futs]
+                if cold is not None:
+                    colds.append(cold.result())
                 wall[c.label] += time.perf_counter() - t0
                 for g in got:
                     turns.extend(g)
-    return turns, wall
+    return turns, wall, colds
 
 
 def warm_up(c: Contender) -> None:
@@ -361,7 +415,8 @@ def run(args) -> int:
     labels += [f"url{i + 1}" for i in range(len(labels), len(urls))]
     contenders = [Contender(lb, u) for lb, u in zip(labels, urls)]
     if args.model:
-        contenders = [Contender(REUSE, ""), Contender(NO_REUSE, "")] + contenders
+        ours = [Contender(REUSE, "")] + ([] if getattr(args, "only_reuse", False) else [Contender(NO_REUSE, "")])
+        contenders = ours + contenders
     names = [c.label for c in contenders]
     if len(set(names)) != len(names):
         raise ValueError(f"contender labels must be unique: {names}")
@@ -369,7 +424,8 @@ def run(args) -> int:
     for p in required:
         if len(p) != 2 or not set(p) <= set(names):
             raise ValueError(f"--require-identical {','.join(p)}: name two of {', '.join(names)}")
-    plan = Plan(contenders, conversations, args.clients, args.max_tokens, required)
+    plan = Plan(contenders, conversations, args.clients, args.max_tokens, required,
+                getattr(args, "cold_prompt_tokens", 0), getattr(args, "cold_prompt_delay", 3.0), args.seed)
 
     try:
         for c in contenders:
@@ -384,7 +440,7 @@ def run(args) -> int:
                 warm_up(c)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err) as progress:
-            turns, wall = run_plan(plan, progress)
+            turns, wall, colds = run_plan(plan, progress)
     finally:
         for c in contenders:
             if c.started:
@@ -395,12 +451,15 @@ def run(args) -> int:
         "command": command_line(), "model": args.model, "dtype": args.dtype if args.model else None,
         "settings": {"conversations": len(conversations), "source": args.conversations or "synthetic",
                      "turns": args.turns, "max_tokens": args.max_tokens, "clients": plan.clients,
+                     "cold_prompt_tokens": plan.cold_tokens,
                      "temperature": 0.0, "seed": args.seed, "system_words": args.system_words,
                      "user_words": args.user_words},
         "contenders": {c.label: {"url": c.url, "model": c.backend.model if c.backend else None,
                                  "started": c.started is not None} for c in contenders},
         "summary": {n: summarize([r for r in turns if r.contender == n], wall[n]) for n in names},
         "ttft_by_turn": {n: by_turn([r for r in turns if r.contender == n]) for n in names},
+        "cold_prompt": {n: cold_summary([r for r in turns if r.contender == n], [c for c in colds if c.contender == n])
+                        for n in names} if colds else None,
         "comparisons": [asdict(c) | {"identical": c.identical} for c in comparisons],
         "all_required_identical": all(c.identical for c in comparisons if c.required),
         "turns": [asdict(r) for r in turns],
@@ -457,6 +516,25 @@ def report(result: dict, console, paths: list[Path]) -> None:
                   _s(s["ttft_s"]["p99"]), _s(s["prefill_tok_s_median"], "", 0), _s(s["decode_tok_s_median"], "", 1),
                   _s(s["e2e_s"]["p50"]), _s(s["e2e_s"]["p90"]), _s(s["throughput_tok_s"], "", 1))
     console.print(t)
+
+    ct = Table(title=f"streaming at concurrency {result['settings']['clients']}: aggregate decode, TTFT, "
+                     f"inter-token latency (client side)")
+    for col in ("contender", "decode tok/s (aggregate)", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"):
+        ct.add_column(col, justify="left" if col == "contender" else "right")
+    for name, s in summ.items():
+        ms = lambda x: "-" if x is None else f"{x * 1e3:.1f} ms"   # noqa: E731
+        ct.add_row(name, _s(s["decode_tok_s_aggregate"], "", 1), ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
+                   ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]))
+    console.print(ct)
+    for name, c in (result.get("cold_prompt") or {}).items():
+        d, o = c["itl_during_s"], c["itl_outside_s"]
+        fmt = lambda x: "-" if x is None else f"{x * 1e3:.1f} ms"   # noqa: E731
+        ratio = c["p99_during_over_p50_outside"]
+        console.print(f"{name}: cold prompt of {c['prompt_tokens']} tokens prefilled in "
+                      f"{', '.join(f'{x:.2f} s' for x in c['prefill_s'])}; other streams' ITL during it "
+                      f"p50 {fmt(d['p50'])} p99 {fmt(d['p99'])} (n={d['n']}), otherwise p50 {fmt(o['p50'])} "
+                      f"p99 {fmt(o['p99'])} (n={o['n']}); p99 during / p50 otherwise = "
+                      f"{'-' if ratio is None else f'{ratio:.2f}x'}")
 
     bt = Table(title="time to first token by turn: median (reused fraction of the prompt)")
     bt.add_column("turn", justify="right")

@@ -13,6 +13,8 @@ payload digest in `digests`; an input that could not be digested taints the reco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable
 
 _BLOCK = 256  # lcp compares list slices this long at C speed before scanning one element at a time
 
@@ -74,8 +76,25 @@ def lcp(a: list[int], b: list[int]) -> int:
 class Reuse:
     """How many leading positions of the KV a request may keep, and why not more."""
     tokens: int
-    reason: str          # one log-ready phrase: "reuse", "diverged at token 812 of record 2034", ...
+    why: str             # one log-ready phrase: "reuse", "diverged at token 812 of record 2034", ...
     common: int = 0      # lcp of record and prompt before the safety caps (for reporting)
+    diverged: str | None = None   # the "diverged at token k of record r" phrase inside `why`, if any
+    diverged_at: int | None = None
+    # token offset where each chat message ends; called only when `reason` is read (it renders the
+    # template several times), so deciding reuse on the engine's thread never pays for it
+    message_ends: Callable[[], list[int]] | None = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def reason(self) -> str:
+        """`why`, with the chat message a divergence fell in named: "... of record 2034 (message 3)".
+        Computed on first read, on the reader's thread."""
+        if self.diverged is None or self.message_ends is None:
+            return self.why
+        ends = self.message_ends()
+        if not ends:
+            return self.why
+        msg = next((i for i, end in enumerate(ends) if self.diverged_at < end), len(ends))
+        return self.why.replace(self.diverged, f"{self.diverged} (message {msg})", 1)
 
 
 def first_digest_mismatch(record: PrefixRecord, prompt_digests: dict[int, bytes], upto: int) -> int | None:
@@ -90,11 +109,13 @@ def first_digest_mismatch(record: PrefixRecord, prompt_digests: dict[int, bytes]
 
 def decide_reuse(record: PrefixRecord, prompt: list[int], namespace: bytes, *,
                  prompt_digests: dict[int, bytes] | None = None, min_reuse: int = 16,
-                 enabled: bool = True, message_ends: list[int] | None = None) -> Reuse:
+                 enabled: bool = True,
+                 message_ends: list[int] | Callable[[], list[int]] | None = None) -> Reuse:
     """Decide how many positions of `record` the prompt may reuse. Does not modify the record.
 
     [0, k) reused | [k, n) prefilled | [n, n + generated) decoded.
-    `message_ends`: token offset where each chat message ends, to name the message a divergence fell in.
+    `message_ends`: token offset where each chat message ends (or a function computing them, called
+    only if `reason` is read), to name the message a divergence fell in.
     """
     if not enabled:
         return Reuse(0, "reuse disabled")
@@ -104,20 +125,19 @@ def decide_reuse(record: PrefixRecord, prompt: list[int], namespace: bytes, *,
         return Reuse(0, "namespace differs")
     n = len(prompt)
     common = k = lcp(record.fed, prompt)
-    reason = "reuse"
+    reason, diverged = "reuse", None
     if k < len(record.fed) and k < n:
-        where = f"diverged at token {k} of record {len(record.fed)}"
-        if message_ends:
-            msg = next((i for i, end in enumerate(message_ends) if k < end), len(message_ends))
-            where += f" (message {msg})"
-        reason = where
+        diverged = reason = f"diverged at token {k} of record {len(record.fed)}"
+    ends = (lambda: message_ends) if isinstance(message_ends, list) else message_ends
     bad = first_digest_mismatch(record, prompt_digests or {}, k)
     if bad is not None:
         k, reason = bad, f"embedding payload differs at {bad}"
     if record.tainted_from is not None and record.tainted_from < k:
         k, reason = record.tainted_from, f"tainted at {record.tainted_from}"
+    if diverged is not None and diverged not in reason:
+        diverged = None
     k = min(k, n - 1)  # [FRESH-LOGITS] always feed >= 1 token: never sample from the previous request's logits
     if k < min_reuse:
         why = f"below min_reuse ({max(k, 0)} < {min_reuse})"
-        return Reuse(0, why if reason == "reuse" else f"{why}; {reason}", common)
-    return Reuse(k, reason, common)
+        return Reuse(0, why if reason == "reuse" else f"{why}; {reason}", common, diverged, common, ends)
+    return Reuse(k, reason, common, diverged, common, ends)

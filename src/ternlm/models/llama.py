@@ -1,8 +1,15 @@
 """Dense decoder-only transformer for the llama, qwen2 and qwen3 architectures.
 
-A pure nn.Module: `forward(ids, start, k_cache, v_cache) -> logits`. It writes K/V for positions
-[start, start + T) into the caches it is given and knows nothing about slots, records or HTTP;
-recording what was written is the runner's job (runner.py).
+A pure nn.Module: `forward(ids, start, k_cache, v_cache) -> logits`, and `forward_batch(x, segments)`
+for the rows of many sequences at once (continuous batching: each segment is one sequence's rows and
+its own KV). It writes K/V for positions [start, start + T) into the caches it is given and knows
+nothing about slots, records or HTTP; recording what was written is the runner's job (runner.py).
+
+Batching without changing bits [BATCH-INVARIANT]: the projections, norms, RoPE and the MLP are
+row-wise (linear.py: a row's result does not depend on the other rows), so they run once over all
+rows concatenated (elementwise ops and last-dim reductions give each row the same bits whatever the
+row count); the KV write and attention run per segment, and attention copies its inputs into the
+layouts a lone sequence's would have, so a sequence's logits and KV are the same alone or in company.
 
 Differences between the three architectures are two flags on ModelConfig:
   qwen2: bias on the q/k/v projections (qkv_bias)      qwen3: RMSNorm over head_dim on q and k (qk_norm)
@@ -10,6 +17,8 @@ Weights arrive with Hugging Face names and layouts; q/k/v and gate/up are fused 
 layer is two matmuls for attention and two for the MLP.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +100,29 @@ def causal_bias(start: int, T: int, capacity: int) -> torch.Tensor:
     return torch.zeros(T, S).masked_fill_(~allowed, float("-inf"))
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a batched forward: positions [start, start + length) of its own KV.
+    logits: which of its rows need logits: "last" (sampling) | "all" (scoring) | "none" (a prefill
+    chunk that does not end the prompt: the LM head is skipped)."""
+    start: int
+    length: int
+    k_cache: torch.Tensor     # (layers, kv_heads, capacity, head_dim), capacity >= start + length
+    v_cache: torch.Tensor
+    logits: str = "last"
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A segment as one layer sees it: rows [r0, r1) of the batch and that layer's KV."""
+    r0: int
+    r1: int
+    start: int
+    bias: torch.Tensor        # (T, S) from causal_bias
+    k_cache: torch.Tensor     # (kv_heads, capacity, head_dim)
+    v_cache: torch.Tensor
+
+
 class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
@@ -110,26 +142,37 @@ class Layer(nn.Module):
         self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), pack=pack)  # (2 I, hidden)
         self.down = Linear(w["mlp.down_proj.weight"], pack=pack)              # (hidden, I)
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """x: (T, hidden). k_cache/v_cache: (kv_heads, capacity, head_dim) for this layer.
-        Side effect: writes K/V of positions [start, start + T) into the caches."""
-        cfg, T = self.cfg, x.shape[0]
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
+        """x: (M, hidden), the rows of every part in order; cos/sin: (M, head_dim), each row's
+        position. Side effect: writes K/V of each part's positions into that part's caches.
+        Everything row-wise (projections, norms, RoPE, MLP) runs once over all M rows; only the KV
+        write and attention run per part."""
+        cfg, M = self.cfg, x.shape[0]
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (T, q + 2 kv)
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, H + KV, d).transpose(0, 1)  # (H + KV, T, D)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, KV, d).transpose(0, 1)        # (KV, T, D)
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv)
+        qk = qkv[:, : self.q_size + self.kv_size].view(M, H + KV, d).transpose(0, 1)  # (H + KV, M, D)
+        v = qkv[:, self.q_size + self.kv_size:].view(M, KV, d).transpose(0, 1)        # (KV, M, D)
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
         qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
-        end = start + T
-        k_cache[:, start:end] = qk[H:]
-        v_cache[:, start:end] = v
-        # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
-        attn = attention(qk[:H], k_cache, v_cache, start, bias)                   # (H, T, D) in KV_DTYPE
-        x = x + self.o(attn.transpose(0, 1).reshape(T, self.q_size).to(x.dtype))
-        g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (T, I) each
+        outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs)                  # (M, q)
+        x = x + self.o(attn.to(x.dtype))
+        g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
         return x + self.down(F.silu(g) * u)
+
+    def _attend(self, qk: torch.Tensor, v: torch.Tensor, p: _Part) -> torch.Tensor:
+        """One sequence's KV write and attention. qk: (H + KV, T, D) after norm and RoPE, v: (KV, T, D):
+        its rows only. -> (T, q) in KV_DTYPE. Side effect: writes K/V of positions [start, start + T)
+        into p's caches. `attention` makes its own contiguous copies, so its GEMMs see the same
+        layouts whether this sequence ran alone or in company."""
+        H, T, start = self.cfg.num_heads, qk.shape[1], p.start
+        end = start + T
+        p.k_cache[:, start:end] = qk[H:]
+        p.v_cache[:, start:end] = v
+        # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
+        attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias)            # (H, T, D) in KV_DTYPE
+        return attn.transpose(0, 1).reshape(T, self.q_size)
 
 
 class Transformer(nn.Module):
@@ -169,17 +212,53 @@ class Transformer(nn.Module):
         k_cache/v_cache: (layers, kv_heads, capacity >= start + T, head_dim).
         Returns fp32 logits (T, vocab) when all_logits, else (1, vocab) for the last position only
         (a 1024-token prefill would otherwise spend more on the LM head than on attention).
-        Side effect: writes K/V of positions [start, start + T) into the caches; nothing else."""
-        T = x.shape[0]
-        end = start + T
-        if end > self.cfg.max_position_embeddings:
-            raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        if k_cache.shape[2] % ATTN_BLOCK:
-            raise ValueError(f"KV capacity {k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
-        bias = causal_bias(start, T, k_cache.shape[2])
-        for i, layer in enumerate(self.layers):
-            x = layer(x, start, cos, sin, k_cache[i], v_cache[i], bias)
-        if not all_logits:
-            x = x[-1:]
-        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        Side effect: writes K/V of positions [start, start + T) into the caches; nothing else.
+        A batch of one: the same code path as `forward_batch`."""
+        seg = Segment(start, x.shape[0], k_cache, v_cache, "all" if all_logits else "last")
+        return self.forward_batch(x, [seg])[0]
+
+    def forward_batch(self, x: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """x: (M, hidden), the input embeddings of every segment's rows, concatenated in order
+        (M = sum of lengths). Returns per segment fp32 logits: (length, vocab) for "all", (1, vocab)
+        for "last", None for "none". Side effect: writes each segment's K/V into its caches; nothing
+        else. A segment's results do not depend on the others [BATCH-INVARIANT]."""
+        if sum(s.length for s in segments) != x.shape[0] or any(s.length < 1 for s in segments):
+            raise ValueError("segments must cover the rows of x, each with at least one row")
+        parts: list[list[_Part]] = [[] for _ in self.layers]
+        cos, sin = [], []                                                        # (T_i, head_dim) each
+        r0 = 0
+        for s in segments:
+            end = s.start + s.length
+            if end > self.cfg.max_position_embeddings:
+                raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
+            if s.k_cache.shape[2] % ATTN_BLOCK:
+                raise ValueError(f"KV capacity {s.k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
+            cos.append(self.cos[s.start:end])
+            sin.append(self.sin[s.start:end])
+            bias = causal_bias(s.start, s.length, s.k_cache.shape[2])
+            for i, layer_parts in enumerate(parts):
+                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
+            r0 += s.length
+        cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
+        sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
+        for layer, layer_parts in zip(self.layers, parts):
+            x = layer(x, cos_m, sin_m, layer_parts)
+        # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
+        picks, r0 = [], 0
+        for s in segments:
+            r1 = r0 + s.length
+            picks.append((r0, r1) if s.logits == "all" else (r1 - 1, r1) if s.logits == "last" else None)
+            r0 = r1
+        spans = [p for p in picks if p is not None]
+        if not spans:
+            return [None] * len(segments)
+        h = x[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([x[a:b] for a, b in spans])
+        logits = self.lm_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps)).float()   # (L, vocab)
+        out, at = [], 0
+        for p in picks:
+            if p is None:
+                out.append(None)
+            else:
+                out.append(logits[at:at + p[1] - p[0]])
+                at += p[1] - p[0]
+        return out

@@ -64,6 +64,7 @@ class ServeConfig:
     admin_keys: tuple[str, ...] = ()  # API keys that also see every tenant's slots in /slots
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_queue: int = 64
+    step_tokens: int = 64             # rows per batched step while some request decodes (scheduler)
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
     cache_ram: int = 2 << 30          # bytes of KV blocks kept in host RAM after their slot is reused
@@ -72,7 +73,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
-        checks = [                  (self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
+        checks = [(self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
+                  (self.step_tokens >= 1, "step_tokens must be >= 1"),
                   (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
                   (self.ctx is None or self.ctx >= 2, "ctx must be >= 2"),
                   (self.threads is None or self.threads >= 1, "threads must be >= 1"),
@@ -162,7 +164,8 @@ class ServerState:
                 import torch
                 torch.set_num_threads(self.config.threads)
             engine = self._load_engine()
-            sched = Scheduler(engine, max_queue=self.config.max_queue, on_done=self.metrics.observe)
+            sched = Scheduler(engine, max_queue=self.config.max_queue, step_tokens=self.config.step_tokens,
+                              on_done=self.metrics.observe)
             sched.start()
             src = getattr(getattr(engine, "loaded", None), "source", None)
             if src is not None:
@@ -172,7 +175,7 @@ class ServerState:
             if self.status == "loading":
                 self.status = "ready"
                 log.info("serving %s: %d slots, context %d, prefix reuse %s, %s", self.model_id,
-                         len(engine.slots), engine.ctx, "on" if engine.prefix_reuse else "off",
+                         engine.num_slots, engine.ctx, "on" if engine.prefix_reuse else "off",
                          cache_line(engine))
             else:
                 sched.close()

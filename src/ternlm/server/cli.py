@@ -31,6 +31,9 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429")
     p.add_argument("--max-body", type=_size, default="4MiB", metavar="SIZE",
                    help="largest request body (default 4MiB); larger ones get 413 before they are read whole")
+    p.add_argument("--step-tokens", type=int, default=64,
+                   help="rows one batched step feeds while some request decodes: decodes plus prefill "
+                        "chunks (default 64; smaller keeps streams smooth during a long prefill)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds running requests get to finish on SIGTERM/Ctrl-C")
     p.add_argument("--cache-ram", type=_size, default="2GiB", metavar="SIZE",
@@ -79,7 +82,7 @@ def cmd_serve(args) -> int:
     config = ServeConfig(model=args.model, dtype=args.dtype, prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
                          threads=args.threads, api_keys=tuple(args.api_keys), admin_keys=tuple(args.admin_keys),
-                         cors_origins=tuple(args.cors_origins),
+                         cors_origins=tuple(args.cors_origins), step_tokens=args.step_tokens,
                          max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk)

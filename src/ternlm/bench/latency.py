@@ -1,0 +1,56 @@
+"""Streaming latency figures from client-side token arrival times (pure; numpy only).
+
+Used by `ternlm bench multiturn --concurrency N`: what users of N concurrent streams see.
+- ITL (inter-token latency): gaps between consecutive content chunks of one answer.
+- Aggregate decode tok/s: tokens that arrived after each answer's first, over the time at least one
+  answer was streaming (the union of [first token, last token] intervals), so idle gaps between
+  turns and prefills before anyone streams do not count, and overlapping streams are not double-timed.
+- A cold prompt's window: the ITL gaps of the other streams that overlap its prefill (sent -> its
+  first token), against the others. Overlap, not "ended inside": a server that freezes every stream
+  for the whole prefill shows one long gap that ends after the window.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def gaps(times: list[float]) -> list[float]:
+    """Successive differences of one answer's token arrival times."""
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals (overlaps counted once)."""
+    total, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def aggregate_decode_tok_s(answers: list[list[float]]) -> float | None:
+    """answers: token arrival times per answer. Tokens after each first / union of streaming time."""
+    spans = [(t[0], t[-1]) for t in answers if len(t) >= 2]
+    covered = union_length(spans)
+    tokens = sum(len(t) - 1 for t in answers if len(t) >= 2)
+    return tokens / covered if covered > 0 else None
+
+
+def split_gaps(answers: list[list[float]], windows: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """ITL gaps overlapping any window (during), and the others (outside)."""
+    during, outside = [], []
+    for times in answers:
+        for a, b in zip(times, times[1:]):
+            (during if any(a < w1 and b > w0 for w0, w1 in windows) else outside).append(b - a)
+    return during, outside
+
+
+def pcts(xs: list[float]) -> dict:
+    """{"p50", "p99", "n"} in seconds (None when empty)."""
+    if not xs:
+        return {"p50": None, "p99": None, "n": 0}
+    return {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99)), "n": len(xs)}

@@ -1,0 +1,204 @@
+"""One request between steps: what it still has to feed, and what it does with the logits it gets.
+
+A `Sequence` owns everything per request that is not KV: the ids waiting to be fed (the prompt's
+tail, then each sampled token), the sampler, the incremental detokenizer and stop matcher, the
+output ids and text, and the timings. It never touches the model or the slot's KV: the engine's
+step feeds `take(count)` rows of many sequences in one forward pass and hands each one its logits
+through `accept`. That split is what lets a single request (Engine.stream) and a batch of eight
+(the server's scheduler) run the same code.
+
+    [0, k) reused | [k, n) prefilled (pending, chunk by chunk) | [n, n + generated) decoded
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .detok import IncrementalDetokenizer, StopMatcher
+from .kv.record import Reuse
+from .kv.slots import Slot
+from .runner import Embed
+from .sampling import Sampler
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0          # request start -> first sampled token
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
+    loaded from the tiers below it (RAM, then disk), in position order."""
+    slot: int = 0
+    ram: int = 0
+    disk: int = 0
+    load_s: float = 0.0          # reading + verifying + copying tier blocks
+
+    @property
+    def tokens(self) -> int:
+        return self.slot + self.ram + self.disk
+
+    @property
+    def tier(self) -> str:
+        """The slowest tier that contributed: "disk" | "ram" | "slot" | "none"."""
+        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot else "none"
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str           # "stop" (EOS, end-of-turn token, stop string) | "length"
+    prompt_tokens: int
+    cached_tokens: int           # positions reused from the KV: [0, cached_tokens)
+    reuse: Reuse
+    timings: Timings = field(default_factory=Timings)
+    slot: int = 0
+    logits: torch.Tensor | None = None   # (generated, vocab) fp32, only with keep_logits=True
+    restored: Restored = Restored()      # where [0, cached_tokens) came from
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One step of a stream: newly completed text (may be empty while UTF-8 or a stop string is pending).
+    token_id is -1 for the final flush of held-back text. logprob/top_logprobs (of the model's raw
+    distribution, before sampling filters) only when the stream was asked for logprobs."""
+    text: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How a request stops besides stop strings: max_tokens, the context, the stop token ids."""
+    max_tokens: int
+    ctx: int
+    stop_ids: frozenset[int]
+
+
+class Sequence:
+    """Per-request state. Not thread-safe; the engine's caller (one worker) is its only user."""
+
+    def __init__(self, *, slot: Slot, prompt: list[int], reused: int, reuse: Reuse, restored: Restored,
+                 sampler: Sampler, tokenizer, stop: list[str], limits: Limits,
+                 embeds: dict[int, Embed], on_chunk: Callable[[int], None] | None,
+                 keep_logits: bool, logprobs: int | None, started: float):
+        self.slot = slot
+        self.prompt = prompt
+        self.n = len(prompt)
+        self.reused = reused
+        self.reuse = reuse
+        self.restored = restored
+        self.pending: list[int] = prompt[reused:]   # ids to feed next, at positions len(record)...
+        self.embeds = embeds
+        self.on_chunk = on_chunk                     # after each recorded prefill chunk (hooks, faults)
+        self.sampler = sampler
+        self.limits = limits
+        self.keep_logits = keep_logits
+        self.logprobs = logprobs
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stopper = StopMatcher(list(stop))
+        self.out_ids: list[int] = []
+        self.kept: list[torch.Tensor] = []
+        self.text: list[str] = []
+        self.finish = "length"
+        self.done = False
+        self.timings = Timings(prefill_tokens=self.n - reused)
+        self.started = started
+        self._first_step: float | None = None
+        self._decode_from: float | None = None       # when the prefill's last chunk returned
+
+    @property
+    def prefilling(self) -> bool:
+        return self._decode_from is None
+
+    def take(self, count: int) -> tuple[list[int], bool]:
+        """The next `count` pending ids (1 <= count <= len(pending)) and whether logits are needed
+        (they are when these ids end what is pending: the prompt's last chunk or a decode token).
+        Does not change the sequence: `accept` does, once the step returned."""
+        assert not self.done and 1 <= count <= len(self.pending)
+        if self._first_step is None:
+            self._first_step = time.perf_counter()
+        return self.pending[:count], count == len(self.pending)
+
+    def accept(self, count: int, logits: torch.Tensor | None) -> list[Delta | Completion]:
+        """The step fed `count` pending ids (already recorded in the slot). logits: (vocab,) fp32 when
+        they ended the pending ids. Returns the events for the caller: Deltas, and when the request
+        is over, a final flush Delta (if text was held back) and the Completion. Side effects: samples
+        (advances the sampler's generator), runs on_chunk while prefilling (it may raise)."""
+        del self.pending[:count]
+        if self.prefilling:
+            if self.pending:                            # a prefill chunk, not the last
+                if self.on_chunk is not None:
+                    self.on_chunk(len(self.slot.record))
+                return []
+            now = time.perf_counter()
+            self.timings.prefill_s = now - (self._first_step or now)
+            self._decode_from = now
+            if self.on_chunk is not None:
+                self.on_chunk(len(self.slot.record))
+        else:
+            self.timings.decode_tokens += 1
+        assert logits is not None
+        return self._sample(logits)
+
+    def _sample(self, logits: torch.Tensor) -> list[Delta | Completion]:
+        tok = self.sampler.sample(logits)
+        if self.keep_logits:
+            self.kept.append(logits)
+        if not self.out_ids and not self.timings.ttft_s:
+            self.timings.ttft_s = time.perf_counter() - self.started
+        if tok in self.limits.stop_ids:
+            self.finish = "stop"
+            return self._finish(by_string=False)
+        self.out_ids.append(tok)
+        emit, stopped = self.stopper.feed(self.detok.push(tok))
+        self.text.append(emit)
+        if self.logprobs is None:
+            events: list[Delta | Completion] = [Delta(emit, tok)]
+        else:
+            lp = torch.log_softmax(logits, dim=-1)
+            top = torch.topk(lp, self.logprobs) if self.logprobs > 0 else None
+            events = [Delta(emit, tok, float(lp[tok]),
+                            list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])]
+        if stopped:
+            self.finish = "stop"
+            return events + self._finish(by_string=True)
+        if len(self.out_ids) >= self.limits.max_tokens or len(self.slot.record) >= self.limits.ctx:
+            return events + self._finish(by_string=False)
+        self.pending = [tok]                            # fed back next step
+        return events
+
+    def _finish(self, by_string: bool) -> list[Delta | Completion]:
+        self.done = True
+        self.close()
+        events: list[Delta | Completion] = []
+        if not by_string:
+            tail, stopped = self.stopper.feed(self.detok.flush())
+            if not stopped:
+                tail += self.stopper.flush()
+            if tail:
+                self.text.append(tail)
+                events.append(Delta(tail, -1))
+        events.append(Completion("".join(self.text), self.out_ids, self.finish, self.n, self.reused, self.reuse,
+                                 self.timings, self.slot.index,
+                                 torch.stack(self.kept) if self.keep_logits else None, self.restored))
+        return events
+
+    def close(self) -> None:
+        """The request ends (finished, failed or cancelled): stop the clock, mark the slot used.
+        Idempotent. The slot's record already describes exactly what was written."""
+        if self._decode_from is not None and not self.timings.decode_s:
+            self.timings.decode_s = time.perf_counter() - self._decode_from
+        self.pending = []
+        self.done = True
+        self.slot.touch()
