@@ -259,3 +259,26 @@ def test_real_model_alone_equals_batched(smollm2_slots):
         slot = e.slots[i + 1]
         assert slot.record.fed == fed
         assert torch.equal(slot.k[:, :, :n], k[:, :, :n]) and torch.equal(slot.v[:, :, :n], v[:, :, :n])
+
+
+def test_a_long_cold_prompt_does_not_stall_running_streams(engine):
+    """The issue's symptom: a cold prompt's prefill froze every other stream. Now it advances within
+    the step budget while a running request gets one token every round."""
+    for s in engine.slots:
+        s.reset()
+    sched = Scheduler(engine, step_tokens=16)
+    running, cold = [], []
+    sched.submit(GenRequest(list(range(1, 30)), GenParams(max_tokens=200)), running.append)
+    while not any(isinstance(e, Delta) for e in running):
+        sched.run_once()
+    sched.submit(GenRequest([(5 * i + 3) % 256 for i in range(300)], GenParams(max_tokens=2)), cold.append)
+    rounds = 0
+    while not any(isinstance(e, Delta) for e in cold):
+        before = sum(isinstance(e, Delta) for e in running)
+        sched.run_once()
+        rounds += 1
+        assert sum(isinstance(e, Delta) for e in running) == before + 1 or isinstance(running[-1], Finished)
+    assert rounds >= 300 // 15                   # at most 15 prefill rows beside the decode, every round
+    assert sum(isinstance(e, Delta) for e in running) > rounds   # it streamed through the whole prefill
+    while sched.run_once():
+        pass
