@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+from .invariants import check
 from .kv.blocks import BLOCK_TOKENS
 from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
@@ -251,7 +252,8 @@ class Engine:
                              enabled=self.prefix_reuse, message_ends=ends)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
         k = restored.tokens
-        assert len(slot.record) == k and slot.record.fed == prompt[:k]
+        check(len(slot.record) == k and slot.record.fed == prompt[:k],
+              f"after placement the slot must hold exactly the prompt's first {k} ids")
         # [0, k) reused | [k, n) prefilled | [n, n + generated) decoded
         stop_ids = frozenset() if ignore_eos else self.tokenizer.stop_ids
         return Sequence(slot=slot, prompt=prompt, reused=k, reuse=reuse, restored=restored, sampler=sampler,
@@ -375,7 +377,7 @@ class Engine:
         result = None
         for ev in self.stream(prompt, **kw):
             result = ev
-        assert isinstance(result, Completion)
+        check(isinstance(result, Completion), "a stream ends with its Completion")
         return result
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .invariants import check
 from .kv.blockfile import BlockKV
 from .kv.slots import Slot
 from .models.llama import ATTN_BLOCK, KV_DTYPE, Segment, Transformer
@@ -127,7 +128,8 @@ class Runner:
         for b in blocks:
             pos = len(slot.record)
             n = b.meta.shape[2]
-            assert b.meta.shape == (slot.shape.layers, slot.shape.kv_heads, n, slot.shape.head_dim)
+            check(b.meta.shape == (slot.shape.layers, slot.shape.kv_heads, n, slot.shape.head_dim),
+                  f"a stored block of shape {b.meta.shape} does not fit this slot")
             slot.ensure_capacity(pos + n)
             slot.k[:, :, pos:pos + n].copy_(b.k)   # k, v: (layers, kv_heads, n, head_dim)
             slot.v[:, :, pos:pos + n].copy_(b.v)

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .detok import IncrementalDetokenizer, StopMatcher
+from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
 from .runner import Embed
@@ -125,7 +126,8 @@ class Sequence:
         """The next `count` pending ids (1 <= count <= len(pending)) and whether logits are needed
         (they are when these ids end what is pending: the prompt's last chunk or a decode token).
         Does not change the sequence: `accept` does, once the step returned."""
-        assert not self.done and 1 <= count <= len(self.pending)
+        check(not self.done and 1 <= count <= len(self.pending),
+              f"take({count}) of a sequence with {len(self.pending)} pending ids (done={self.done})")
         if self._first_step is None:
             self._first_step = time.perf_counter()
         return self.pending[:count], count == len(self.pending)
@@ -148,7 +150,7 @@ class Sequence:
                 self.on_chunk(len(self.slot.record))
         else:
             self.timings.decode_tokens += 1
-        assert logits is not None
+        check(logits is not None, "the step that ended the pending ids returned no logits")
         return self._sample(logits)
 
     def _sample(self, logits: torch.Tensor) -> list[Delta | Completion]:

@@ -14,7 +14,8 @@ from .common import LlamaCppWorker, command_line, median, synthetic_text, write_
 def _prompt_ids(engine, n: int) -> list[int]:
     text = synthetic_text(random.Random(0), n * 2)
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    assert len(ids) >= n, "synthetic text too short"
+    if len(ids) < n:
+        raise ValueError(f"synthetic text too short: {len(ids)} of {n} tokens")
     return ids[:n]
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
+from ..invariants import check
+
 _BLOCK = 256  # lcp compares list slices this long at C speed before scanning one element at a time
 
 
@@ -34,11 +36,12 @@ class PrefixRecord:
         """Record that KV positions [len, len + len(ids)) now hold `ids`. Call right after the write.
         `digests`/`taint_at` use absolute positions inside the appended range."""
         start = len(self.fed)
+        end = start + len(ids)
+        # checked before anything changes: a failed check leaves the record as it was
+        check(all(start <= pos < end for pos in digests or ()), "digest position outside the appended range")
         self.fed.extend(ids)
         if digests:
-            for pos, dg in digests.items():
-                assert start <= pos < len(self.fed), "digest position outside the appended range"
-                self.digests[pos] = dg
+            self.digests.update(digests)
         if taint_at is not None and self.tainted_from is None:
             self.tainted_from = taint_at
 
