@@ -20,6 +20,7 @@ from ternlm.engine import ChatIds, Completion, Delta, Engine
 from ternlm.kv.slots import Slot
 from ternlm.scheduler import Cancelled, Finished, GenParams, GenRequest, Scheduler
 from ternlm.step_plan import plan_step
+from test_reuse import assert_record_matches_kv
 from tiny import tiny_engine
 
 BF16_OK = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -70,17 +71,6 @@ def together(engine: Engine, reqs, join_at: list[int], budget: int, **kw) -> lis
         step += 1
         assert step < 10_000
     return [done[i] for i in range(len(reqs))]
-
-
-def assert_record_matches_kv(engine: Engine, slot: Slot):
-    """Recompute the KV from the record alone and compare with what the slot holds."""
-    fed = slot.record.fed
-    if not fed:
-        return
-    fresh = Slot(99, slot.shape, initial_capacity=len(fed))
-    engine.runner.prefill(fresh, fed)
-    n = len(fed)
-    assert torch.equal(slot.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(slot.v[:, :, :n], fresh.v[:, :, :n])
 
 
 @pytest.mark.parametrize("others", range(1, 9))
