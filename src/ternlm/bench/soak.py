@@ -282,9 +282,10 @@ def run(args) -> int:
                             f"kill -9 at {args.kill_at:.0f} s ..."):
                 asyncio.run(soak.drive())
             final_metrics = scrape(server.url, TIER_METRICS)
-            if args.tmpfs:
-                disk_full = {"tmpfs_size": args.tmpfs,
-                             "writes_disabled": final_metrics.get('ternlm_kv_tier_writes_disabled{tier="disk"}')}
+            if args.tmpfs:      # either process may be the one that filled it: the kill resets the flag
+                key = 'ternlm_kv_tier_writes_disabled{tier="disk"}'
+                disk_full = {"tmpfs_size": args.tmpfs, "writes_disabled": max(
+                    final_metrics.get(key, 0.0), soak.metrics_before_kill.get(key, 0.0))}
         finally:
             server.stop()
         with err.status("ternlm cache verify ..."):
