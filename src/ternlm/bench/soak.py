@@ -37,7 +37,7 @@ import httpx2 as httpx
 from .common import command_line, write_json
 from .soak_client import (Answer, ConversationSource, Outcomes, ServerPhase, converse, model_id,
                           pick_for_cold_check, replay_cold)
-from .soak_report import latency, missed, per_bin, plot, report, reuse_fraction, rss_growth, verdicts
+from .soak_report import attach_rss, latency, missed, per_bin, plot, report, reuse_fraction, rss_growth, verdicts
 
 log = logging.getLogger("ternlm.bench.soak")
 
@@ -210,18 +210,21 @@ class Soak:
         limits = httpx.Limits(max_connections=a.clients * 2, max_keepalive_connections=a.clients)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
             rss = asyncio.create_task(self.sample_rss(phase, stop_rss))
-            fault = asyncio.create_task(self.kill_and_restart(phase)) if 0 < a.kill_at < a.duration else None
+            tasks = [asyncio.create_task(converse(client, phase, self.outcomes, source, self.answers,
+                                                  max_tokens=a.max_tokens, t0=self.t0, stop=over))
+                     for _ in range(a.clients)]
+            if 0 < a.kill_at < a.duration:
+                tasks.append(asyncio.create_task(self.kill_and_restart(phase)))
             try:
-                await asyncio.gather(*(converse(client, phase, self.outcomes, source, self.answers,
-                                                max_tokens=a.max_tokens, t0=self.t0, stop=over)
-                                       for _ in range(a.clients)))
-                if fault is not None:
-                    await fault          # a restart that failed raises here
+                # a restart that fails raises at once here, rather than after every client gave up
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    t.result()
             finally:
+                for t in tasks:
+                    t.cancel()
                 stop_rss.set()
                 await rss
-                if fault is not None and not fault.done():
-                    fault.cancel()
         return phase
 
 
@@ -314,7 +317,7 @@ def run(args) -> int:
                     "completion_tokens": sum(a.completion_tokens for a in answers),
                     "by_tier": {t: sum(a.cache_tier == t for a in answers) for t in ("slot", "ram", "disk", "none")},
                     **latency(answers)},
-        "per_bin": per_bin(answers, args.bin, args.duration),
+        "per_bin": attach_rss(per_bin(answers, args.bin, args.duration), soak.rss),
         "rss": {"samples": soak.rss, "starts_s": soak.starts,
                 "growth": [asdict(g) | {"growth": g.growth, "peak_growth": g.peak_growth}
                            for g in rss_growth(soak.rss, soak.starts, args.warmup)]},
@@ -336,9 +339,11 @@ def run(args) -> int:
 
 
 def cold_check(args, soak: Soak, out_dir: Path, err) -> dict:
-    """Replay up to --cold-check answers given after the restart against a fresh `--no-prefix-kv`
-    server (started here, stopped before returning); every text must match."""
+    """Replay up to --cold-check answers given after the restart (by the only server, without a kill)
+    against a fresh `--no-prefix-kv` server (started here, stopped before returning); texts must match."""
     picked = pick_for_cold_check(soak.answers, args.cold_check)
+    if soak.fault["killed_at_s"] is not None and not any(a.generation for a in picked):
+        picked = []
     if not picked:
         return {"skipped": "no answers after the restart to compare", "rows": []}
     tmp = Path(tempfile.mkdtemp(prefix="ternlm-soak-cold-"))

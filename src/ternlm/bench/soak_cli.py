@@ -22,8 +22,9 @@ def add_soak_parser(which, engine_args) -> None:
     p.add_argument("--user-words", type=int, default=40, help="synthetic user turn length (0.5x-1.5x)")
     p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length cap (default 32)")
-    p.add_argument("--cache-ram", default="512MiB", help="the server's RAM tier (default 512MiB: full within the "
-                                                         "warm-up, so RSS is flat after it and blocks reach disk)")
+    p.add_argument("--cache-ram", default="64MiB", help="the server's RAM tier (default 64MiB: full within the "
+                                                        "first minute, so blocks reach the disk tier before the "
+                                                        "kill and RSS is flat after the warm-up)")
     p.add_argument("--cache-disk", default="4GiB", help="the server's disk tier budget (default 4GiB)")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="disk tier directory, kept (default: a fresh "
                                                                     "temporary one, removed afterwards)")

@@ -77,7 +77,7 @@ class Answer:
     finish_reason: str | None
     cache_tier: str | None                    # where the reused prefix came from (server's timings)
     cache_disk_n: int
-    messages: list[dict] | None = None        # kept only for answers after the restart (the cold check)
+    messages: list[dict] | None = None        # the transcript sent (for the cold check; not in results.json)
 
 
 @dataclass
@@ -201,7 +201,7 @@ async def ask(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes,
 async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes, source: ConversationSource,
                    answers: list[Answer], *, max_tokens: int, t0: float, stop: Callable[[], bool]) -> None:
     """One chat client: conversation after conversation until `stop()`. Side effect: appends every
-    answer to `answers` (with its transcript when it came after the restart)."""
+    answer to `answers`, with its transcript (a few hundred answers of a few kB: kept in memory)."""
     while not stop():
         conv = source.next()
         history = [{"role": "system", "content": conv.system}] if conv.system else []
@@ -212,8 +212,7 @@ async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outc
             a = await ask(client, phase, outcomes, list(history), max_tokens, t0, conv.id, t)
             if a is None:
                 break                            # counted; a transcript without this answer is no chat
-            if a.generation > 0:
-                a.messages = list(history)
+            a.messages = list(history)
             answers.append(a)
             history.append({"role": "assistant", "content": a.text})
 
@@ -244,9 +243,11 @@ async def replay_cold(url: str, model: str, answers: list[Answer], max_tokens: i
 
 
 def pick_for_cold_check(answers: list[Answer], n: int) -> list[Answer]:
-    """Up to `n` answers given after the restart, one per conversation, those whose prefix came from the
-    disk tier first (what survived the kill), then from RAM or a slot, then the rest; longest first."""
-    after = [a for a in answers if a.messages is not None]
+    """Up to `n` answers given by the last server process (after the restart, if there was one), one
+    per conversation, those whose prefix came from the disk tier first (what survived the kill), then
+    from RAM or a slot, then the rest; longest prompt first."""
+    last = max((a.generation for a in answers), default=0)
+    after = [a for a in answers if a.messages is not None and a.generation == last]
     rank = {"disk": 0, "ram": 1, "slot": 2}
     after.sort(key=lambda a: (0 if a.cache_disk_n else 1, rank.get(a.cache_tier or "", 3), -a.prompt_tokens))
     out, seen = [], set()

@@ -34,15 +34,27 @@ def latency(answers: list[Answer]) -> dict:
 
 def per_bin(answers: list[Answer], bin_s: float, duration_s: float) -> list[dict]:
     """One row per `bin_s` window of send time (the last window may be partial): requests answered,
-    reuse fraction, TTFT and inter-token latency p50/p99, and which server process answered."""
+    reuse fraction, TTFT and inter-token latency p50/p99, and which server process answered. The last
+    row also takes requests resent after the end (a turn retried across the restart or a 429)."""
     rows = []
-    for i in range(max(1, int(np.ceil(duration_s / bin_s)))):
-        lo, hi = i * bin_s, (i + 1) * bin_s
-        xs = [a for a in answers if lo <= a.start_s < hi or (i == 0 and a.start_s < 0)]
-        rows.append({"bin": i, "from_s": lo, "to_s": min(hi, duration_s), "answered": len(xs),
+    n = max(1, int(np.ceil(duration_s / bin_s)))
+    for i in range(n):
+        lo, hi = i * bin_s, (i + 1) * bin_s if i < n - 1 else float("inf")
+        xs = [a for a in answers if lo <= a.start_s < hi]
+        rows.append({"bin": i, "from_s": lo, "to_s": min((i + 1) * bin_s, duration_s), "answered": len(xs),
                      "prompt_tokens": sum(a.prompt_tokens for a in xs),
                      "cached_tokens": sum(a.cached_tokens for a in xs), "reuse_fraction": reuse_fraction(xs),
                      "generations": sorted({a.generation for a in xs}), **latency(xs)})
+    return rows
+
+
+def attach_rss(rows: list[dict], samples: list[dict]) -> list[dict]:
+    """Give each per-bin row `rss_mib`: the last RSS sample taken in its window (None if none was).
+    Side effect: mutates and returns `rows`."""
+    for r in rows:
+        hi = float("inf") if r is rows[-1] else r["to_s"]      # the last row: until the server stopped
+        xs = [s["rss_mib"] for s in samples if r["from_s"] <= s["t_s"] < hi]
+        r["rss_mib"] = xs[-1] if xs else None
     return rows
 
 
@@ -133,21 +145,23 @@ def report(result: dict, console, paths: list[Path]) -> None:
     s = result["settings"]
     t = Table(title=f"soak · {s['conversations']} conversations · {s['slots']} slots · "
                     f"{s['duration_s']:.0f} s, kill -9 at {s['kill_at_s']:.0f} s")
-    for col in ("from s", "answered", "reused", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "server"):
+    for col in ("from s", "answered", "reused", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "RSS MiB",
+                "server"):
         t.add_column(col, justify="right")
     for r in result["per_bin"]:
         t.add_row(f"{r['from_s']:.0f}", str(r["answered"]), _pct(r["reuse_fraction"]), _ms(r["ttft_p50_s"]),
                   _ms(r["ttft_p99_s"]), _ms(r["itl_p50_s"]), _ms(r["itl_p99_s"]),
-                  ",".join(str(g) for g in r["generations"]))
+                  "-" if r.get("rss_mib") is None else f"{r['rss_mib']:.0f}", ",".join(str(g) for g in r["generations"]))
     all_ = result["overall"]
     t.add_row("all", str(result["requests"]["answered"]), _pct(all_["reuse_fraction"]), _ms(all_["ttft_p50_s"]),
-              _ms(all_["ttft_p99_s"]), _ms(all_["itl_p50_s"]), _ms(all_["itl_p99_s"]), "", style="bold")
+              _ms(all_["ttft_p99_s"]), _ms(all_["itl_p50_s"]), _ms(all_["itl_p99_s"]), "", "", style="bold")
     console.print(t)
 
     o, f = result["requests"], result["fault"]
     console.print(f"requests: {o['answered']} answered, {o['failed']} failed, {o['back_pressure']} back-pressure "
                   f"(429 honoured), {o['retried_during_restart']} retried during restart; "
-                  f"{result['overall']['completion_tokens']} tokens generated")
+                  f"{result['overall']['completion_tokens']} tokens generated; reused prefix from "
+                  + ", ".join(f"{k} {v}" for k, v in result["overall"]["by_tier"].items()) + " (answers)")
     if f["killed_at_s"] is not None:
         console.print(f"kill -9 at {f['killed_at_s']:.1f} s; server answering again after {f['downtime_s']:.1f} s")
     for x in o["failures"][:5]:
