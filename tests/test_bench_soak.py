@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -31,12 +32,22 @@ def test_soak_end_to_end(tmp_path):
            "--turns", "3", "--max-tokens", "8", "--system-words", "30", "--user-words", "12",
            "--cache-ram", "1MiB", "--warmup", "2", "--rss-every", "2", "--bin", "8", "--cold-check", "2",
            "--out", str(out)]
-    # the bench stops its own servers in try/finally; the timeout kills the bench itself if it hangs
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, COLUMNS="200"))
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    # The bench stops its own servers in try/finally. Its own session, killed whole at the end, so that
+    # even a bench that hangs (timeout) or dies leaves no server behind.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
     for text in ("soak · 4 conversations · 2 slots", "TTFT p50 ms", "ITL p99 ms", "targets",
                  "failed requests = 0", "answers after restart = cold server's", "kill -9 at"):
-        assert text in p.stdout, p.stdout
+        assert text in stdout, stdout
 
     res = json.loads((out / "results.json").read_text())
     assert res["command"].endswith(" ".join(cmd[3:]))

@@ -248,6 +248,10 @@ def mount_tmpfs(path: Path, size: str) -> None:
         raise OSError(f"mount -t tmpfs refused: {(p.stderr or p.stdout).strip()}")
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args) -> int:
     """The soak. Returns the exit status: 1 if a target was missed."""
     from rich.console import Console
@@ -259,6 +263,7 @@ def run(args) -> int:
         args.kill_at = args.duration / 2
     if not getattr(args, "verbose", False):
         logging.getLogger("httpx2").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)     # so the finally blocks below stop the servers
     err = Console(stderr=True)
     out_dir = Path(args.out or f"benchmarks/results/soak-{Path(args.model).stem}")
     tmp = None
