@@ -3,6 +3,10 @@ driven by many concurrent chat clients for --duration seconds, killed with SIGKI
 restarted on the same cache directory while the clients retry; then the cache is verified and a few
 answers given after the restart are replayed against a cold server (no reuse) and must match.
 
+Conversation lengths start spread out (client i resumes its first chat after i mod --turns turns, with
+synthetic answers; --no-stagger: all at turn 1): otherwise all clients grow in step for minutes and the
+server's working set (slot KV pages touched, deeper each turn) grows past any warm-up.
+
 What it reports (results.json, soak.png, a table) and the targets that make the exit status 1:
 - failed requests (429 honoured = back-pressure, retries during the planned restart: counted apart): 0;
 - reuse fraction (cached_tokens / prompt tokens), overall and per minute (no target: a figure);
@@ -131,21 +135,16 @@ def cache_verify(cache_dir: Path, dry_run: bool) -> dict:
             "output": (p.stdout + p.stderr)[-2000:]}
 
 
-def scrape(url_v1: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The /metrics samples whose names (with labels) are given, e.g. 'ternlm_kv_tier_writes_disabled{tier="disk"}'."""
+def scrape(url_v1: str, prefix: str = "ternlm_kv_tier_") -> dict[str, float]:
+    """The /metrics samples whose names start with `prefix`, keyed by name and labels, e.g.
+    'ternlm_kv_tier_writes_disabled{tier="disk"}' (counters end in _total; _created ones are left out)."""
     text = httpx.get(url_v1.removesuffix("/v1") + "/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in names:
+        if name.startswith(prefix) and "_created{" not in name:
             out[name] = float(value)
     return out
-
-
-TIER_METRICS = tuple(f'ternlm_kv_tier_{m}{{tier="{t}"}}' for m in ("hits", "misses", "writes", "write_errors",
-                                                                      "damaged", "evictions", "blocks",
-                                                                      "writes_disabled")
-                     for t in ("ram", "disk"))
 
 
 class Soak:
@@ -180,7 +179,7 @@ class Soak:
         process on the same directory and port. Clients retry meanwhile (phase.restarting)."""
         await asyncio.sleep(max(0.0, self.args.kill_at - self.now()))
         try:
-            self.metrics_before_kill = await asyncio.to_thread(scrape, phase.url, TIER_METRICS)
+            self.metrics_before_kill = await asyncio.to_thread(scrape, phase.url)
         except httpx.HTTPError:
             pass
         phase.restarting = True
@@ -211,8 +210,9 @@ class Soak:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
             rss = asyncio.create_task(self.sample_rss(phase, stop_rss))
             tasks = [asyncio.create_task(converse(client, phase, self.outcomes, source, self.answers,
-                                                  max_tokens=a.max_tokens, t0=self.t0, stop=over))
-                     for _ in range(a.clients)]
+                                                  max_tokens=a.max_tokens, t0=self.t0, stop=over,
+                                                  resume_at=0 if a.no_stagger else i % a.turns))
+                     for i in range(a.clients)]
             if 0 < a.kill_at < a.duration:
                 tasks.append(asyncio.create_task(self.kill_and_restart(phase)))
             try:
@@ -273,7 +273,7 @@ def run(args) -> int:
     else:
         tmp = Path(tempfile.mkdtemp(prefix="ternlm-soak-"))
         cache_dir = tmp / "kv"
-        cache_dir.mkdir()
+        cache_dir.mkdir(mode=0o700)       # owner-only, as the server wants a KV directory
     mounted = False
     server = SoakServer(serve_args(args, cache_dir), free_port(), out_dir / "logs")
     soak = Soak(args, server, cache_dir)
@@ -289,7 +289,7 @@ def run(args) -> int:
             with err.status(f"soaking: {args.clients} conversations for {args.duration:.0f} s, "
                             f"kill -9 at {args.kill_at:.0f} s ..."):
                 asyncio.run(soak.drive())
-            final_metrics = scrape(server.url, TIER_METRICS)
+            final_metrics = scrape(server.url)
             if args.tmpfs:      # either process may be the one that filled it: the kill resets the flag
                 key = 'ternlm_kv_tier_writes_disabled{tier="disk"}'
                 disk_full = {"tmpfs_size": args.tmpfs, "writes_disabled": max(
@@ -315,7 +315,8 @@ def run(args) -> int:
                      "user_words": args.user_words, "seed": args.seed, "cache_ram": args.cache_ram,
                      "cache_disk": args.cache_disk, "cache_dir": None if tmp else str(cache_dir),
                      "warmup_s": args.warmup, "rss_every_s": args.rss_every, "bin_s": args.bin,
-                     "threads": args.threads, "tmpfs": args.tmpfs},
+                     "threads": args.threads, "tmpfs": args.tmpfs,
+                     "staggered": not args.no_stagger},
         "requests": asdict(soak.outcomes),
         "overall": {"reuse_fraction": reuse_fraction(answers), "prompt_tokens": sum(a.prompt_tokens for a in answers),
                     "cached_tokens": sum(a.cached_tokens for a in answers),

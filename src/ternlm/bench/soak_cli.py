@@ -21,6 +21,9 @@ def add_soak_parser(which, engine_args) -> None:
     p.add_argument("--system-words", type=int, default=150, help="synthetic system prompt length")
     p.add_argument("--user-words", type=int, default=40, help="synthetic user turn length (0.5x-1.5x)")
     p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed")
+    p.add_argument("--no-stagger", action="store_true",
+                   help="start every client at turn 1 (default: client i resumes its first chat after i mod "
+                        "--turns turns, with synthetic answers, so lengths are spread from the start)")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length cap (default 32)")
     p.add_argument("--cache-ram", default="64MiB", help="the server's RAM tier (default 64MiB: full within the "
                                                         "first minute, so blocks reach the disk tier before the "

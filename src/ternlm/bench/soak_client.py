@@ -26,6 +26,7 @@ from typing import Callable
 
 import httpx2 as httpx
 
+from .common import synthetic_text
 from .multiturn import Conversation, load_conversations, synthetic_conversations
 
 GIVE_UP_S = 300.0      # a request still retrying after this long counts as failed (the restart hung)
@@ -193,19 +194,37 @@ async def ask(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes,
             return None
         outcomes.answered += 1
         details = usage.get("prompt_tokens_details") or {}
-        return Answer(conversation, turn, generation, start - t0, ttft, gaps, text, int(usage["prompt_tokens"]),
+        # who answered: once `restarting` is set the old process is already dead (set and kill run
+        # without an await between them), so an answer arriving then came from the new one
+        answered_by = phase.generation + phase.restarting
+        return Answer(conversation, turn, answered_by, start - t0, ttft, gaps, text, int(usage["prompt_tokens"]),
                       int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens") or 0), finish,
                       timings.get("cache_tier"), int(timings.get("cache_disk_n") or 0))
 
 
+def resumed_history(conv: Conversation, turns: int) -> list[dict]:
+    """The system prompt and the first `turns` user turns of `conv`, each followed by a seeded synthetic
+    answer of about 24 words (what max_tokens 32 yields): a chat the user reopens mid-way."""
+    rng = random.Random(conv.id)
+    history = [{"role": "system", "content": conv.system}] if conv.system else []
+    for user in conv.user_turns[:turns]:
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": synthetic_text(rng, 24)}]
+    return history
+
+
 async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes, source: ConversationSource,
-                   answers: list[Answer], *, max_tokens: int, t0: float, stop: Callable[[], bool]) -> None:
-    """One chat client: conversation after conversation until `stop()`. Side effect: appends every
-    answer to `answers`, with its transcript (a few hundred answers of a few kB: kept in memory)."""
+                   answers: list[Answer], *, max_tokens: int, t0: float, stop: Callable[[], bool],
+                   resume_at: int = 0) -> None:
+    """One chat client: conversation after conversation until `stop()`. The first one is resumed after
+    `resume_at` turns (clients given different values spread conversation lengths from the start, the
+    steady state, instead of all growing in step for minutes). Side effect: appends every answer to
+    `answers`, with its transcript (a few hundred answers of a few kB: kept in memory)."""
+    skip = resume_at
     while not stop():
         conv = source.next()
-        history = [{"role": "system", "content": conv.system}] if conv.system else []
-        for t, user in enumerate(conv.user_turns, 1):
+        skip = min(skip, len(conv.user_turns) - 1)
+        history = resumed_history(conv, skip)
+        for t, user in enumerate(conv.user_turns[skip:], skip + 1):
             if stop():
                 return
             history.append({"role": "user", "content": user})
@@ -215,6 +234,7 @@ async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outc
             a.messages = list(history)
             answers.append(a)
             history.append({"role": "assistant", "content": a.text})
+        skip = 0
 
 
 async def model_id(url: str) -> str:
