@@ -163,7 +163,11 @@ def report(result: dict, console, paths: list[Path]) -> None:
                   f"{result['overall']['completion_tokens']} tokens generated; reused prefix from "
                   + ", ".join(f"{k} {v}" for k, v in result["overall"]["by_tier"].items()) + " (answers)")
     if f["killed_at_s"] is not None:
-        console.print(f"kill -9 at {f['killed_at_s']:.1f} s; server answering again after {f['downtime_s']:.1f} s")
+        m = f.get("tier_metrics_at_end") or {}
+        hits = m.get('ternlm_kv_tier_hits_total{tier="disk"}', 0)
+        damaged = m.get('ternlm_kv_tier_damaged_total{tier="disk"}', 0)
+        console.print(f"kill -9 at {f['killed_at_s']:.1f} s; server answering again after {f['downtime_s']:.1f} s; "
+                      f"restarted server: {hits:.0f} disk tier hits, {damaged:.0f} damaged files found")
     for x in o["failures"][:5]:
         console.print(f"[red]failed[/] t={x['t_s']} s {x['conversation']} turn {x['turn']}: {x['why']}")
     for r in result["cold_check"]["rows"]:
