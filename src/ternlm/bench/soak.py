@@ -118,6 +118,15 @@ class SoakServer:
             self._log = None
 
 
+def resolve_dtype(args, server: SoakServer) -> None:
+    """`--dtype auto` -> what the server logged it picked, so results.json names what ran and the cold
+    server runs the same. Side effect: sets args.dtype (left as is if the line is not found)."""
+    if args.dtype == "auto":
+        m = re.search(r"dtype auto -> (\w+)", (server.log_dir / "serve-0.log").read_text(errors="replace"))
+        if m:
+            args.dtype = m.group(1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -286,6 +295,7 @@ def run(args) -> int:
         try:
             with err.status("starting the server ..."):
                 server.wait_ready()
+            resolve_dtype(args, server)
             with err.status(f"soaking: {args.clients} conversations for {args.duration:.0f} s, "
                             f"kill -9 at {args.kill_at:.0f} s ..."):
                 asyncio.run(soak.drive())

@@ -266,6 +266,8 @@ def pick_for_cold_check(answers: list[Answer], n: int) -> list[Answer]:
     """Up to `n` answers given by the last server process (after the restart, if there was one), one
     per conversation, those whose prefix came from the disk tier first (what survived the kill), then
     from RAM or a slot, then the rest; longest prompt first."""
+    if n <= 0:
+        return []
     last = max((a.generation for a in answers), default=0)
     after = [a for a in answers if a.messages is not None and a.generation == last]
     rank = {"disk": 0, "ram": 1, "slot": 2}
