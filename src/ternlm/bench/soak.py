@@ -84,17 +84,19 @@ class SoakServer:
             time.sleep(0.2)
         raise TimeoutError(f"ternlm serve not ready after {timeout_s:.0f} s: see {self.log_dir}")
 
-    def rss_mib(self) -> float | None:
-        """VmRSS of the live process from /proc, in MiB; None if it is gone or between restarts."""
+    def rss_mib(self) -> dict[str, float] | None:
+        """The live process's VmRSS and its parts RssAnon (heap, tensors) and RssFile (mapped files:
+        libraries, the model) from /proc, in MiB: {"rss_mib", "anon_mib", "file_mib"}; None if it is
+        gone or between restarts."""
         if self.proc is None or self.proc.poll() is not None:
             return None
+        names = {"VmRSS:": "rss_mib", "RssAnon:": "anon_mib", "RssFile:": "file_mib"}
         try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+            lines = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
         except OSError:
             return None
-        return None
+        out = {names[p[0]]: int(p[1]) / 1024 for p in (ln.split() for ln in lines) if p and p[0] in names}
+        return out if "rss_mib" in out else None
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -177,7 +179,7 @@ class Soak:
         while not stop.is_set():
             rss = self.server.rss_mib()
             if rss is not None and not phase.restarting:
-                self.rss.append({"t_s": round(self.now(), 2), "generation": phase.generation, "rss_mib": rss})
+                self.rss.append({"t_s": round(self.now(), 2), "generation": phase.generation, **rss})
             try:
                 await asyncio.wait_for(stop.wait(), self.args.rss_every)
             except asyncio.TimeoutError:
