@@ -151,7 +151,8 @@ def report(result: dict, console, paths: list[Path]) -> None:
     for r in result["per_bin"]:
         t.add_row(f"{r['from_s']:.0f}", str(r["answered"]), _pct(r["reuse_fraction"]), _ms(r["ttft_p50_s"]),
                   _ms(r["ttft_p99_s"]), _ms(r["itl_p50_s"]), _ms(r["itl_p99_s"]),
-                  "-" if r.get("rss_mib") is None else f"{r['rss_mib']:.0f}", ",".join(str(g) for g in r["generations"]))
+                  "-" if r.get("rss_mib") is None else f"{r['rss_mib']:.0f}",
+                  ",".join(str(g) for g in r["generations"]))
     all_ = result["overall"]
     t.add_row("all", str(result["requests"]["answered"]), _pct(all_["reuse_fraction"]), _ms(all_["ttft_p50_s"]),
               _ms(all_["ttft_p99_s"]), _ms(all_["itl_p50_s"]), _ms(all_["itl_p99_s"]), "", "", style="bold")
