@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: install install-test test serve pull bench bench-peers info clean
+.PHONY: install install-test test serve pull bench bench-peers soak info clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ info: install
 bench: install-test
 	$(BIN)/ternlm bench engine -m $(MODEL)
 	$(BIN)/ternlm bench reuse -m $(MODEL)
+
+# 32 concurrent chats for 10 minutes against one server with a kill -9 and restart halfway: failures,
+# reuse, RSS, latency per minute, cache verification, answers vs a cold server (exit 1 if a target is missed).
+soak: install
+	$(BIN)/ternlm bench soak -m $(MODEL)
 
 # llama.cpp as a peer for benchmarks only: its own venv, built from source (~6 min on 2 cores) with the
 # ISA options this CPU has (scripts/peer-cmake-flags: AVX2-only hosts get an AVX2 build) and AMX off

@@ -1,4 +1,4 @@
-"""`ternlm bench engine|dtype|reuse|tiers|multiturn` argument parsing."""
+"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -89,6 +89,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                    help="also require these two contenders to answer identically (repeatable)")
     p.add_argument("--out", default="benchmarks/results/multiturn")
     p.set_defaults(func=lambda a: _multiturn(a, default_model))
+
+    from .soak_cli import add_soak_parser
+    add_soak_parser(which, engine_args)
 
 
 def _common(p) -> None:

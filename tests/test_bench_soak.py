@@ -1,0 +1,174 @@
+"""`ternlm bench soak`: the real thing, tiny; and the counting rules its targets rest on.
+
+1. End to end: smollm2-135m (float32, one thread), 4 conversations on 2 slots for 24 s with a kill -9
+   at 12 s, a 1 MiB RAM tier (so blocks reach the disk tier as soon as a slot changes hands). The bench
+   owns its servers (the soak's, its restart, the cold one) and must leave none running. Asserted:
+   the structure of results.json, the PNG, and the correctness outcomes (no failed request, every
+   cache file verifies, the answers after the restart equal the cold server's, exit status 0). Never
+   timings: this machine may be shared.
+2. Counting rules, in-process against a mock transport (fast): a 429 honoured is back-pressure, a
+   connection error during the restart is retried, the same error outside it or a 500 is a failure.
+3. The pure arithmetic: per-bin rows, RSS growth per server process, the verdicts and the exit status.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx2 as httpx
+
+from ternlm.bench.soak_client import Answer, Outcomes, ServerPhase, ask
+from ternlm.bench.soak_report import missed, per_bin, rss_growth, verdicts
+
+
+def test_soak_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "ternlm.cli", "bench", "soak", "-m", "smollm2-135m", "--dtype", "float32",
+           "--threads", "1", "--duration", "24", "--kill-at", "12", "--clients", "4", "--slots", "2",
+           "--turns", "3", "--max-tokens", "8", "--system-words", "30", "--user-words", "12",
+           "--cache-ram", "1MiB", "--warmup", "2", "--rss-every", "2", "--bin", "8", "--cold-check", "2",
+           "--out", str(out)]
+    # The bench stops its own servers in try/finally. Its own session, killed whole at the end, so that
+    # even a bench that hangs (timeout) or dies leaves no server behind.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, COLUMNS="200"))
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    for text in ("soak · 4 conversations · 2 slots", "TTFT p50 ms", "ITL p99 ms", "targets",
+                 "failed requests = 0", "answers after restart = cold server's", "kill -9 at"):
+        assert text in stdout, stdout
+
+    res = json.loads((out / "results.json").read_text())
+    assert res["command"].endswith(" ".join(cmd[3:]))
+    assert res["missed"] == []
+    r = res["requests"]
+    assert r["failed"] == 0 and r["answered"] > 0 and r["failures"] == []
+    assert r["sent"] >= r["answered"] + r["back_pressure"] + r["retried_during_restart"]
+    assert 0 <= res["overall"]["reuse_fraction"] <= 1
+    assert [b["from_s"] for b in res["per_bin"]] == [0, 8, 16]
+    assert sum(b["answered"] for b in res["per_bin"]) == r["answered"]
+    assert {"ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "reuse_fraction"} <= set(res["per_bin"][0])
+
+    f = res["fault"]
+    assert f["killed_at_s"] >= 12 and f["ready_at_s"] > f["killed_at_s"]
+    assert {s["generation"] for s in res["rss"]["samples"]} == {0, 1}
+    assert [g["generation"] for g in res["rss"]["growth"]] == [0, 1]
+    assert all(s["rss_mib"] > 50 for s in res["rss"]["samples"])
+
+    after_kill, at_end = res["cache_verify"]["after_kill"], res["cache_verify"]["at_end"]
+    assert after_kill["dry_run"] and after_kill["rc"] == 0 and after_kill["damaged"] == 0
+    assert at_end["rc"] == 0 and at_end["damaged"] == 0 and at_end["files"] > 0 and at_end["good"] == at_end["files"]
+
+    cold = res["cold_check"]
+    assert cold["skipped"] is None and 1 <= len(cold["rows"]) <= 2
+    assert all(row["identical"] and row["soak"] == row["cold"] for row in cold["rows"])
+    assert all(a["generation"] == 1 for a in res["answers"] if a["start_s"] > f["ready_at_s"])
+
+    assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"serve-0.log", "serve-1.log"} <= {q.name for q in (out / "logs").iterdir()}
+    assert (out / "logs" / "cold" / "serve-0.log").exists()
+    # every server this bench started exited: their logs end with uvicorn's shutdown (or the kill)
+    assert "Finished server process" in (out / "logs" / "serve-1.log").read_text()
+    assert "Finished server process" in (out / "logs" / "cold" / "serve-0.log").read_text()
+
+
+# ---- counting rules ------------------------------------------------------------------------------
+
+def _sse_answer(text: str = "Hi there") -> httpx.Response:
+    chunks = [{"choices": [{"delta": {"content": w}, "finish_reason": None}]} for w in text.split(" ")]
+    chunks.append({"choices": [{"delta": {}, "finish_reason": "stop"}], "timings": {"cache_tier": "ram"}})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 2,
+                                            "prompt_tokens_details": {"cached_tokens": 6}}})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+
+def _ask(handler, phase: ServerPhase) -> tuple[Answer | None, Outcomes]:
+    outcomes = Outcomes()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await ask(client, phase, outcomes, [{"role": "user", "content": "x"}], 8, 0.0, "c", 1)
+    return asyncio.run(go()), outcomes
+
+
+def test_429_is_back_pressure_not_failure():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) < 3:
+            return httpx.Response(429, json={"error": {}}, headers={"Retry-After": "0"})
+        return _sse_answer()
+    a, o = _ask(handler, ServerPhase("http://x/v1", "m"))
+    assert a is not None and a.text == "Hithere" and (a.prompt_tokens, a.cached_tokens) == (10, 6)
+    assert a.cache_tier == "ram" and len(a.itl_s) == 1
+    assert (o.sent, o.answered, o.back_pressure, o.failed, o.retried_during_restart) == (3, 1, 2, 0, 0)
+
+
+def test_connection_errors_retried_only_during_the_restart():
+    phase = ServerPhase("http://x/v1", "m", restarting=True)
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) < 3:
+            raise httpx.ConnectError("refused")
+        phase.restarting = False
+        return _sse_answer()
+    a, o = _ask(handler, phase)
+    assert a is not None and (o.retried_during_restart, o.failed) == (2, 0)
+
+    def refused(request):
+        raise httpx.ConnectError("refused")
+    a, o = _ask(refused, ServerPhase("http://x/v1", "m"))
+    assert a is None and (o.failed, o.retried_during_restart) == (1, 0) and "ConnectError" in o.failures[0]["why"]
+
+    a, o = _ask(lambda r: httpx.Response(500, text="boom"), ServerPhase("http://x/v1", "m"))
+    assert a is None and o.failed == 1 and o.failures[0]["why"].startswith("HTTP 500")
+
+    cut = "data: " + json.dumps({"choices": [{"delta": {"content": "a"}}]}) + "\n\n"      # no [DONE]
+    a, o = _ask(lambda r: httpx.Response(200, text=cut), ServerPhase("http://x/v1", "m"))
+    assert a is None and o.failed == 1 and "without [DONE]" in o.failures[0]["why"]
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------
+
+def _answer(start_s: float, gen: int, prompt: int, cached: int) -> Answer:
+    return Answer("c", 1, gen, start_s, 0.5, [0.1, 0.2], "t", prompt, cached, 2, "length", "ram", 0)
+
+
+def test_bins_rss_and_verdicts():
+    answers = [_answer(1, 0, 100, 50), _answer(61, 0, 100, 100), _answer(125, 1, 200, 0)]
+    rows = per_bin(answers, 60, 150)
+    assert [(r["from_s"], r["to_s"], r["answered"]) for r in rows] == [(0, 60, 1), (60, 120, 1), (120, 150, 1)]
+    assert [r["reuse_fraction"] for r in rows] == [0.5, 1.0, 0.0] and rows[2]["generations"] == [1]
+
+    samples = [{"t_s": t, "generation": g, "rss_mib": m} for t, g, m in
+               ((0, 0, 500), (10, 0, 1000), (20, 0, 1010), (30, 0, 1100), (40, 1, 600), (55, 1, 900))]
+    g0, g1 = rss_growth(samples, {0: 0.0, 1: 40.0}, warmup_s=10)
+    assert (g0.first_mib, g0.last_mib, g0.samples_after_warmup) == (1000, 1100, 3)
+    assert abs(g0.growth - 0.10) < 1e-9 and g1.growth is None        # one sample after its warm-up
+
+    result = {"requests": {"failed": 0},
+              "rss": {"growth": [{"generation": g.generation, "growth": g.growth, "peak_growth": g.peak_growth,
+                                  "first_mib": g.first_mib, "last_mib": g.last_mib} for g in (g0, g1)]},
+              "cache_verify": {"after_kill": {"rc": 0, "files": 3, "good": 3, "damaged": 0}, "at_end": None},
+              "cold_check": {"skipped": None, "rows": [{"identical": True}, {"identical": True}]}}
+    result["verdicts"] = verdicts(result)
+    assert [v["met"] for v in result["verdicts"]] == [True, False, None, True, True]
+    assert missed(result) == ["RSS growth after warm-up <= 5% (server process 0)"]
+    result["cold_check"] = {"skipped": "no answers after the restart to compare", "rows": []}
+    result["verdicts"] = verdicts(result)
+    assert "answers after restart = cold server's (not checked)" in missed(result)
