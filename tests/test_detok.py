@@ -117,7 +117,7 @@ def feed_all(stops, chunks) -> tuple[str, bool]:
             break
     if not stopped:
         out.append(matcher.flush())
-    return "".join(out), stopped
+    return "".join(out), matcher.stopped
 
 
 def test_stop_spanning_chunks():
@@ -141,6 +141,14 @@ def test_earliest_stop_wins_and_stays_stopped():
     matcher = StopMatcher(["world", "lo w", ""])
     assert matcher.feed("hello world") == ("hel", True)
     assert matcher.feed("more") == ("", True) and matcher.flush() == ""
+
+
+def test_a_stop_that_began_earlier_wins_even_when_a_shorter_one_completes_first():
+    """Found by the property below (hypothesis): stops "a" and "<a<", text "<a" then "<". The text
+    ends before "<a<" (position 0), not before "a" (1), whatever the chunking."""
+    assert feed_all(["a", "<a<"], ["<a", "<"]) == ("", True)
+    assert feed_all(["a", "<a<"], ["<a"]) == ("<", True)          # "<a<" never came: "a" stops it
+    assert feed_all(["a", "<a<"], ["<a", "b"]) == ("<", True)
 
 
 def test_no_stops_passes_through():

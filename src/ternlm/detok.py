@@ -92,19 +92,32 @@ class StopMatcher:
         if self.stopped:
             return "", True
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self._held = True, ""
-            return buf[:min(hits)], True
         keep = self._partial_stop_len(buf)
+        hit = self._first_hit(buf)
+        # A complete stop at `hit` ends the text there, unless a stop that began earlier may still
+        # complete (stops "a" and "<a<", text "<a" then "<": the answer ends at 0, not 1): then wait.
+        if hit is not None and len(buf) - keep >= hit:
+            self.stopped, self._held = True, ""
+            return buf[:hit], True
         self._held = buf[len(buf) - keep:]
         return buf[:len(buf) - keep], False
 
     def flush(self) -> str:
-        """The held-back tail, at the end of generation (it never became a stop string).
-        Side effect: clears it."""
+        """The held-back tail, at the end of generation: cut before a stop it holds (one that was
+        waiting for an earlier, longer stop that never completed), else all of it. Side effect:
+        clears it; sets `stopped` when it held a stop."""
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        if self.stopped:
+            return ""
+        hit = self._first_hit(held)
+        if hit is not None:
+            self.stopped = True
+            return held[:hit]
+        return held
+
+    def _first_hit(self, buf: str) -> int | None:
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_stop_len(self, buf: str) -> int:
         # Longest k such that buf's last k characters are a proper prefix of some stop string.

@@ -188,6 +188,8 @@ class Sequence:
             tail, stopped = self.stopper.feed(self.detok.flush())
             if not stopped:
                 tail += self.stopper.flush()
+            if self.stopper.stopped:          # the last text held a stop string (detok.StopMatcher.flush)
+                self.finish = "stop"
             if tail:
                 self.text.append(tail)
                 events.append(Delta(tail, -1))
