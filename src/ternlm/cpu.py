@@ -3,14 +3,16 @@ the kernel fingerprint that keeps one machine's KV out of another's cache.
 
 Why a class and not "x86-64": oneDNN dispatches by ISA at run time, so the same torch wheel computes
 bf16 with AMX tiles, AVX-512 BF16 dot products, emulated bf16 on plain AVX-512, or not at all (on
-AVX2-only CPUs `mkldnn._reorder_linear_weight` refuses bf16). Measured with smollm2-135m, 2 threads,
-one 2-core AMD EPYC (Zen 4, AVX-512 BF16), oneDNN capped with ONEDNN_MAX_CPU_ISA to mimic the others:
+AVX2-only CPUs `mkldnn._reorder_linear_weight` refuses bf16). Measured with `ternlm bench dtype`
+(smollm2-135m, 2 threads, 1,024-token prefill / 64 decoded tokens) on one 2-core AMD EPYC (Zen 4,
+AVX-512 BF16), oneDNN capped with ONEDNN_MAX_CPU_ISA to stand in for the other classes
+(benchmarks/RESULTS.md):
 
     class         bf16 prefill / decode   fp32 prefill / decode   auto
-    avx512_bf16   464 / 25.9 tok/s        304 / 15.2 tok/s        bfloat16
-    avx512        142 / 14.8 tok/s        298 / 14.1 tok/s        float32  (bf16 emulated: 0.48x prefill)
-    avx2          refused by oneDNN       ~310 / ~10 tok/s        float32
-    amx           several x fp32 (RESULTS.md)                     bfloat16
+    avx512_bf16   729 / 27.1 tok/s        502 / 19.7 tok/s        bfloat16 (1.45x / 1.37x)
+    avx512        258 / 17.4 tok/s        492 / 18.7 tok/s        float32  (bf16 emulated: 0.53x prefill)
+    avx2          refused by oneDNN       480 / 15.3 tok/s        float32
+    amx           several x fp32 (RESULTS.md, earlier sessions)   bfloat16
 
 A bf16 path without oneDNN (plain F.linear) would run, but its rows are not batch-invariant, and reuse
 must never change an answer: so `--dtype bfloat16` where oneDNN has no bf16 is refused with one line.
