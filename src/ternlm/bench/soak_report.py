@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .multiturn import _pct   # one percent formatter for both benches
 from .soak_client import Answer
 
 RSS_TARGET = 0.05          # growth after warm-up, per server process
@@ -133,10 +134,6 @@ def missed(result: dict) -> list[str]:
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.0f}"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def report(result: dict, console, paths: list[Path]) -> None:
