@@ -38,6 +38,7 @@ from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Sampler, SamplingParams
 from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
 from .step_plan import Want, plan_step
+from .weights import WEIGHTS, WeightsChoice, choose_weights
 
 __all__ = ["Engine", "ChatIds", "Completion", "Delta", "Restored", "Sequence", "Timings", "SlotInfo",
            "StepOutcome", "reuse_line"]
@@ -75,10 +76,12 @@ class StepOutcome:
 class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
-                 cache: CacheConfig | None = None, cpu: CpuInfo | None = None):
+                 cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
+                 weights: WeightsChoice | None = None):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
-        kernels for (default: this one, probed); it goes into the kernel fingerprint.
-        Raises UnsupportedDtypeError for a dtype with no exact kernel here (bf16 on AVX2)."""
+        kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
+        the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
+        with a gguf choice. Raises UnsupportedDtypeError for a dtype with no exact kernel here."""
         cfg = loaded.config
         self.config = cfg
         self.loaded = loaded
@@ -92,8 +95,10 @@ class Engine:
         self.prefix_reuse = prefix_reuse
         self.min_reuse = min_reuse
         self.ctx = min(ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.weights_choice = weights or WeightsChoice("dense", name, "dense weights", "auto")
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
-                                              pack=self.dtype_choice.kernel == "onednn-packed")
+                                              pack=self.dtype_choice.kernel == "onednn-packed",
+                                              kernels=self.weights_choice.kernels)
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
@@ -101,7 +106,8 @@ class Engine:
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
-        self.kernel_fingerprint = kernel_fingerprint(self.dtype_choice, self.cpu)
+        self.kernel_fingerprint = (f"{kernel_fingerprint(self.dtype_choice, self.cpu)};"
+                                   f"{self.weights_choice.fingerprint}")
         config_digest = hashlib.sha256(f"{cfg!r}:{loaded.extra_sha256}".encode()).hexdigest()[:32]
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
@@ -114,28 +120,33 @@ class Engine:
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str = "smollm2-135m", dtype: str = "auto", cpu: CpuInfo | None = None,
-             **kw) -> "Engine":
+             weights: str = "auto", **kw) -> "Engine":
         """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use.
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
-        an unknown or unsupported dtype raises ValueError before anything is read.
+        weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
+        an unknown or unsupported choice raises ValueError before any weight is read.
         Side effect: raises glibc's malloc thresholds for the process (malloc.py: ~1.6x faster long
         prefills; TERNLM_MALLOC_TUNE=0 opts out)."""
         from .malloc import keep_large_buffers
         from .models.registry import resolve
         cpu = cpu or probe()
-        choice = choose_dtype(dtype, cpu)
-        log.info("%s", choice.log_line)
-        keep_large_buffers()
-        tdtype = DTYPES[choice.dtype]
+        choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
+        if weights not in WEIGHTS:
+            raise ValueError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
         t0 = time.perf_counter()
         r = resolve(model)
+        wchoice = choose_weights(weights, dtype, r.kind == "gguf")
+        choice = choose_dtype(wchoice.dtype, cpu)
+        log.info("%s; %s", choice.log_line, wchoice.log_line)
+        keep_large_buffers()
+        tdtype = DTYPES[choice.dtype]
         if r.kind == "gguf":
             from .models.gguf import load_gguf
-            loaded = load_gguf(r.path, tdtype, sha256=r.sha256)
+            loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=wchoice.mode == "gguf")
         else:
             from .models.hf import load_hf_folder
             loaded = load_hf_folder(r.path, tdtype)
-        engine = cls(loaded, dtype=choice.dtype, cpu=cpu, **kw)
+        engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
         log.info("loaded %s (%s, %s) in %.2f s", model, loaded.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 

@@ -382,8 +382,19 @@ def _start_tensor(t: ReaderTensor, dtype: torch.dtype) -> tuple[torch.Tensor, li
     return flat.reshape(tuple(int(d) for d in reversed(t.shape.tolist()))), jobs
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | None = None) -> LoadedModel:
-    """Read a GGUF file into a LoadedModel with weights dequantized to ``dtype``.
+def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
+    """Whether `--weights gguf` keeps this tensor in a QWeight layout: the projection matrices and
+    the embedding/LM head, when their type has an exact layout (qweight.py); norms, biases and float
+    tensors stay dense."""
+    from .qweight import QUANTIZED_TYPES
+    return (t.tensor_type in QUANTIZED_TYPES and len(t.shape) == 2
+            and (name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")))
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | None = None,
+              keep_quantized: bool = False) -> LoadedModel:
+    """Read a GGUF file into a LoadedModel with weights dequantized to ``dtype``, or, with
+    ``keep_quantized``, the quantized matrices as QWeights (models/qweight.py) and the rest dequantized.
 
     ``sha256``: the file's known digest (e.g. from the registry); when None the file is hashed
     (cached by path+size+mtime under the ternlm cache dir, so usually only once).
@@ -402,17 +413,30 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     weights: dict[str, torch.Tensor] = {}
     with _parallel_jobs() as run:
         all_jobs: list[Callable[[], None]] = []
+        quantized: list[ReaderTensor] = []
         for t in reader.tensors:  # checks every type before any work starts
+            if keep_quantized and _keeps_quantized(t, hf_name(t.name)):
+                quantized.append(t)
+                continue
             weights[hf_name(t.name)], jobs = _start_tensor(t, dtype)
             all_jobs += jobs
         run(all_jobs)
+        if quantized:
+            from .qweight import from_gguf
+            for t in quantized:
+                k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
+                weights[hf_name(t.name)] = from_gguf(_tensor_bytes(t), t.tensor_type, n, k)
         if config.arch == "llama":
             # Only llama GGUFs are permuted by the converter; qwen2/qwen3 keep HF's row order.
             for name, w in weights.items():
-                if ".self_attn.q_proj." in name:
-                    weights[name] = unpermute_rows(w, config.num_heads)
-                elif ".self_attn.k_proj." in name:
-                    weights[name] = unpermute_rows(w, config.num_kv_heads)
+                heads = (config.num_heads if ".self_attn.q_proj." in name
+                         else config.num_kv_heads if ".self_attn.k_proj." in name else 0)
+                if not heads:
+                    continue
+                if isinstance(w, torch.Tensor):
+                    weights[name] = unpermute_rows(w, heads)
+                else:   # a QWeight: the same permutation of whole rows
+                    weights[name] = w.permute_rows(unpermute_rows(torch.arange(w.shape[0]), heads))
     t_weights = time.perf_counter()
 
     tokenizer = Tokenizer.from_gguf(reader)

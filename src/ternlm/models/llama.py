@@ -25,7 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .linear import Linear
+from ..kernels.build import QMatmul
+from .qlinear import projection
+from .qweight import QWeight
 
 # The KV cache and attention run in fp32 whatever the compute dtype: exact, and on this CPU faster than
 # bf16 (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms).
@@ -126,21 +128,27 @@ class _Part:
 class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], pack: bool):
+    def __init__(self, cfg: ModelConfig, w: dict[str, "torch.Tensor | QWeight"], pack: bool,
+                 kernels: QMatmul | None = None):
+        """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection)."""
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        dtype = w["input_layernorm.weight"].dtype
+
+        def proj(names: list[str], bias: torch.Tensor | None = None):
+            return projection([w[n] for n in names], bias, dtype, pack, kernels)
+
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
         self.post_norm = w["post_attention_layernorm.weight"]                  # (hidden,)
-        self.qkv = Linear(torch.cat([w[f"self_attn.{n}_proj.weight"] for n in "qkv"]),  # (q + 2 kv, hidden)
-                          torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None,
-                          pack)
+        self.qkv = proj([f"self_attn.{n}_proj.weight" for n in "qkv"],         # (q + 2 kv, hidden)
+                        torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None)
         self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm else None   # (head_dim,)
         self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm else None
-        self.o = Linear(w["self_attn.o_proj.weight"], pack=pack)              # (hidden, q)
-        self.gate_up = Linear(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), pack=pack)  # (2 I, hidden)
-        self.down = Linear(w["mlp.down_proj.weight"], pack=pack)              # (hidden, I)
+        self.o = proj(["self_attn.o_proj.weight"])                            # (hidden, q)
+        self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])   # (2 I, hidden)
+        self.down = proj(["mlp.down_proj.weight"])                            # (hidden, I)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
         """x: (M, hidden), the rows of every part in order; cos/sin: (M, head_dim), each row's
@@ -176,34 +184,43 @@ class Layer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
-                 pack: bool = True):
-        """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`."""
+    def __init__(self, cfg: ModelConfig, weights: dict[str, "torch.Tensor | QWeight"],
+                 dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: QMatmul | None = None):
+        """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`.
+        QWeights among them (`--weights gguf`) stay quantized where `kernels` is given (qlinear.py),
+        else they are dequantized exactly and cast like the rest."""
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> "torch.Tensor | QWeight":
             if name not in weights:
                 raise KeyError(f"missing weight {name!r}")
-            return weights[name].to(dtype).contiguous()
+            t = weights[name]
+            return t if isinstance(t, QWeight) else t.to(dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")                              # (vocab, hidden)
+        embed = w("model.embed_tokens.weight")                                   # (vocab, hidden)
+        # A quantized embedding stays so: a lookup dequantizes only the rows it reads (embed_ids).
+        self.embed = embed if isinstance(embed, QWeight) and kernels is not None else (
+            embed.dequantize().to(dtype) if isinstance(embed, QWeight) else embed)
         self.layers = [
-            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack)
+            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels)
             for p in (f"model.layers.{i}." for i in range(cfg.num_layers))
         ]
         self.norm = w("model.norm.weight")
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"), pack=pack)
+        head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = projection([head], None, dtype, pack, kernels)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)                        # (max_pos, head_dim)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                     pack: bool = True) -> "Transformer":
-        return cls(cfg, weights, dtype, pack)
+                     pack: bool = True, kernels: QMatmul | None = None) -> "Transformer":
+        return cls(cfg, weights, dtype, pack, kernels)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype."""
+        if isinstance(self.embed, QWeight):
+            return self.embed.dequantize(ids).to(self.dtype)
         return F.embedding(ids, self.embed)
 
     def forward(self, x: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -14,8 +14,9 @@ class LoadedModel:
     config: ModelConfig
     # Hugging Face parameter names and layouts ("model.layers.0.self_attn.q_proj.weight": (out, in)),
     # already in the compute dtype. GGUF's permuted llama Q/K rows are undone by the GGUF loader.
-    # When config.tie_word_embeddings, "lm_head.weight" may be absent.
-    weights: dict[str, torch.Tensor]
+    # When config.tie_word_embeddings, "lm_head.weight" may be absent. With `--weights gguf` the
+    # quantized projection/embedding matrices are QWeights (models/qweight.py) instead of tensors.
+    weights: dict[str, "torch.Tensor | object"]
     tokenizer: "object"          # ternlm.tokenizer.Tokenizer
     chat_template: str | None    # jinja2 source, HF semantics; None when the model has none
     sha256: str                  # hex digest identifying the weights (part of the cache namespace)

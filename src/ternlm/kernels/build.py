@@ -1,0 +1,113 @@
+"""Compile qmatmul.c for this CPU on first use and load it with ctypes.
+
+Why at run time, not at install: the kernel is compiled with -march=native, so the binary must be
+built on the CPU it runs on (users' CPUs differ: AMX, AVX-512, AVX2-only), and pip's wheel for this
+package stays pure Python. A C compiler (`cc`, or $CC) is the only requirement; without one, or if the
+build fails, `load()` says why and the caller keeps dense weights.
+
+The shared object goes to $XDG_CACHE_HOME/ternlm/kernels/qmatmul-<digest>.so, the digest covering the
+source, the compiler's version, the flags and the CPU flags, so an upgrade or another host rebuilds
+instead of loading a stale binary. The directory is ours only (0700): code loaded from a directory
+another user can write into would run as us.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ternlm")
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+# TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
+# an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
+MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+@dataclass(frozen=True)
+class QMatmul:
+    """The loaded kernels. `isa`: the vector path the compiler took (avx512 | avx2 | scalar);
+    `digest`: identifies the binary (part of the KV cache's kernel fingerprint)."""
+    lib: ctypes.CDLL
+    isa: str
+    digest: str
+
+    def mm(self, fmt: str, x: int, M: int, K: int, codes: int, scale: int, bias: int, N: int,
+           y: int, ldy: int, threads: int) -> None:
+        """Raw pointers: see qmatmul.c. fmt: "q4g32" | "q8g16". Releases the GIL while it runs."""
+        getattr(self.lib, f"tq_{fmt}_mm")(x, M, K, codes, scale, bias, N, y, ldy, threads)
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why there are no native kernels here (no compiler, failed build, ...): one line for logs."""
+    reason: str
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc)
+
+
+def _cpu_flags() -> str:
+    from ..cpu import probe
+    return " ".join(sorted(probe().flags))
+
+
+def _digest(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    h = hashlib.sha256(SOURCE.read_bytes())
+    for part in (version, " ".join(FLAGS), _cpu_flags()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:16]
+
+
+def _build(cc: str, out: Path) -> None:
+    """Compile into a temporary file beside `out`, then rename: concurrent first uses (several
+    servers starting at once) never load a half-written library."""
+    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> QMatmul | Unavailable:
+    """The native quantized-matmul kernels, built on first use. Side effects: may create
+    $XDG_CACHE_HOME/ternlm/kernels (0700) and write one .so there; loads it into the process."""
+    from ..kv.disk import secure_dir
+    from ..models.registry import cache_root
+    cc = _compiler()
+    if cc is None:
+        return Unavailable(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
+    try:
+        digest = _digest(cc)
+        root = cache_root() / "kernels"
+        secure_dir(root)
+        path = root / f"qmatmul-{digest}.so"
+        if not path.exists():
+            log.info("building quantized kernels for this CPU: %s %s", cc, " ".join(FLAGS))
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return Unavailable(f"building {SOURCE.name} failed: {e}")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    for name in ("tq_q4g32_mm", "tq_q8g16_mm"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [p, i, i, p, p, p, i, p, i, ctypes.c_int], None
+    lib.tq_isa.restype = ctypes.c_char_p
+    return QMatmul(lib, lib.tq_isa().decode(), digest)

@@ -1,0 +1,61 @@
+"""y = x W^T (+ b) with W kept quantized (qweight.py), multiplied by the native kernel (kernels/).
+
+Activations and results are fp32; the weights are exactly GGML's dequantized values, so the output
+equals a dense fp32 matmul of the dequantized weights up to summation order.
+
+[BATCH-INVARIANT] by construction (kernels/qmatmul.c): a row's bits never depend on how many rows
+are multiplied with it or on the thread count, so no single-row trick is needed here.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.build import QMatmul
+from .qweight import QWeight
+
+
+class QLinear:
+    """Not an nn.Module: a frozen projection whose weight is one or more QWeights stacked along the
+    outputs (a fused q/k/v may mix layouts: Q4_K_M files keep some v projections in Q6_K).
+    parts: [(out_i, in)]; bias: fp32 (sum out_i,) or None."""
+
+    def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: QMatmul):
+        ins = {p.shape[1] for p in parts}
+        if len(ins) != 1:
+            raise ValueError(f"parts disagree on the input size: {sorted(ins)}")
+        self.parts, self.kernels = parts, kernels
+        self.in_features = ins.pop()
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, in) fp32 -> (M, out) fp32."""
+        x = x.float().contiguous()
+        M, K = x.shape
+        if K != self.in_features:
+            raise ValueError(f"input has {K} features, the weight {self.in_features}")
+        y = torch.empty(M, self.out_features)
+        threads = torch.get_num_threads()
+        off = 0
+        for p in self.parts:   # each part writes its own column slice of y (row stride out_features)
+            n = p.shape[0]
+            self.kernels.mm(p.fmt, x.data_ptr(), M, K, p.codes.data_ptr(), p.scale.data_ptr(),
+                            p.bias.data_ptr(), n, y.data_ptr() + 4 * off, self.out_features, threads)
+            off += n
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def projection(parts: list, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool,
+               kernels: QMatmul | None):
+    """The projection for weights stacked along the outputs: a QLinear when every part is a QWeight
+    and the kernels are here, else a dense Linear (QWeights dequantized exactly, then cast to dtype).
+    parts: [(out_i, in)] tensors (already in dtype) and/or QWeights."""
+    from .linear import Linear
+    if kernels is not None and all(isinstance(p, QWeight) for p in parts):
+        return QLinear(parts, bias, kernels)
+    dense = [p.dequantize().to(dtype) if isinstance(p, QWeight) else p for p in parts]
+    return Linear(dense[0] if len(dense) == 1 else torch.cat(dense), bias, pack)

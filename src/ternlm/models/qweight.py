@@ -1,0 +1,149 @@
+"""GGUF weights kept quantized: the two layouts the native kernel multiplies (kernels/qmatmul.c).
+
+  q4g32: 4-bit codes, groups of 32 along the input: codes (out, in/2) bytes, byte j of a group holding
+         elements j (low nibble) and j+16 (high nibble); scale/bias (out, in/32) fp32.
+  q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16) fp32.
+
+A weight is w = fma(scale, code, bias). Every GGML type below maps onto one layout with that value
+*exactly* equal to the fp32 GGML dequantization (gguf.quants.dequantize): the products d*sc, d*q and
+dmin*m are exact in fp32 (at most 11 + 8 significant bits), so the only rounding is the final add,
+which the fma does once, as GGML's fp32 code does. tests/test_qweight.py checks it against the gguf
+package: equal values (only the sign of an exact zero can differ: fma(d, 8, -8d) is +0 where
+d * (8 - 8) is -0 for a negative d, which no sum can tell apart).
+
+  Q4_0  d*(q-8)          -> q4g32 scale d, bias -8d          Q8_0 d*q       -> q8g16 code q+128, bias -128d
+  Q4_1  d*q + m          -> q4g32 scale d, bias m            Q5_0 d*(q-16)  -> q8g16 scale d, bias -16d
+  Q4_K  d*sc*q - dmin*m  -> q4g32 (sub-blocks of 32)         Q5_1 d*q + m   -> q8g16
+                                                             Q5_K, Q6_K (sub-blocks of 32 / 16) -> q8g16
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles
+
+Q4, Q8 = "q4g32", "q8g16"
+GROUP = {Q4: 32, Q8: 16}
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
+    fmt: str                   # "q4g32" | "q8g16"
+    codes: torch.Tensor        # uint8 (out, in/2) for q4g32, (out, in) for q8g16
+    scale: torch.Tensor        # fp32 (out, in/group)
+    bias: torch.Tensor         # fp32 (out, in/group)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * GROUP[self.fmt]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.bias.nbytes
+
+    def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """Each weight's code, (len(rows), in) uint8, in input order."""
+        c = self.codes[rows]
+        if self.fmt == Q8:
+            return c
+        g = c.reshape(c.shape[0], -1, 16)
+        return torch.cat((g & 0x0F, g >> 4), dim=-1).reshape(c.shape[0], -1)
+
+    def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """fp32 (len(rows), in): the exact weights (fma: computed in float64, then rounded once).
+        Used for embedding lookups (a few rows) and dense fallbacks."""
+        q = self.codes_of_rows(rows).double()
+        n = q.shape[0]
+        q = q.view(n, -1, GROUP[self.fmt])
+        w = q * self.scale[rows].double().unsqueeze(-1) + self.bias[rows].double().unsqueeze(-1)
+        return w.float().reshape(n, -1)
+
+    def permute_rows(self, order: torch.Tensor) -> "QWeight":
+        """Rows reordered (output features): new row i is old row order[i]."""
+        return QWeight(self.fmt, self.codes[order].contiguous(), self.scale[order].contiguous(),
+                       self.bias[order].contiguous())
+
+
+# ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
+#      (codes (n_blocks, bytes), scale (n_blocks, groups), bias (n_blocks, groups)) of one block. -----
+
+def _pack_nibbles(v: torch.Tensor) -> torch.Tensor:
+    """(n, groups, 32) values 0..15 -> (n, groups * 16) bytes: byte j = v[j] | v[j + 16] << 4."""
+    return (v[..., :16] | (v[..., 16:] << 4)).reshape(v.shape[0], -1)
+
+
+def _q4_0(b):
+    d = _f16(b, 0)
+    return b[:, 2:].clone(), d, d * -8.0
+
+
+def _q4_1(b):
+    return b[:, 4:].clone(), _f16(b, 0), _f16(b, 2)
+
+
+def _q4_k(b):
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    scale = _f16(b, 0) * sc.float()                  # (n, 8): exact products
+    bias = -(_f16(b, 2) * mn.float())
+    return _pack_nibbles(_k_low_nibbles(b[:, 16:])), scale, bias
+
+
+def _q8_0(b):
+    d = _f16(b, 0)
+    codes = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return codes, d.expand(-1, 2), (d * -128.0).expand(-1, 2)
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6], 8) << 4)
+    d = _f16(b, 0)
+    return q, d.expand(-1, 2), (d * -16.0).expand(-1, 2)
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8], 8) << 4)
+    return q, _f16(b, 0).expand(-1, 2), _f16(b, 2).expand(-1, 2)
+
+
+def _q5_k(b):
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = (_k_low_nibbles(b[:, 48:]) | (high << 4)).reshape(b.shape[0], -1)     # (n, 256)
+    scale = (_f16(b, 0) * sc.float()).repeat_interleave(2, dim=1)              # (n, 16)
+    bias = -(_f16(b, 2) * mn.float()).repeat_interleave(2, dim=1)
+    return q, scale, bias
+
+
+def _q6_k(b):
+    ql = b[:, :128].reshape(-1, 2, 64)
+    low = torch.stack((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 8, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 32)
+    high = torch.stack([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], dim=2).reshape(-1, 8, 32)
+    q = (low | (high << 4)).reshape(b.shape[0], -1)                             # (n, 256) 0..63
+    scale = _f16(b, 208) * b[:, 192:208].view(torch.int8).float()               # (n, 16)
+    return q, scale, scale * -32.0
+
+
+# qtype -> (layout, block elements, bytes per block, converter)
+_CONVERT = {
+    QT.Q4_0: (Q4, 32, 18, _q4_0), QT.Q4_1: (Q4, 32, 20, _q4_1), QT.Q4_K: (Q4, 256, 144, _q4_k),
+    QT.Q8_0: (Q8, 32, 34, _q8_0), QT.Q5_0: (Q8, 32, 22, _q5_0), QT.Q5_1: (Q8, 32, 24, _q5_1),
+    QT.Q5_K: (Q8, 256, 176, _q5_k), QT.Q6_K: (Q8, 256, 210, _q6_k),
+}
+QUANTIZED_TYPES = frozenset(_CONVERT)
+
+
+def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> QWeight:
+    """Raw GGML bytes (flat uint8) of an (out, in) weight -> QWeight. Raises KeyError for a type with no
+    exact layout (float types stay dense: the caller checks QUANTIZED_TYPES first)."""
+    fmt, block, size, fn = _CONVERT[qtype]
+    if in_features % block:
+        raise ValueError(f"input size {in_features} is not a multiple of the {qtype.name} block {block}")
+    codes, scale, bias = fn(raw.view(-1, size))
+    return QWeight(fmt, codes.reshape(out_features, -1).contiguous(),
+                   scale.float().reshape(out_features, -1).contiguous(),
+                   bias.float().reshape(out_features, -1).contiguous())

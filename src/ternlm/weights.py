@@ -1,0 +1,72 @@
+"""`--weights auto|gguf|bf16|fp32`: how the model's matrices are held and multiplied. Pure decisions.
+
+  gguf  the GGUF file's own quantized blocks, kept quantized (models/qweight.py) and multiplied by the
+        native kernel (kernels/qmatmul.c) with fp32 activations: 4-5-bit weights read ~2.7x fewer
+        bytes per decode step than bf16. Needs a .gguf model and a C compiler (the kernel is built
+        for this CPU on first use). Computes in float32.
+  bf16, fp32  every matrix dequantized to that dtype, multiplied by oneDNN (models/linear.py); the
+        same as `--dtype bfloat16/float32`.
+  auto  the compute dtype `--dtype` resolves to (cpu.py), dense. Why not gguf: on these hosts the
+        quantized kernel decodes faster but prefills slower than oneDNN's dense bf16/fp32 GEMMs
+        (benchmarks/RESULTS.md, "Weights at the GGUF's precision"), and long prompts are what reuse
+        is for; pick gguf for decode-bound use.
+
+The choice is part of the KV cache's kernel fingerprint: the bits of every KV position depend on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cpu import UnsupportedDtypeError
+
+WEIGHTS = ("auto", "gguf", "bf16", "fp32")
+_DENSE_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+class WeightsUnavailable(UnsupportedDtypeError):
+    """`--weights gguf` cannot run here (not a GGUF model, no compiler, failed build): one line."""
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    mode: str                  # "gguf" | "dense"
+    dtype: str                 # the `--dtype` value to resolve for activations ("auto" allowed for dense)
+    reason: str
+    requested: str = "auto"
+    kernels: object = None     # kernels.build.QMatmul when mode == "gguf"
+
+    @property
+    def fingerprint(self) -> str:
+        if self.mode == "gguf":
+            return f"weights=gguf:{self.kernels.isa}:{self.kernels.digest}"
+        return "weights=dense"
+
+    @property
+    def log_line(self) -> str:
+        return f"weights {self.requested} -> {self.mode} ({self.reason})"
+
+
+def choose_weights(requested: str, dtype: str, is_gguf: bool, build=None) -> WeightsChoice:
+    """Resolve `--weights` against `--dtype` and the model file. `build`: returns the loaded kernels or
+    an Unavailable (default: kernels.build.load, which may compile on first use; the only side effect).
+    Raises ValueError for an unknown name or a contradicting --dtype, WeightsUnavailable when gguf
+    cannot run here."""
+    if requested not in WEIGHTS:
+        raise ValueError(f"unknown --weights {requested!r}; choose one of {', '.join(WEIGHTS)}")
+    if requested == "auto":
+        return WeightsChoice("dense", dtype, "dense weights in the compute dtype", requested)
+    if requested in _DENSE_DTYPE:
+        want = _DENSE_DTYPE[requested]
+        if dtype not in ("auto", want):
+            raise ValueError(f"--weights {requested} computes in {want}, but --dtype is {dtype}")
+        return WeightsChoice("dense", want, f"dense {want}", requested)
+    if dtype not in ("auto", "float32"):
+        raise ValueError(f"--weights gguf computes in float32 (fp32 activations), but --dtype is {dtype}")
+    if not is_gguf:
+        raise WeightsUnavailable("--weights gguf needs a .gguf model; this one is a Hugging Face folder")
+    from .kernels.build import Unavailable, load
+    kernels = (build or load)()
+    if isinstance(kernels, Unavailable):
+        raise WeightsUnavailable(f"--weights gguf needs the native kernel: {kernels.reason}; "
+                                 f"use --weights auto")
+    return WeightsChoice("gguf", "float32", f"quantized blocks, native {kernels.isa} kernel", requested, kernels)
