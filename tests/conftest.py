@@ -60,3 +60,11 @@ def smollm2_bf16():
         pytest.skip(needs_bf16.kwargs["reason"])
     from ternlm import Engine
     return Engine.load("smollm2-135m", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q():
+    """The default model with --weights gguf: its Q4_1 blocks kept quantized, the native kernel (built
+    for this CPU with the system C compiler on first use; a missing compiler fails here, loudly)."""
+    from ternlm import Engine
+    return Engine.load("smollm2-135m", weights="gguf")

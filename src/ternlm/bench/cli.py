@@ -14,6 +14,8 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     engine_args(p)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-context", type=int, default=32,
+                   help="prompt tokens before the timed decode (the issue's targets: 1024 and 4000)")
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list: transformers,llamacpp")
     _common(p)
     p.set_defaults(func=lambda a: _run("engine", a, load_engine))

@@ -33,6 +33,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
+from ..weights import WEIGHTS
 from ..engine import Delta, Engine
 from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
@@ -54,6 +55,7 @@ _POLL_S = 0.25          # how often a waiting non-stream request checks whether 
 class ServeConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"              # cpu.choose_dtype: resolved (and refused) at construction
+    weights: str = "auto"            # weights.choose_weights: auto | gguf | bf16 | fp32
     prefix_reuse: bool = True
     min_reuse: int = 16
     slots: int = 4
@@ -73,6 +75,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"unknown weights {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
         checks = [(self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
                   (self.step_tokens >= 1, "step_tokens must be >= 1"),
                   (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
@@ -396,7 +400,7 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
     def load() -> Engine:
         cache = CacheConfig(config.cache_ram, Path(config.cache_dir) if config.cache_dir else None,
                             config.cache_disk)
-        return Engine.load(config.model, dtype=config.dtype, prefix_reuse=config.prefix_reuse,
+        return Engine.load(config.model, dtype=config.dtype, weights=config.weights, prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
                            chunk_size=config.chunk_size, cache=cache)
     return load
@@ -492,6 +496,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         eng = st.engine
         meta = {"dtype": eng.dtype_choice.dtype if eng is not None else cfg.dtype,
                 "kernel": eng.dtype_choice.kernel if eng is not None else None, "prefix_reuse": cfg.prefix_reuse,
+                "weights": eng.weights_choice.mode if eng is not None else cfg.weights,
                 "slots": cfg.slots,
                 "ctx": eng.ctx if eng is not None else cfg.ctx}
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}

@@ -1,0 +1,232 @@
+"""--weights gguf: quantized GGUF blocks kept in memory and multiplied by the native kernel.
+
+Oracles: the gguf package's own dequantizer (weights), a float64 matmul of those weights (kernel),
+transformers' fp32 forward on the same GGUF (model), a cold prefill (reuse)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, quants
+
+from ternlm.kernels.build import QMatmul, Unavailable, load
+from ternlm.models.gguf import hf_name
+from ternlm.models.qlinear import QLinear
+from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q8, QWeight, _CONVERT, from_gguf
+from ternlm.weights import WeightsUnavailable, choose_weights
+from test_model import CHATS, LOGIT_ATOL, TEXTS, hf_greedy, hf_logits
+
+# byte offsets of each type's fp16 fields (random bytes there would give inf/nan scales)
+_F16_AT = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q8_0: [0], QT.Q5_0: [0], QT.Q5_1: [0, 2],
+           QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+
+
+def random_blocks(qtype: QT, out: int, inp: int, seed: int = 0) -> np.ndarray:
+    """Valid random GGML blocks of an (out, inp) tensor, flat uint8."""
+    _, block, size, _ = _CONVERT[qtype]
+    rng = np.random.default_rng(seed)
+    nb = out * inp // block
+    raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    for off in _F16_AT[qtype]:
+        raw[:, off:off + 2] = (rng.standard_normal(nb) * 0.05).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return raw.reshape(-1)
+
+
+def kernels() -> QMatmul:
+    k = load()
+    if isinstance(k, Unavailable):
+        pytest.fail(f"the native kernel is part of the product and must build here: {k.reason}")
+    return k
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_layouts_equal_gguf_dequantization(qtype):
+    raw = random_blocks(qtype, 8, 512)
+    ref = torch.from_numpy(quants.dequantize(raw, qtype).reshape(8, 512).astype(np.float32))
+    q = from_gguf(torch.from_numpy(raw), qtype, 8, 512)
+    assert q.fmt == (Q4 if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else Q8)
+    assert torch.equal(q.dequantize(), ref)          # equal values (an exact zero's sign aside)
+    rows = torch.tensor([5, 0, 7])
+    assert torch.equal(q.dequantize(rows), ref[rows])
+
+
+def test_model_tensors_equal_gguf_dequantization(smollm2_gguf):
+    reader = GGUFReader(smollm2_gguf)
+    seen = set()
+    for t in reader.tensors:
+        if t.tensor_type not in QUANTIZED_TYPES or len(t.shape) != 2:
+            continue
+        seen.add(t.tensor_type.name)
+        k, n = (int(d) for d in t.shape.tolist())
+        raw = torch.from_numpy(np.array(t.data).reshape(-1).view(np.uint8))
+        q = from_gguf(raw, t.tensor_type, n, k)
+        rows = slice(0, 64)          # a slice of every tensor keeps this fast; the layout is per row
+        ref = quants.dequantize(np.ascontiguousarray(t.data).reshape(n, -1)[rows], t.tensor_type)
+        assert torch.equal(q.dequantize(rows), torch.from_numpy(ref.astype(np.float32))), t.name
+    assert seen, "the default model has quantized matrices"
+
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864)]   # smollm2 q+k+v, o, gate+up, down; qwen down
+
+
+def _weights(fmt: str, out: int, inp: int) -> QWeight:
+    qtype = QT.Q4_1 if fmt == Q4 else QT.Q8_0
+    return from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
+
+
+@pytest.mark.parametrize("fmt", [Q4, Q8])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_equals_float64_matmul(fmt, shape):
+    q = _weights(fmt, *shape)
+    x = torch.randn(37, shape[1])
+    y = QLinear([q], None, kernels())(x)
+    ref = (x.double() @ q.dequantize().double().T)
+    tol = 1e-5 * ref.abs().max().item()
+    assert (y.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("fmt", [Q4, Q8])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_rows_are_batch_invariant(fmt, shape):
+    """[BATCH-INVARIANT] a row's bits do not depend on the rows beside it (M = 1..512) nor on threads."""
+    lin = QLinear([_weights(fmt, *shape)], None, kernels())
+    x = torch.randn(512, shape[1])
+    full = lin(x)
+    for m in (1, 2, 3, 7, 8, 9, 63, 300):
+        for start in (0, 5):
+            assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x[:40]), full[:40])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mixed_layouts_in_one_projection():
+    """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by side."""
+    a, b = _weights(Q4, 64, 576), _weights(Q8, 32, 576)
+    bias = torch.randn(96)
+    x = torch.randn(5, 576)
+    k = kernels()
+    y = QLinear([a, b], bias, k)(x)
+    assert torch.equal(y[:, :64], QLinear([a], None, k)(x) + bias[:64])
+    assert torch.equal(y[:, 64:], QLinear([b], None, k)(x) + bias[64:])
+
+
+_ISA_SCRIPT = textwrap.dedent("""
+    import torch
+    from ternlm.kernels.build import load
+    from ternlm.models.qlinear import QLinear
+    from test_qweight import _weights, Q4, Q8
+    k = load()
+    print(k.isa)
+    for fmt in (Q4, Q8):
+        lin = QLinear([_weights(fmt, 576, 1536)], None, k)
+        x = torch.randn(40, 1536)
+        full = lin(x)
+        ref = x.double() @ lin.parts[0].dequantize().double().T
+        assert (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for m in (1, 2, 3, 9):
+            assert torch.equal(lin(x[3:3 + m]), full[3:3 + m]), (fmt, m)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_lesser_isa_paths(march, isa, tmp_path):
+    """The AVX2 and scalar paths, built on this host by capping -march: exact and batch-invariant too
+    (an AVX2-only CPU runs the first; this is how it is tested where the host has more)."""
+    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [isa, "ok"]
+
+
+def test_weights_choice():
+    class Failed:
+        reason = "no C compiler (cc) on PATH"
+    with pytest.raises(ValueError, match="unknown --weights"):
+        choose_weights("int3", "auto", True)
+    with pytest.raises(ValueError, match="computes in float32"):
+        choose_weights("gguf", "bfloat16", True)
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        choose_weights("bf16", "float32", True)
+    with pytest.raises(WeightsUnavailable, match="needs a .gguf model"):
+        choose_weights("gguf", "auto", False)
+    with pytest.raises(WeightsUnavailable, match="no C compiler"):
+        choose_weights("gguf", "auto", True, build=lambda: Unavailable(Failed.reason))
+    assert choose_weights("fp32", "auto", True).dtype == "float32"
+    assert choose_weights("auto", "bfloat16", True).mode == "dense"
+
+
+def test_engine_holds_quantized_weights(smollm2_q, smollm2_f32, smollm2_gguf):
+    m = smollm2_q.model
+    assert isinstance(m.layers[0].qkv, QLinear) and isinstance(m.lm_head, QLinear)
+    assert isinstance(m.embed, QWeight)
+    assert smollm2_q.dtype == torch.float32
+    # the choice is in the cache namespace: gguf KV never mixes with dense KV
+    assert "weights=gguf:" in smollm2_q.kernel_fingerprint
+    assert smollm2_q.namespace() != smollm2_f32.namespace()
+    held = m.embed.nbytes + sum(lin.nbytes for layer in m.layers
+                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    size = smollm2_gguf.stat().st_size
+    print(f"quantized matrices hold {held / 2**20:.1f} MiB; the GGUF file is {size / 2**20:.1f} MiB")
+    assert held <= 1.3 * size     # fp32 scale+bias per group: 0.75 bytes a weight against Q4_1's 0.625
+
+
+@pytest.mark.parametrize("text", TEXTS[:2])
+def test_logits_match_transformers(smollm2_q, hf_smollm2, text):
+    ids = smollm2_q.tokenizer.encode(text)
+    ours, ref = smollm2_q.logits(ids), hf_logits(hf_smollm2, ids)
+    diff = (ours - ref).abs().max().item()
+    print(f"max |logit diff| --weights gguf vs transformers fp32 over {len(ids)} positions: {diff:.2e}")
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert diff <= LOGIT_ATOL
+
+
+@pytest.mark.parametrize("question", CHATS[:2])
+def test_greedy_matches_transformers(smollm2_q, hf_smollm2, question):
+    ids = list(smollm2_q.apply_chat_template([{"role": "user", "content": question}]))
+    ours = smollm2_q.generate(ids, max_tokens=32, temperature=0.0, ignore_eos=True)
+    assert ours.token_ids == hf_greedy(hf_smollm2, ids, 32)
+
+
+def test_decoded_kv_is_bit_identical_to_prefilled_kv(smollm2_q):
+    """Reuse never changes an answer with quantized weights either: KV written one decode step at a
+    time equals a single prefill's, bit for bit, and so do the next logits."""
+    from ternlm.kv.slots import Slot
+    e = smollm2_q
+    ids = e.apply_chat_template([{"role": "user", "content": CHATS[2]}])
+    out = e.generate(ids, max_tokens=40, ignore_eos=True)
+    slot = e.slots[out.slot]
+    fed = slot.record.fed
+    fresh = Slot(99, slot.shape, initial_capacity=len(fed))
+    logits = e.runner.prefill(fresh, fed)
+    n = len(fed)
+    assert torch.equal(slot.k[:, :, :n], fresh.k[:, :, :n])
+    assert torch.equal(slot.v[:, :, :n], fresh.v[:, :, :n])
+    assert torch.equal(e.runner.decode(slot, out.token_ids[-1]), e.runner.decode(fresh, out.token_ids[-1]))
+
+
+def test_turn2_reuse_gives_the_cold_answer(smollm2_q):
+    e = smollm2_q
+    msgs = [{"role": "user", "content": CHATS[3]}]
+    a1 = e.generate(e.apply_chat_template(msgs), max_tokens=24)
+    msgs += [{"role": "assistant", "content": a1.text}, {"role": "user", "content": "And two more?"}]
+    ids = e.apply_chat_template(msgs)
+    warm = e.generate(ids, max_tokens=24)
+    e.prefix_reuse = False
+    try:
+        cold = e.generate(ids, max_tokens=24)
+    finally:
+        e.prefix_reuse = True
+    assert warm.cached_tokens > 0 and cold.cached_tokens == 0
+    assert warm.token_ids == cold.token_ids
