@@ -27,6 +27,8 @@ import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
 from .invariants import check
+from .kernels.build import Kernels
+from .kernels.build import load as load_kernels
 from .kv.blocks import BLOCK_TOKENS
 from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
@@ -96,9 +98,16 @@ class Engine:
         self.min_reuse = min_reuse
         self.ctx = min(ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.weights_choice = weights or WeightsChoice("dense", name, "dense weights", "auto")
+        # Native kernels (attention; the quantized matmul with --weights gguf), built for this CPU on
+        # first use; without a compiler the torch attention runs instead (and says so once).
+        native = self.weights_choice.kernels or load_kernels()
+        self.kernels = native if isinstance(native, Kernels) else None
+        if self.kernels is None:
+            log.warning("native kernels unavailable (%s): torch attention, slower decode", native.reason)
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
                                               pack=self.dtype_choice.kernel == "onednn-packed",
-                                              kernels=self.weights_choice.kernels)
+                                              kernels=self.kernels,
+                                              keep_quantized=self.weights_choice.mode == "gguf")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
@@ -106,8 +115,9 @@ class Engine:
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
+        attn = f"native:{self.kernels.isa}:{self.kernels.digest}" if self.kernels else "torch"
         self.kernel_fingerprint = (f"{kernel_fingerprint(self.dtype_choice, self.cpu)};"
-                                   f"{self.weights_choice.fingerprint}")
+                                   f"{self.weights_choice.fingerprint};attention={attn}")
         config_digest = hashlib.sha256(f"{cfg!r}:{loaded.extra_sha256}".encode()).hexdigest()[:32]
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.

@@ -33,7 +33,7 @@ class WeightsChoice:
     dtype: str                 # the `--dtype` value to resolve for activations ("auto" allowed for dense)
     reason: str
     requested: str = "auto"
-    kernels: object = None     # kernels.build.QMatmul when mode == "gguf"
+    kernels: object = None     # kernels.build.Kernels when mode == "gguf"
 
     @property
     def fingerprint(self) -> str:

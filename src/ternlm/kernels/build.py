@@ -1,12 +1,13 @@
-"""Compile qmatmul.c for this CPU on first use and load it with ctypes.
+"""Compile the native kernels (qmatmul.c, attention.c) for this CPU on first use; load them with ctypes.
 
 Why at run time, not at install: the kernel is compiled with -march=native, so the binary must be
 built on the CPU it runs on (users' CPUs differ: AMX, AVX-512, AVX2-only), and pip's wheel for this
 package stays pure Python. A C compiler (`cc`, or $CC) is the only requirement; without one, or if the
-build fails, `load()` says why and the caller keeps dense weights.
+build fails (or TERNLM_NATIVE=0), `load()` says why and the callers fall back to torch: dense
+weights, and models/llama.py's torch attention.
 
-The shared object goes to $XDG_CACHE_HOME/ternlm/kernels/qmatmul-<digest>.so, the digest covering the
-source, the compiler's version, the flags and the CPU flags, so an upgrade or another host rebuilds
+The shared object goes to $XDG_CACHE_HOME/ternlm/kernels/kernels-<digest>.so, the digest covering the
+sources, the compiler's version, the flags and the CPU flags, so an upgrade or another host rebuilds
 instead of loading a stale binary. The directory is ours only (0700): code loaded from a directory
 another user can write into would run as us.
 """
@@ -25,20 +26,26 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCE = Path(__file__).with_name("qmatmul.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c")]
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
-FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 
 
 @dataclass(frozen=True)
-class QMatmul:
+class Kernels:
     """The loaded kernels. `isa`: the vector path the compiler took (avx512 | avx2 | scalar);
     `digest`: identifies the binary (part of the KV cache's kernel fingerprint)."""
     lib: ctypes.CDLL
     isa: str
     digest: str
+
+    def attention(self, q: int, T: int, H: int, KV: int, D: int, k: int, v: int, cap: int, start: int,
+                  out: int, ldo: int, threads: int) -> None:
+        """Raw pointers: see attention.c. Releases the GIL while it runs."""
+        if self.lib.tq_attention(q, T, H, KV, D, k, v, cap, start, out, ldo, threads) != 0:
+            raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D})")
 
     def mm(self, fmt: str, x: int, M: int, K: int, codes: int, scale: int, bias: int, N: int,
            y: int, ldy: int, threads: int) -> None:
@@ -64,7 +71,9 @@ def _cpu_flags() -> str:
 
 def _digest(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
     for part in (version, " ".join(FLAGS), _cpu_flags()):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:16]
@@ -76,7 +85,8 @@ def _build(cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                           timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         os.replace(tmp, out)
@@ -86,11 +96,13 @@ def _build(cc: str, out: Path) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def load() -> QMatmul | Unavailable:
-    """The native quantized-matmul kernels, built on first use. Side effects: may create
-    $XDG_CACHE_HOME/ternlm/kernels (0700) and write one .so there; loads it into the process."""
+def load() -> Kernels | Unavailable:
+    """The native kernels, built on first use. Side effects: may create $XDG_CACHE_HOME/ternlm/kernels
+    (0700) and write one .so there; loads it into the process."""
     from ..kv.disk import secure_dir
     from ..models.registry import cache_root
+    if os.environ.get("TERNLM_NATIVE", "1") == "0":
+        return Unavailable("native kernels turned off (TERNLM_NATIVE=0)")
     cc = _compiler()
     if cc is None:
         return Unavailable(f"no C compiler ({os.environ.get('CC') or 'cc'}) on PATH")
@@ -98,16 +110,18 @@ def load() -> QMatmul | Unavailable:
         digest = _digest(cc)
         root = cache_root() / "kernels"
         secure_dir(root)
-        path = root / f"qmatmul-{digest}.so"
+        path = root / f"kernels-{digest}.so"
         if not path.exists():
             log.info("building quantized kernels for this CPU: %s %s", cc, " ".join(FLAGS))
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return Unavailable(f"building {SOURCE.name} failed: {e}")
+        return Unavailable(f"building the native kernels failed: {e}")
     p, i = ctypes.c_void_p, ctypes.c_int64
     for name in ("tq_q4g32_mm", "tq_q8g16_mm"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [p, i, i, p, p, p, i, p, i, ctypes.c_int], None
+    lib.tq_attention.argtypes = [p, i, i, i, i, p, p, i, i, p, i, ctypes.c_int]
+    lib.tq_attention.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
-    return QMatmul(lib, lib.tq_isa().decode(), digest)
+    return Kernels(lib, lib.tq_isa().decode(), digest)

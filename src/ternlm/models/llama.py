@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.build import QMatmul
+from ..invariants import check
+from ..kernels.build import Kernels
 from .qlinear import projection
 from .qweight import QWeight
 
@@ -93,6 +94,25 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     return out[:, :, :T].reshape(H, T, D)
 
 
+def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     start: int) -> torch.Tensor:
+    """The same causal attention by kernels/attention.c: q (H, T, D) of positions [start, start + T);
+    k_cache/v_cache (KV, capacity, D) fp32 contiguous. -> (T, H * D) fp32, the o projection's layout.
+    Batch-invariant by construction: every query row reads exactly its keys [0, position], in fixed
+    256-key blocks with an online softmax, so nothing depends on T, start or the neighbours; the
+    masked triangle is never computed and no (T x S) buffer exists (see attention.c)."""
+    H, T, D = q.shape
+    # raw pointers go to C: shapes, dtype and layout are checked here, not trusted
+    check(k_cache.dtype == v_cache.dtype == KV_DTYPE and k_cache.is_contiguous() and v_cache.is_contiguous()
+          and k_cache.shape == v_cache.shape and k_cache.shape[2] == D and start + T <= k_cache.shape[1]
+          and H % k_cache.shape[0] == 0, "native attention: caches do not match the queries")
+    qs = (q.to(KV_DTYPE) * D ** -0.5).contiguous()    # (H, T, D): the same scaling as `attention`
+    out = torch.empty(T, H * D, dtype=KV_DTYPE)
+    kernels.attention(qs.data_ptr(), T, H, k_cache.shape[0], D, k_cache.data_ptr(), v_cache.data_ptr(),
+                      k_cache.shape[1], start, out.data_ptr(), H * D, torch.get_num_threads())
+    return out
+
+
 def causal_bias(start: int, T: int, capacity: int) -> torch.Tensor:
     """(T, S) fp32 additive mask: 0 where key j <= start + i, -inf elsewhere; S = end rounded up to
     ATTN_BLOCK (never past capacity, which is itself a multiple of ATTN_BLOCK)."""
@@ -120,7 +140,7 @@ class _Part:
     r0: int
     r1: int
     start: int
-    bias: torch.Tensor        # (T, S) from causal_bias
+    bias: torch.Tensor | None  # (T, S) from causal_bias; None with the native attention
     k_cache: torch.Tensor     # (kv_heads, capacity, head_dim)
     v_cache: torch.Tensor
 
@@ -129,16 +149,19 @@ class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, "torch.Tensor | QWeight"], pack: bool,
-                 kernels: QMatmul | None = None):
-        """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection)."""
+                 kernels: Kernels | None = None, keep_quantized: bool = False):
+        """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection).
+        kernels: the native kernels (kernels/): attention.c when given, qmatmul.c for QWeights when
+        also keep_quantized; None: torch attention, QWeights dequantized."""
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         dtype = w["input_layernorm.weight"].dtype
 
         def proj(names: list[str], bias: torch.Tensor | None = None):
-            return projection([w[n] for n in names], bias, dtype, pack, kernels)
+            return projection([w[n] for n in names], bias, dtype, pack, kernels if keep_quantized else None)
 
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
         self.post_norm = w["post_attention_layernorm.weight"]                  # (hidden,)
@@ -178,6 +201,8 @@ class Layer(nn.Module):
         end = start + T
         p.k_cache[:, start:end] = qk[H:]
         p.v_cache[:, start:end] = v
+        if self.kernels is not None:
+            return native_attention(self.kernels, qk[:H], p.k_cache, p.v_cache, start)   # (T, q)
         # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
         attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias)            # (H, T, D) in KV_DTYPE
         return attn.transpose(0, 1).reshape(T, self.q_size)
@@ -185,12 +210,15 @@ class Layer(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, "torch.Tensor | QWeight"],
-                 dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: QMatmul | None = None):
+                 dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: Kernels | None = None,
+                 keep_quantized: bool = False):
         """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`.
-        QWeights among them (`--weights gguf`) stay quantized where `kernels` is given (qlinear.py),
-        else they are dequantized exactly and cast like the rest."""
+        kernels: the native kernels (attention, and with keep_quantized the quantized matmul: QWeights
+        among the weights, from `--weights gguf`, stay quantized); without them QWeights are
+        dequantized exactly and cast like the rest, and attention is `attention` below."""
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
+        quantized = kernels is not None and keep_quantized
 
         def w(name: str) -> "torch.Tensor | QWeight":
             if name not in weights:
@@ -200,22 +228,23 @@ class Transformer(nn.Module):
 
         embed = w("model.embed_tokens.weight")                                   # (vocab, hidden)
         # A quantized embedding stays so: a lookup dequantizes only the rows it reads (embed_ids).
-        self.embed = embed if isinstance(embed, QWeight) and kernels is not None else (
+        self.embed = embed if isinstance(embed, QWeight) and quantized else (
             embed.dequantize().to(dtype) if isinstance(embed, QWeight) else embed)
         self.layers = [
-            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels)
+            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized)
             for p in (f"model.layers.{i}." for i in range(cfg.num_layers))
         ]
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = projection([head], None, dtype, pack, kernels)
+        self.lm_head = projection([head], None, dtype, pack, kernels if quantized else None)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)                        # (max_pos, head_dim)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                     pack: bool = True, kernels: QMatmul | None = None) -> "Transformer":
-        return cls(cfg, weights, dtype, pack, kernels)
+                     pack: bool = True, kernels: Kernels | None = None,
+                     keep_quantized: bool = False) -> "Transformer":
+        return cls(cfg, weights, dtype, pack, kernels, keep_quantized)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype."""
@@ -252,7 +281,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"KV capacity {s.k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
             cos.append(self.cos[s.start:end])
             sin.append(self.sin[s.start:end])
-            bias = causal_bias(s.start, s.length, s.k_cache.shape[2])
+            # the torch attention's mask; the native one reads each row's keys up to its position
+            bias = causal_bias(s.start, s.length, s.k_cache.shape[2]) if self.kernels is None else None
             for i, layer_parts in enumerate(parts):
                 layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
             r0 += s.length

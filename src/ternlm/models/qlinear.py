@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.build import QMatmul
+from ..kernels.build import Kernels
 from .qweight import QWeight
 
 
@@ -19,7 +19,7 @@ class QLinear:
     outputs (a fused q/k/v may mix layouts: Q4_K_M files keep some v projections in Q6_K).
     parts: [(out_i, in)]; bias: fp32 (sum out_i,) or None."""
 
-    def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: QMatmul):
+    def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: Kernels):
         ins = {p.shape[1] for p in parts}
         if len(ins) != 1:
             raise ValueError(f"parts disagree on the input size: {sorted(ins)}")
@@ -50,7 +50,7 @@ class QLinear:
 
 
 def projection(parts: list, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool,
-               kernels: QMatmul | None):
+               kernels: Kernels | None):
     """The projection for weights stacked along the outputs: a QLinear when every part is a QWeight
     and the kernels are here, else a dense Linear (QWeights dequantized exactly, then cast to dtype).
     parts: [(out_i, in)] tensors (already in dtype) and/or QWeights."""

@@ -1,0 +1,138 @@
+/* Causal attention for one sequence, one query row at a time, online softmax over 256-key blocks.
+ *
+ *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
+ *   k,v: (KV, cap, D) fp32 (one layer of a slot's cache); head h reads kv head h / (H / KV)
+ *   out: row (t, h) written at out + t * ldo + h * D  (the (T, H * D) layout the o projection reads)
+ *
+ * [BATCH-INVARIANT] A query row at position p reads exactly keys [0, p], in blocks [0, 256),
+ * [256, 512), ... and the partial block up to p, in that order; nothing it computes depends on T, on
+ * start, on other rows or on the thread count. So a position gets the same bits in a 512-token prefill
+ * chunk, in a 37-token tail after a reuse, or alone in a decode step. Keys past p are never read: the
+ * masked triangle costs nothing, and no (queries x keys) buffer exists.
+ *
+ * Written with GCC vector extensions (16 floats): the compiler maps them onto AVX-512, AVX2 or SSE for
+ * the host (-march=native). exp is our own (range reduction + degree-6 polynomial): libm's may change
+ * with the system, ours changes only with this file, whose digest is in the KV cache's fingerprint.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define BLOCK 256
+#define MAXD 256
+
+static inline v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* Lanes of a where mask (all ones) is set, else of b (C has no vector ?:). */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    v16i ai, bi, r;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    r = (ai & mask) | (bi & ~mask);
+    v16 out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+/* Sum of 16 lanes as a fixed tree: halves, quarters, ... */
+static inline float hsum(v16 a) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+static inline float hmax(v16 a) {
+    float m = a[0];
+    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* e^x for x <= 0 (softmax arguments), exact 0 below -104 (and for -inf). Relative error ~2e-7. */
+static inline v16 exp16(v16 x) {
+    v16i under = x < splat(-87.0f);                      /* 2^n below would leave fp32's normal range */
+    x = select16(under, splat(-87.0f), x);
+    /* round to nearest: adding and removing 1.5 * 2^23 (exact for |t| < 2^22; no -ffast-math here) */
+    v16 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
+    v16 r = x - n * splat(0.693359375f);                 /* ln2 split in two for an exact-ish reduction */
+    r = r - n * splat(-2.12194440e-4f);
+    v16 p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &e, sizeof scale);
+    return select16(under, splat(0.0f), p * scale);
+}
+
+static void row(const float *q, const float *k, const float *v, int64_t n, int64_t D, float *out) {
+    const int64_t nv = D / 16;
+    v16 qv[MAXD / 16], acc[MAXD / 16];
+    for (int64_t c = 0; c < nv; c++) { qv[c] = load16(q + 16 * c); acc[c] = splat(0.0f); }
+    float m = -INFINITY, l = 0.0f;
+    float s[BLOCK] __attribute__((aligned(64)));
+    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
+        int64_t nb = n - b0 < BLOCK ? n - b0 : BLOCK;
+        for (int64_t j = 0; j < nb; j++) {                /* scores of this block's keys */
+            const float *kj = k + (b0 + j) * D;
+            v16 d = qv[0] * load16(kj);
+            for (int64_t c = 1; c < nv; c++) d += qv[c] * load16(kj + 16 * c);
+            s[j] = hsum(d);
+        }
+        int64_t nb16 = (nb + 15) & ~(int64_t)15;
+        for (int64_t j = nb; j < nb16; j++) s[j] = -INFINITY;   /* lanes past the row's last key */
+        v16 mv = load16(s);
+        for (int64_t j = 16; j < nb16; j += 16) { v16 t = load16(s + j); mv = select16(mv > t, mv, t); }
+        float mb = hmax(mv), mn = mb > m ? mb : m;
+        float alpha = exp16(splat(m - mn))[0];            /* rescales what earlier blocks summed */
+        v16 lsum = splat(0.0f);
+        for (int64_t j = 0; j < nb16; j += 16) {
+            v16 p = exp16(load16(s + j) - splat(mn));
+            memcpy(s + j, &p, sizeof p);
+            lsum += p;
+        }
+        l = l * alpha + hsum(lsum);
+        for (int64_t c = 0; c < nv; c++) acc[c] *= splat(alpha);
+        for (int64_t j = 0; j < nb; j++) {                /* p @ V, keys in order */
+            const float *vj = v + (b0 + j) * D;
+            v16 pj = splat(s[j]);
+            for (int64_t c = 0; c < nv; c++) acc[c] += pj * load16(vj + 16 * c);
+        }
+        m = mn;
+    }
+    v16 inv = splat(1.0f / l);
+    for (int64_t c = 0; c < nv; c++) { v16 o = acc[c] * inv; memcpy(out + 16 * c, &o, sizeof o); }
+}
+
+const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "sse";
+#endif
+}
+
+/* Returns 0, or -1 when D is not a multiple of 16 up to MAXD (the caller checks first). */
+int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, const float *k, const float *v,
+                 int64_t cap, int64_t start, float *out, int64_t ldo, int nthreads) {
+    if (D % 16 || D > MAXD || H % KV) return -1;
+    const int64_t G = H / KV;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < T; t++) {
+            const float *kh = k + (h / G) * cap * D, *vh = v + (h / G) * cap * D;
+            row(q + (h * T + t) * D, kh, vh, start + t + 1, D, out + t * ldo + h * D);
+        }
+    return 0;
+}
