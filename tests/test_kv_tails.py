@@ -175,7 +175,7 @@ def test_tails_spill_survive_a_restart_and_bad_ones_are_misses(tmp_path):
     assert again.disk.stats.damaged == 1 and not path.exists()
 
 
-def test_a_longer_tail_on_disk_deletes_the_shorter_one(tmp_path):
+def test_disk_tails_are_bounded_like_ram_ones(tmp_path):
     store = TieredStore(IDENT, 0, tmp_path, 1 << 30)
     conv = rand_ids(B + 10, 20)
     store.save(fake_slot(conv))
@@ -186,6 +186,17 @@ def test_a_longer_tail_on_disk_deletes_the_shorter_one(tmp_path):
     loc = tail_locator(block_refs(conv, NS)[0].key, NS)
     assert [m.ids for m in store.disk.tail_heads(loc)] == [tuple(conv[B:])]
     assert sum("." in p.stem for p in tmp_path.rglob("*.tkv")) == 1
+    conv += rand_ids(B, 22)                                          # past a block: block 1 covers it
+    store.save(fake_slot(conv))
+    assert store.flush(30)
+    assert store.disk.tail_heads(loc) == []
+    assert sum("." in p.stem for p in tmp_path.rglob("*.tkv")) == 1
+    for i in range(TAILS_PER_PARENT + 3):                            # branches: the oldest go
+        store.save(fake_slot(rand_ids(B, 30) + rand_ids(3, 40 + i)))
+        assert store.flush(30)
+    heads = store.disk.tail_heads(tail_locator(block_refs(rand_ids(B, 30), NS)[0].key, NS))
+    assert len(heads) == TAILS_PER_PARENT
+    assert sorted(m.ids[-3:] for m in heads) == sorted(tuple(rand_ids(3, 40 + i)) for i in range(3, TAILS_PER_PARENT + 3))
 
 
 # ---- a tiny model: tails never change an answer ------------------------------------------------

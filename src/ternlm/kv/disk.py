@@ -16,9 +16,9 @@ Why it is safe to share and to crash:
 - Out of space (ENOSPC/EDQUOT) turns writes off with one warning; reads go on. Never a crash.
 LRU order is file mtime, touched on every hit, so it survives restarts.
 Tails: the tails that may follow a block sit in one subdirectory under one locator prefix, so a lookup
-lists them (other servers' too) and reads their headers for their ids. A tail written over a shorter
-one of the same conversation (its ids a prefix of the new one's) deletes that one: one tail per
-conversation branch, not one per turn.
+lists them (other servers' too) and reads their headers for their ids. Writing a tail or a block
+deletes the shorter tails of the same conversation it covers (same parent, ids a prefix of its own):
+one tail per conversation branch, not one per turn; and at most `tails_per_parent` (oldest go first).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .blocks import tail_locator
 from .blockfile import MAGIC, SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode, meta_of, read_header
 
 log = logging.getLogger("ternlm.cache")
@@ -185,9 +186,10 @@ class DiskTier:
     put): `_lock` guards the index and counters; file I/O runs outside it. Other processes may share
     `root`."""
 
-    def __init__(self, root: Path, budget: int):
+    def __init__(self, root: Path, budget: int, tails_per_parent: int = 16):
         self.root = Path(root)
         self.budget = budget
+        self.tails_per_parent = tails_per_parent
         self.stats = DiskStats()
         self.write_disabled: str | None = None     # why writes are off (e.g. disk full); reads go on
         self._lock = threading.RLock()
@@ -378,16 +380,29 @@ class DiskTier:
         self.stats.writes += 1
         self.stats.bytes_written += size
         self.stats.write_s += time.perf_counter() - t0
-        if block.meta.tail:
-            self._prune_tails(block.meta)
+        self._prune_tails(block.meta)
         return True
 
     def _prune_tails(self, newer: BlockMeta) -> None:
-        """Delete the tails `newer` replaces: same locator, ids a strict prefix of its ids."""
-        for meta in self.tail_heads(newer.name[:32]):
+        """Delete the tails an entry just written replaces: those after the same parent whose ids are
+        a strict prefix of its ids (the conversation grew, within the block or past it), then the
+        oldest beyond `tails_per_parent` (a lookup reads every header under one locator)."""
+        loc = tail_locator(newer.parent, newer.namespace)
+        heads = self.tail_heads(loc)
+        kept = []
+        for meta in heads:
             if len(meta.ids) < len(newer.ids) and newer.ids[:len(meta.ids)] == meta.ids:
                 unlink_quiet(block_path(self.root, meta.name))
                 self._forget(meta.name)
+            else:
+                kept.append(meta)
+        if len(kept) > self.tails_per_parent:
+            with self._lock:
+                age = {m.name: self._index[m.name].mtime if m.name in self._index else 0.0 for m in kept}
+            for meta in sorted(kept, key=lambda m: age[m.name])[:len(kept) - self.tails_per_parent]:
+                unlink_quiet(block_path(self.root, meta.name))
+                self._forget(meta.name)
+                self.stats.evictions += 1
 
     def _evict(self, target: int) -> None:
         """Delete least recently used files until at most `target` bytes are used. Rescans under the

@@ -99,7 +99,8 @@ class TieredStore:
                  disk_bytes: int = 0):
         self.ident = ident
         self.ram = RamTier(ram_bytes)
-        self.disk = DiskTier(Path(disk_dir), disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
+        self.disk = DiskTier(Path(disk_dir), disk_bytes, TAILS_PER_PARENT) \
+            if disk_dir is not None and disk_bytes > 0 else None
         self.spill = Spiller(self.disk) if self.disk is not None else None
 
     def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
