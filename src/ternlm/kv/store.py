@@ -9,8 +9,8 @@ taint or caller-supplied embedding (their ids do not describe their KV), and the
 them as a tail entry (kv/blocks.py). Without the tail a tier hit re-prefilled up to 63 tokens a slot
 hit did not, and a conversation shorter than one block did not survive its slot at all.
 Tails are bounded: saving one drops the shorter tails of the same conversation (same parent, ids a
-prefix of its own) and those a saved whole block covers; at most TAILS_PER_PARENT per parent. Blocks are copies, so a
-slot may be overwritten right after `save` returns. This module reads slots; it never writes one:
+prefix of its own) and those a saved whole block covers; at most TAILS_PER_PARENT per parent.
+Blocks are copies, so a slot may be overwritten right after `save` returns. This module reads slots; it never writes one:
 copying blocks into a slot (and recording them) is the runner's job ([RECORD-WHERE-FED]).
 """
 from __future__ import annotations
@@ -216,7 +216,8 @@ class TieredStore:
         if cap <= 0 or start + cap <= beat:
             return None
         rest = prompt[start:start + cap]
-        loc = tail_locator(tail_parent(refs), namespace)
+        parent = tail_parent(refs)
+        loc = tail_locator(parent, namespace)
 
         def usable(ids: tuple[int, ...]) -> int:
             return lcp(list(ids[:cap]), rest)
@@ -225,10 +226,13 @@ class TieredStore:
         got = usable(best.meta.ids) if best is not None else 0
         if got < cap and self.disk is not None:
             heads = [m for m in self.disk.tail_heads(loc) if usable(m.ids) > got]
-            for meta in sorted(heads, key=lambda m: -usable(m.ids)):
-                block = self.disk.get(meta)                    # verified; None if gone or bad
+            for head in sorted(heads, key=lambda m: -usable(m.ids)):
+                # what this request needs: our parent, namespace, model and shape; the header's ids
+                # (its key, recomputed from them, must be the one in the file's name)
+                expect = self.tail_meta(parent, head.ids, namespace)
+                block = self.disk.get(expect) if expect.name == head.name else None   # verified
                 if block is not None:
-                    return TailHit(block, "disk", start, usable(meta.ids))
+                    return TailHit(block, "disk", start, usable(head.ids))
         if got <= 0:
             return None
         if best.meta.name in self.ram:
