@@ -237,7 +237,7 @@ def test_short_chats_on_fewer_slots_come_back_whole(tiny, tmp_path):
     assert warm.store.ram.tail_entries == 3 and warm.store.ram.blocks == 3
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(st.data())
 def test_random_conversations_evictions_and_restarts_bit_exact(tiny, tmp_path_factory, data):
@@ -249,11 +249,16 @@ def test_random_conversations_evictions_and_restarts_bit_exact(tiny, tmp_path_fa
     opening = [7] * 9
     convs = [opening + data.draw(st.lists(st.integers(0, 255), min_size=0, max_size=150), label=f"conv {i}")
              for i in range(3)]
-    actions = data.draw(st.lists(st.one_of(st.integers(0, 2), st.just("restart"), st.just("evict")),
+    actions = data.draw(st.lists(st.one_of(st.integers(0, 2), st.just("restart"), st.just("evict"),
+                                           st.tuples(st.just("edit"), st.integers(0, 2))),
                                  min_size=3, max_size=10), label="actions")
     for a in actions:
         if a == "restart":
             restart(warm, root, ram)
+        elif isinstance(a, tuple):                  # an edited turn: the conversation branches anywhere
+            conv = convs[a[1]]
+            cut = data.draw(st.integers(0, len(conv)))
+            conv[cut:] = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=40))
         elif a == "evict":
             for s in range(warm.num_slots):
                 warm.generate([200 + s] * data.draw(st.integers(1, 90)), max_tokens=1, slot=s)
