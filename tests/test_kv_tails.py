@@ -196,7 +196,8 @@ def test_disk_tails_are_bounded_like_ram_ones(tmp_path):
         assert store.flush(30)
     heads = store.disk.tail_heads(tail_locator(block_refs(rand_ids(B, 30), NS)[0].key, NS))
     assert len(heads) == TAILS_PER_PARENT
-    assert sorted(m.ids[-3:] for m in heads) == sorted(tuple(rand_ids(3, 40 + i)) for i in range(3, TAILS_PER_PARENT + 3))
+    newest = [tuple(rand_ids(3, 40 + i)) for i in range(3, TAILS_PER_PARENT + 3)]
+    assert sorted(m.ids[-3:] for m in heads) == sorted(newest)
 
 
 # ---- a tiny model: tails never change an answer ------------------------------------------------

@@ -10,8 +10,9 @@ them as a tail entry (kv/blocks.py). Without the tail a tier hit re-prefilled up
 hit did not, and a conversation shorter than one block did not survive its slot at all.
 Tails are bounded: saving one drops the shorter tails of the same conversation (same parent, ids a
 prefix of its own) and those a saved whole block covers; at most TAILS_PER_PARENT per parent.
-Blocks are copies, so a slot may be overwritten right after `save` returns. This module reads slots; it never writes one:
-copying blocks into a slot (and recording them) is the runner's job ([RECORD-WHERE-FED]).
+Blocks are copies, so a slot may be overwritten right after `save` returns. This module reads
+slots; it never writes one: copying blocks into a slot (and recording them) is the runner's job
+([RECORD-WHERE-FED]).
 """
 from __future__ import annotations
 
