@@ -49,13 +49,16 @@ def test_tiny_run_restores_from_each_tier_and_the_identity_check_bites(tmp_path,
         assert abs(c["reuse_fraction"] - c["cached_tokens"] / res["next_turn_tokens"]) < 1e-12
     assert cases["none"]["cached_tokens"] == 0
     assert cases["slot"]["tokens_by_tier"]["slot"] > res["previous_turn_tokens"]  # prev + the answer
-    whole = cases["slot"]["tokens_by_tier"]["slot"] // BLOCK_TOKENS * BLOCK_TOKENS   # the record's whole blocks
-    for case in ("ram", "disk-cold", "disk-warm"):
+    slot = cases["slot"]["cached_tokens"]
+    for case in ("ram", "disk-cold", "disk-warm"):      # whole blocks + the tail entry: as a slot hit
         by = cases[case]["tokens_by_tier"]
-        assert by[tiers.EXPECT_TIER[case]] == cases[case]["cached_tokens"] == whole
-    for case in ("disk-cold", "disk-warm"):
-        headers = cases[case]["disk_bytes_read"] - whole * res["kv_bytes_per_token"]   # payload + headers
-        assert 0 < headers < (whole // BLOCK_TOKENS) * 8192
+        assert by[tiers.EXPECT_TIER[case]] == cases[case]["cached_tokens"] == slot
+        assert cases[case]["prefill_tokens"] == cases["slot"]["prefill_tokens"]
+    entries = -(-slot // BLOCK_TOKENS)                   # whole blocks, and the tail
+    assert slot % BLOCK_TOKENS, "the conversation should end inside a block (else no tail is read)"
+    for case in ("disk-cold", "disk-warm"):              # the record ends where the next turn diverges
+        headers = cases[case]["disk_bytes_read"] - slot * res["kv_bytes_per_token"]   # payload + headers
+        assert 0 < headers < entries * 8192, headers
     assert cases["ram"]["evicting_request_ttft_s_median"] > 0
     assert cases["disk-cold"]["evicting_request_disk_write_s_median"] > 0      # a fresh disk tier each round
     cold = cases["disk-cold"]["page_cache"][0]

@@ -11,7 +11,7 @@ from ternlm.kv.store import StoreIdentity, TieredStore
 def fill(root, n_convs: int = 2, ident=IDENT, ns: bytes = b"ns-model-a") -> list:
     store = TieredStore(ident, 0, root, 1 << 30)
     for i in range(n_convs):
-        store.save(fake_slot(rand_ids(2 * B + 10, 50 + i), ns))
+        store.save(fake_slot(rand_ids(2 * B, 50 + i), ns))     # whole blocks: no tail entry
     assert store.flush(30)
     return sorted(root.rglob("*.tkv"))
 

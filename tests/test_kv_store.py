@@ -23,7 +23,7 @@ from ternlm.kv.blockfile import BadBlock, BlockKV, decode, encode
 from ternlm.kv.blocks import BLOCK_TOKENS, ROOT, block_key, block_refs
 from ternlm.kv.disk import DiskTier, block_path, scan
 from ternlm.kv.slots import KVShape, Slot
-from ternlm.kv.store import StoreIdentity, TieredStore
+from ternlm.kv.store import Saved, StoreIdentity, TieredStore
 from ternlm.runner import Runner
 
 B = BLOCK_TOKENS
@@ -122,8 +122,8 @@ def test_save_fetch_load_moves_exact_positions(tmp_path):
     ids = rand_ids(3 * B + 40, 4)
     slot = fake_slot(ids)
     store = TieredStore(IDENT, 1 << 30, tmp_path, 1 << 30)
-    assert store.save(slot) == 3                     # full blocks only
-    assert store.save(slot) == 0                     # already there: nothing copied
+    assert store.save(slot).blocks == 3              # full blocks, and the 40-token tail after them
+    assert store.save(slot) == Saved(0, 0)           # already there: nothing copied
     slot.k.zero_()                                   # the slot is reused at once: blocks are copies
     prompt = ids[:3 * B] + [7, 8]
     refs = store.match(prompt, NS, limit=len(prompt) - 1)
@@ -145,10 +145,10 @@ def test_nothing_past_a_taint_or_an_embedding_is_stored(tmp_path):
     store = TieredStore(IDENT, 1 << 30, tmp_path, 1 << 30)
     tainted = fake_slot(ids)
     tainted.record.tainted_from = 2 * B + 3
-    assert store.save(tainted) == 2
+    assert store.save(tainted) == Saved(2, 3)       # the tail stops at the taint too
     digest = fake_slot(ids, ns=b"ns2")
     digest.record.digests = {B + 1: b"payload"}
-    assert store.save(digest) == 1
+    assert store.save(digest) == Saved(1, 1)
 
 
 def test_ram_spills_to_disk_and_budgets_hold_under_churn(tmp_path):
@@ -329,14 +329,14 @@ def test_alternating_conversations_come_back_from_ram_or_disk_bit_exact(tmp_path
     r = random.Random(11)
     convs = [[r.randrange(256) for _ in range(300 + 90 * i)] for i in range(3)]
     warm = warm_of(tmp_path, ram=ram_blocks * tiny_block_bytes(cold))
-    stored = {}                                                 # conversation -> whole blocks of its record
+    stored = {}                                                 # conversation -> positions of its record
     for step, i in enumerate([0, 1, 2, 0, 2, 1, 0, 1]):
         conv = convs[i]
         out = check_same(warm, cold, conv)
         if step >= 3:                                           # every conversation has been seen
             assert out.restored.tier == tier and out.restored.slot == 0
-            assert out.cached_tokens == stored[i]              # every whole block it had, no more
-        stored[i] = len(warm.slots[0].record) // B * B
+            assert out.cached_tokens == stored[i]              # all it had (blocks + tail), as a slot
+        stored[i] = len(warm.slots[0].record)
         conv += out.token_ids + [r.randrange(256) for _ in range(40)]
         assert warm.store.flush(30)    # spilled blocks reach the disk (else they serve as RAM)
     # restart on the same directory: turn after turn still bit-exact, now from disk
@@ -389,7 +389,8 @@ def test_tenants_and_embeddings_never_load_foreign_blocks(tmp_path, tiny_pair):
     assert a.cached_tokens == 100 and a.restored.ram == 100 and torch.equal(a.logits, ref.logits)
     warm.generate([7] * 300, max_tokens=1)
     alice = check_same(warm, cold, prompt + [3], cache_salt="alice")
-    assert alice.restored.ram == (len(prompt) + 1) // B * B     # the record: prompt + 1 decoded
+    # the record (prompt + 1 decoded): its blocks and tail, up to n - 1 ([FRESH-LOGITS])
+    assert alice.restored.ram == alice.cached_tokens == len(prompt)
 
 
 def test_close_writes_what_is_pending_and_ends_the_writer(tmp_path):

@@ -23,9 +23,12 @@ def placement_inputs(draw):
     k = draw(st.one_of(st.just(0), st.integers(lo, hi))) if hi >= lo else 0
     first_embed = draw(st.one_of(st.just(n), st.integers(0, n)))
     tier_blocks = draw(st.integers(0, -(-n // block) + 1))
+    # what store.find_tail can return: a tail continuing the prompt after those blocks, < one block
+    room = min(block - 1, n - 1 - tier_blocks * block)
+    tail_tokens = draw(st.one_of(st.just(0), st.integers(1, room))) if room >= 1 else 0
     store = draw(st.booleans())
     return dict(n=n, record_len=record_len, slot_usable=k, tier_blocks=tier_blocks, first_embed=first_embed,
-                min_reuse=min_reuse, store=store, block=block)
+                min_reuse=min_reuse, store=store, block=block, tail_tokens=tail_tokens)
 
 
 @settings(max_examples=2000, deadline=None)
@@ -38,15 +41,21 @@ def test_placement_ranges_and_rules(kw):
     assert p.reused + p.prefill == n and p.prefill >= 1            # [FRESH-LOGITS]
     assert p.keep <= k <= p.loaded                                 # the tiers never make it worse
     assert p.save_slot == (kw["store"] and k < kw["record_len"])   # saved before anything is discarded
+    whole = kw["tier_blocks"] * block
     if p.loaded > k:                                               # the tiers are used
-        assert kw["store"]
-        assert p.loaded >= kw["min_reuse"] and p.loaded <= kw["first_embed"]   # no block carries an embed
+        assert kw["store"] and p.loads
+        assert p.loaded >= kw["min_reuse"] and p.loaded <= kw["first_embed"]   # no entry carries an embed
         assert p.keep % block == 0 and p.first_block * block == p.keep
-        assert p.blocks == -(-(p.loaded - p.keep) // block) >= 1
+        assert p.blocks == -(-(p.loaded - p.tail - p.keep) // block)
         assert p.first_block + p.blocks <= kw["tier_blocks"]       # only blocks the tiers hold
-        assert p.loaded <= kw["tier_blocks"] * block
+        assert p.loaded <= whole + kw["tail_tokens"]
+        assert 0 <= p.tail <= kw["tail_tokens"]
+        if p.tail:                                                 # a tail follows all the tiers' blocks
+            assert p.first_block + p.blocks == kw["tier_blocks"] and p.loaded == whole + p.tail
+        else:
+            assert p.blocks >= 1 and p.loaded <= whole
     else:
-        assert p.keep == p.loaded == k and p.blocks == 0
+        assert p.keep == p.loaded == k and p.blocks == 0 and p.tail == 0 and not p.loads
     assert p.reset == (p.keep == 0)
 
 
@@ -56,6 +65,7 @@ def test_placement_monotone_in_tier_blocks_and_save_independent(kw, more):
     a = plan_placement(**kw)
     b = plan_placement(**(kw | {"tier_blocks": kw["tier_blocks"] + more}))
     assert b.loaded >= a.loaded
+    assert a.loaded >= plan_placement(**(kw | {"tail_tokens": 0})).loaded   # a tail never makes it worse
     assert a.save_slot == b.save_slot == plan_placement(**(kw | {"tier_blocks": 0})).save_slot
 
 
@@ -76,6 +86,22 @@ def test_placement_examples():
     p = plan_placement(n=300, record_len=0, slot_usable=0, tier_blocks=1, first_embed=300,
                        min_reuse=100, store=True, block=64)
     assert p.loaded == 0 and p.blocks == 0
+    # a 40-token chat, no whole block: its tail entry gives all but the last token (as a slot would)
+    p = plan_placement(n=41, record_len=0, slot_usable=0, tier_blocks=0, first_embed=41,
+                       min_reuse=16, store=True, tail_tokens=40, block=64)
+    assert (p.keep, p.loaded, p.blocks, p.tail) == (0, 40, 0, 40)
+    # 3 blocks and a 38-token tail in the tiers, 100 usable positions in the slot: keep block 0
+    p = plan_placement(n=300, record_len=120, slot_usable=100, tier_blocks=3, first_embed=300,
+                       min_reuse=16, store=True, tail_tokens=38, block=64)
+    assert (p.keep, p.loaded, p.first_block, p.blocks, p.tail) == (64, 230, 1, 2, 38)
+    # the slot has all the blocks and part of the tail: only the tail's rest is worth a load
+    p = plan_placement(n=300, record_len=200, slot_usable=200, tier_blocks=3, first_embed=300,
+                       min_reuse=16, store=True, tail_tokens=38, block=64)
+    assert (p.keep, p.loaded, p.blocks, p.tail) == (192, 230, 0, 38)
+    # an embedding inside the tail's range cuts it there
+    p = plan_placement(n=300, record_len=0, slot_usable=0, tier_blocks=3, first_embed=200,
+                       min_reuse=16, store=True, tail_tokens=38, block=64)
+    assert (p.loaded, p.blocks, p.tail) == (200, 3, 8)
     # no store: the slot's decision stands
     p = plan_placement(n=300, record_len=200, slot_usable=150, tier_blocks=4, first_embed=300,
                        min_reuse=16, store=False, block=64)

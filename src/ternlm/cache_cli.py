@@ -110,7 +110,7 @@ def cmd_verify(args) -> int:
         try:
             data = bytearray(path.read_bytes())
             block = decode(data)
-            if block.meta.key != key:
+            if block.meta.name != key:
                 raise BadBlock("file name and header key differ")
         except FileNotFoundError:
             continue                     # evicted by a server meanwhile

@@ -346,37 +346,50 @@ class Engine:
 
     def _place(self, slot: Slot, prompt: list[int], ns: bytes, k: int, first_embed: int) -> Restored:
         """Make the slot's record a prefix of the prompt, acting on a kv/placement plan: keep the
-        slot's usable prefix [0, k), or a longer one loaded from the tiers. Side effects: saves the
-        slot's blocks into the store before discarding any of its positions; truncates or resets the
-        slot; may load blocks into it. `first_embed`: first position fed from a caller embedding."""
+        slot's usable prefix [0, k), or a longer one loaded from the tiers (whole blocks, then the
+        tail entry after them). Side effects: saves the slot's blocks and tail into the store before
+        discarding any of its positions; truncates or resets the slot; may load entries into it.
+        `first_embed`: first position fed from a caller embedding."""
         rec, store, n = slot.record, self.store, len(prompt)
 
-        def plan(tier_blocks: int) -> Placement:
+        def plan(tier_blocks: int, tail_tokens: int = 0) -> Placement:
             return plan_placement(n=n, record_len=len(rec), slot_usable=k, tier_blocks=tier_blocks,
-                                  first_embed=first_embed, min_reuse=self.min_reuse, store=store is not None)
+                                  first_embed=first_embed, min_reuse=self.min_reuse, store=store is not None,
+                                  tail_tokens=tail_tokens)
         p = plan(0)                            # save_slot never depends on the tiers' match
         if p.save_slot:
             store.save(slot)                   # what the slot is about to lose goes down a tier
-        load_s, tiers = 0.0, []
-        if store is not None:
-            refs = store.match(prompt, ns, min(n - 1, first_embed))
-            p = plan(len(refs))
-            if p.blocks:
-                got = store.fetch(refs[p.first_block:p.first_block + p.blocks], ns)
-                p = plan(p.first_block + len(got.blocks))   # what was actually read (a bad file stops it)
-                if p.blocks:
-                    self._keep(slot, p.keep, ns)
-                    # [0, keep) kept from the slot | [keep, loaded) loaded from tiers | then prefill
-                    t0 = time.perf_counter()
-                    self.runner.load_blocks(slot, got.blocks[:p.blocks])
-                    load_s = got.load_s + time.perf_counter() - t0
-                    rec.truncate(p.loaded)
-                    tiers = got.tiers[:p.blocks]
-        if not tiers:
+        if store is None:
             self._keep(slot, p.keep, ns)
             return Restored(slot=p.keep)
-        per = [(t, max(0, min(BLOCK_TOKENS, p.loaded - p.keep - i * BLOCK_TOKENS))) for i, t in enumerate(tiers)]
-        return Restored(p.keep, sum(c for t, c in per if t == "ram"), sum(c for t, c in per if t == "disk"), load_s)
+        limit = min(n - 1, first_embed)
+        refs = store.match(prompt, ns, limit)
+        t0 = time.perf_counter()
+        tail = store.find_tail(prompt, ns, refs, limit, beat=max(k, self.min_reuse - 1))
+        tail_s = time.perf_counter() - t0            # a disk tail is read and verified here
+        p = plan(len(refs), tail.tokens if tail is not None else 0)
+        if not p.loads:
+            self._keep(slot, p.keep, ns)
+            return Restored(slot=p.keep)
+        got = store.fetch(refs[p.first_block:p.first_block + p.blocks], ns)
+        complete = p.first_block + len(got.blocks) == len(refs)    # a tail follows only the last block
+        p = plan(p.first_block + len(got.blocks), tail.tokens if tail is not None and complete else 0)
+        self._keep(slot, p.keep, ns)
+        if not p.loads:
+            return Restored(slot=p.keep)
+        # [0, keep) kept from the slot | [keep, loaded) loaded from tier blocks, then the tail | prefill
+        entries = got.blocks[:p.blocks] + ([tail.block] if p.tail else [])
+        tiers = got.tiers[:p.blocks] + ([tail.tier] if p.tail else [])
+        t0 = time.perf_counter()
+        self.runner.load_blocks(slot, entries)
+        load_s = got.load_s + time.perf_counter() - t0 + (tail_s if p.tail else 0.0)
+        rec.truncate(p.loaded)                 # the last entry may be cut: [FRESH-LOGITS], a divergence
+        ends = [p.keep + BLOCK_TOKENS * (i + 1) for i in range(p.blocks)] + ([p.loaded] if p.tail else [])
+        per, at = {"ram": 0, "disk": 0}, p.keep
+        for tier, end in zip(tiers, ends):
+            per[tier] += min(end, p.loaded) - at
+            at = min(end, p.loaded)
+        return Restored(p.keep, per["ram"], per["disk"], load_s)
 
     @staticmethod
     def _keep(slot: Slot, keep: int, ns: bytes) -> None:

@@ -12,7 +12,9 @@ a short new user message. Time to first token of that next turn, greedy, when it
 interleaved (slot ram disk-cold disk-warm none, slot ram ...), medians over --repeats after a warm-up
 round. Every case must produce the same first token and logits bit-identical to the same round's cold
 prefill ("none", itself compared with the first round's), and must have restored from the tier it is
-named after; exit 1 otherwise. Besides: the disk tier's load bandwidth (bytes of
+named after; exit 1 otherwise. The tiers hold the previous turn's whole blocks and its last partial
+block (a tail entry), so the ram and disk cases should prefill exactly what the slot case does.
+Besides: the disk tier's load bandwidth (bytes of
 block files read / seconds reading and verifying them) against the same disk's sequential read
 bandwidth (one large file, large reads, page cache dropped: the physical limit), the same block files
 read raw (no verification), and sha256 throughput (what verification costs).

@@ -8,9 +8,16 @@ and sha256. `decode` trusts nothing: a file is used only when its header parses,
 caller asked for, recomputes to that key from its own parent/ids/namespace, matches the caller's
 namespace, shape and token ids, and its payload has the stated length and checksum. Anything else
 is a BadBlock with a reason (truncated, corrupted, foreign model, foreign version, ...).
+
+A tail entry (a conversation's last partial block, kv/blocks.py) is the same file with `"kind":"tail"`
+in its header, 1 to BLOCK_TOKENS - 1 positions, and a key that recomputes with blocks.tail_key. Its
+file name (locator + key) comes from a directory listing, so a tail's expectation names its key,
+parent and namespace; its ids and length are read from the header, which must hash to that key.
+Block files carry no "kind" and are byte-identical to those of earlier builds.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -20,7 +27,7 @@ from typing import Callable, ParamSpec, TypeVar
 
 import torch
 
-from .blocks import BLOCK_TOKENS, block_key
+from .blocks import BLOCK_TOKENS, block_key, tail_key, tail_locator
 
 MAGIC = b"TERNLMKV"
 VERSION = 1
@@ -50,13 +57,20 @@ class BlockMeta:
     model_sha256: str
     dtype: str                   # compute dtype of the model that wrote it ("torch.bfloat16")
     kv_dtype: str                # "float32"
-    shape: tuple[int, int, int, int]   # (layers, kv_heads, BLOCK_TOKENS, head_dim) of k and of v
-    ids: tuple[int, ...]
+    shape: tuple[int, int, int, int]   # (layers, kv_heads, tokens, head_dim) of k and of v
+    ids: tuple[int, ...]         # tokens = BLOCK_TOKENS for a block, 1..BLOCK_TOKENS - 1 for a tail
+    tail: bool = False           # a tail entry: the ids after the parent block, fewer than a block
+
+    @property
+    def name(self) -> bytes:
+        """Where the tiers file it: a block's key (32 bytes); a tail's locator + key (64 bytes), so
+        the tails following one parent can be listed without reading them."""
+        return tail_locator(self.parent, self.namespace) + self.key if self.tail else self.key
 
 
 @dataclass(frozen=True)
 class BlockKV:
-    """A verified block: its meta and k, v each (layers, kv_heads, BLOCK_TOKENS, head_dim)."""
+    """A verified block or tail: its meta and k, v each (layers, kv_heads, tokens, head_dim)."""
     meta: BlockMeta
     k: torch.Tensor
     v: torch.Tensor
@@ -76,6 +90,8 @@ def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, li
               "namespace": meta.namespace.hex(), "model_sha256": meta.model_sha256, "dtype": meta.dtype,
               "kv_dtype": meta.kv_dtype, "shape": list(meta.shape), "ids": list(meta.ids),
               "payload_bytes": sum(len(b) for b in bufs), "payload_sha256": h.hexdigest()}
+    if meta.tail:
+        header["kind"] = "tail"
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(body)) + body, bufs
 
@@ -128,28 +144,41 @@ def meta_of(header: dict) -> BlockMeta:
                          tuple(int(x) for x in header["ids"]))
     except (KeyError, TypeError, ValueError):
         raise BadBlock("corrupted header (missing or malformed fields)") from None
-    if len(meta.shape) != 4 or meta.shape[2] != BLOCK_TOKENS or len(meta.ids) != BLOCK_TOKENS:
-        raise BadBlock(f"wrong block shape {meta.shape}")
+    kind = header.get("kind", "block")
+    if kind not in ("block", "tail"):
+        raise BadBlock(f"unknown entry kind {kind!r}")
+    tail = kind == "tail"
+    tokens = len(meta.ids)
+    if len(meta.shape) != 4 or meta.shape[2] != tokens or \
+            not (0 < tokens < BLOCK_TOKENS if tail else tokens == BLOCK_TOKENS):
+        raise BadBlock(f"wrong {kind} shape {meta.shape}")
     if meta.kv_dtype not in _DTYPES:
         raise BadBlock(f"unknown KV dtype {meta.kv_dtype!r}")
-    if len(meta.parent) != 32 or block_key(meta.parent, list(meta.ids), meta.namespace) != meta.key:
+    keyed = tail_key if tail else block_key
+    if len(meta.parent) != 32 or keyed(meta.parent, list(meta.ids), meta.namespace) != meta.key:
         raise BadBlock("header does not hash to its key (corrupted)")
-    return meta
+    return dataclasses.replace(meta, tail=True) if tail else meta
 
 
 @_only_bad_block
 def decode(data: bytes | bytearray | memoryview, expect: BlockMeta | None = None) -> BlockKV:
     """Verify and decode one block file's bytes. `expect`: what the caller needs (key, parent,
-    namespace, model, dtype, shape, ids); None checks only the file's own consistency (cache verify).
-    Raises BadBlock. The returned tensors share memory with `data`."""
+    namespace, model, dtype, shape, ids; for a tail, everything but its ids and their count, which
+    the header gives and its key vouches for); None checks only the file's own consistency (cache
+    verify). Raises BadBlock. The returned tensors share memory with `data`."""
     header, off = read_header(data)
     meta = meta_of(header)
     if expect is not None:
         if meta.model_sha256 != expect.model_sha256 or meta.dtype != expect.dtype:
             raise BadBlock(f"foreign model ({meta.model_sha256[:12]} {meta.dtype})")
-        for field in ("key", "parent", "namespace", "kv_dtype", "shape", "ids"):
+        if meta.tail != expect.tail:
+            raise BadBlock("kind (block or tail) differs from the request's")
+        fields = ("key", "parent", "namespace", "kv_dtype") + (() if expect.tail else ("shape", "ids"))
+        for field in fields:
             if getattr(meta, field) != getattr(expect, field):
                 raise BadBlock(f"{field} differs from the request's")
+        if expect.tail and (meta.shape[:2], meta.shape[3]) != (expect.shape[:2], expect.shape[3]):
+            raise BadBlock("shape differs from the request's")
     size = header.get("payload_bytes")
     if type(size) is not int:
         raise BadBlock("corrupted header (payload_bytes)")

@@ -1,6 +1,7 @@
 """The disk tier: one verified file per KV block under a cache directory, LRU within a byte budget.
 
     <root>/blocks/<key[:2]>/<key>.tkv         a block (format: blockfile.py)
+    <root>/blocks/<loc[:2]>/<loc>.<key>.tkv   a tail entry: locator (its parent + namespace), then key
     <root>/blocks/<key[:2]>/<key>.tmp-<pid>-<rand>   a write in progress (never read; flocked by its writer)
     <root>/.lock                              flock'ed while evicting or clearing
 
@@ -14,6 +15,10 @@ Why it is safe to share and to crash:
   converge on the files that really exist.
 - Out of space (ENOSPC/EDQUOT) turns writes off with one warning; reads go on. Never a crash.
 LRU order is file mtime, touched on every hit, so it survives restarts.
+Tails: the tails that may follow a block sit in one subdirectory under one locator prefix, so a lookup
+lists them (other servers' too) and reads their headers for their ids. Writing a tail or a block
+deletes the shorter tails of the same conversation it covers (same parent, ids a prefix of its own):
+one tail per conversation branch, not one per turn; and at most `tails_per_parent` (oldest go first).
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ import logging
 import os
 import secrets
 import stat
+import struct
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blockfile import SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode
+from .blocks import tail_locator
+from .blockfile import MAGIC, SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode, meta_of, read_header
 
 log = logging.getLogger("ternlm.cache")
 
@@ -57,9 +64,23 @@ class DiskStats:
     write_s: float = 0.0
 
 
-def block_path(root: Path, key: bytes) -> Path:
-    h = key.hex()
-    return root / "blocks" / h[:2] / (h + SUFFIX)
+def block_path(root: Path, name: bytes) -> Path:
+    """The file of an entry named `name` (BlockMeta.name: 32 bytes for a block, 64 for a tail)."""
+    h = name.hex()
+    stem = h if len(name) == 32 else f"{h[:64]}.{h[64:]}"
+    return root / "blocks" / h[:2] / (stem + SUFFIX)
+
+
+def name_of(filename: str) -> bytes | None:
+    """The entry name a file name spells (inverse of block_path); None for anything else."""
+    if not filename.endswith(SUFFIX):
+        return None
+    parts = filename[:-len(SUFFIX)].split(".")
+    try:
+        raw = b"".join(bytes.fromhex(p) for p in parts)
+    except ValueError:
+        return None
+    return raw if len(parts) <= 2 and all(len(p) == 64 for p in parts) else None
 
 
 class UntrustedCacheDir(ValueError):
@@ -114,12 +135,13 @@ def scan(root: Path, clean_tmp: bool = True) -> dict[bytes, tuple[Path, int, flo
         for f in os.scandir(sub.path):
             name = f.name
             if name.endswith(SUFFIX) and f.is_file(follow_symlinks=False):
+                key = name_of(name)
                 try:
-                    key = bytes.fromhex(name[:-len(SUFFIX)])
                     st = f.stat(follow_symlinks=False)
-                except (ValueError, OSError):
+                except OSError:
                     continue
-                found[key] = (Path(f.path), st.st_size, st.st_mtime)
+                if key is not None:
+                    found[key] = (Path(f.path), st.st_size, st.st_mtime)
             elif clean_tmp and ".tmp-" in name and _writer_gone(f.path):
                 unlink_quiet(Path(f.path))
     return found
@@ -146,14 +168,28 @@ def unlink_quiet(path: Path) -> None:
         pass
 
 
+def _read_meta(path: Path) -> BlockMeta:
+    """The header of a block file as a BlockMeta, reading only the header bytes. Raises BadBlock,
+    OSError."""
+    with open(path, "rb") as f:
+        start = f.read(len(MAGIC) + 4)
+        if len(start) < len(MAGIC) + 4:
+            raise BadBlock("truncated (no header)")
+        (hlen,) = struct.unpack("<I", start[len(MAGIC):])
+        data = start + f.read(min(hlen, 1 << 20))
+    header, _ = read_header(data)
+    return meta_of(header)
+
+
 class DiskTier:
     """Thread-safe for one reader (the engine's worker: has/get) beside one writer (the spill thread:
     put): `_lock` guards the index and counters; file I/O runs outside it. Other processes may share
     `root`."""
 
-    def __init__(self, root: Path, budget: int):
+    def __init__(self, root: Path, budget: int, tails_per_parent: int = 16):
         self.root = Path(root)
         self.budget = budget
+        self.tails_per_parent = tails_per_parent
         self.stats = DiskStats()
         self.write_disabled: str | None = None     # why writes are off (e.g. disk full); reads go on
         self._lock = threading.RLock()
@@ -217,10 +253,39 @@ class DiskTier:
         self._remember(key, st.st_size, st.st_mtime)
         return True
 
+    def tail_heads(self, locator: bytes) -> list[BlockMeta]:
+        """The headers of the tail files following one parent (tail_locator), any server's. Reads
+        headers only (the payload is verified by `get`); a file whose header is bad is dropped."""
+        prefix = locator.hex() + "."
+        out = []
+        try:
+            entries = [e for e in os.scandir(self.root / "blocks" / prefix[:2])
+                       if e.name.startswith(prefix) and e.name.endswith(SUFFIX)]
+        except OSError:
+            return out
+        for e in entries:
+            name = name_of(e.name)
+            if name is None:
+                continue
+            try:
+                meta = _read_meta(Path(e.path))
+                if not meta.tail or meta.name != name:
+                    raise BadBlock("file name and header differ")
+            except FileNotFoundError:
+                self._forget(name)
+                continue
+            except (BadBlock, OSError) as err:
+                reason = err.reason if isinstance(err, BadBlock) else f"cannot read: {err!r}"
+                self._drop(Path(e.path), name, reason)
+                continue
+            out.append(meta)
+        return out
+
     def get(self, expect: BlockMeta) -> BlockKV | None:
-        """Read and verify the block `expect.key`; None on a miss. A bad file is logged, deleted and
+        """Read and verify the entry `expect.name`; None on a miss. A bad file is logged, deleted and
         counted as damaged (the caller recomputes). Side effect: touches the file's mtime (LRU)."""
-        path = block_path(self.root, expect.key)
+        path = block_path(self.root, expect.name)
+        key = expect.name
         t0 = time.perf_counter()
         try:
             with open(path, "rb", buffering=0) as f:
@@ -228,23 +293,23 @@ class DiskTier:
                 buf = bytearray(size)
                 got = f.readinto(buf)
         except FileNotFoundError:
-            self._forget(expect.key)
+            self._forget(key)
             self.stats.misses += 1
             return None
         except Exception as e:      # EIO, EACCES, MemoryError for an absurd file: a miss, never a 500
-            return self._drop(path, expect.key, f"cannot read: {e!r}")
+            return self._drop(path, key, f"cannot read: {e!r}")
         try:
             if got != size:
                 raise BadBlock("short read (file changed while reading)")
             block = decode(buf, expect)     # raises BadBlock only, whatever the bytes
         except BadBlock as e:
-            return self._drop(path, expect.key, e.reason)
+            return self._drop(path, key, e.reason)
         now = time.time()
         try:
             os.utime(path, (now, now))
         except OSError:
             pass
-        self._remember(expect.key, size, now)
+        self._remember(key, size, now)
         self.stats.hits += 1
         self.stats.bytes_read += size
         self.stats.load_s += time.perf_counter() - t0
@@ -266,8 +331,9 @@ class DiskTier:
     # ---- writes --------------------------------------------------------------------------------
     def put(self, block: BlockKV) -> bool:
         """Write a block (atomic, fsynced) unless present; evict LRU files to stay within budget.
-        Returns whether the block is on disk afterwards. Never raises for I/O trouble."""
-        key = block.meta.key
+        Returns whether the block is on disk afterwards. Never raises for I/O trouble.
+        A tail deletes the shorter tails of its conversation (same parent, ids a prefix of its own)."""
+        key = block.meta.name
         if self.write_disabled is not None:
             return False
         with self._lock:
@@ -314,7 +380,29 @@ class DiskTier:
         self.stats.writes += 1
         self.stats.bytes_written += size
         self.stats.write_s += time.perf_counter() - t0
+        self._prune_tails(block.meta)
         return True
+
+    def _prune_tails(self, newer: BlockMeta) -> None:
+        """Delete the tails an entry just written replaces: those after the same parent whose ids are
+        a strict prefix of its ids (the conversation grew, within the block or past it), then the
+        oldest beyond `tails_per_parent` (a lookup reads every header under one locator)."""
+        loc = tail_locator(newer.parent, newer.namespace)
+        heads = self.tail_heads(loc)
+        kept = []
+        for meta in heads:
+            if len(meta.ids) < len(newer.ids) and newer.ids[:len(meta.ids)] == meta.ids:
+                unlink_quiet(block_path(self.root, meta.name))
+                self._forget(meta.name)
+            else:
+                kept.append(meta)
+        if len(kept) > self.tails_per_parent:
+            with self._lock:
+                age = {m.name: self._index[m.name].mtime if m.name in self._index else 0.0 for m in kept}
+            for meta in sorted(kept, key=lambda m: age[m.name])[:len(kept) - self.tails_per_parent]:
+                unlink_quiet(block_path(self.root, meta.name))
+                self._forget(meta.name)
+                self.stats.evictions += 1
 
     def _evict(self, target: int) -> None:
         """Delete least recently used files until at most `target` bytes are used. Rescans under the

@@ -39,9 +39,15 @@ class Spiller:
             return key in self._pending
 
     def get(self, key: bytes) -> BlockKV | None:
-        """A block still waiting for (or in) its disk write; None if it is not pending."""
+        """A block (by name, BlockMeta.name) still waiting for (or in) its disk write; None if it is
+        not pending."""
         with self._cv:
             return self._pending.get(key)
+
+    def tails(self, locator: bytes) -> list[BlockKV]:
+        """Tail entries following one parent that still wait for (or are in) their disk write."""
+        with self._cv:
+            return [b for name, b in self._pending.items() if len(name) == 64 and name[:32] == locator]
 
     @property
     def pending_bytes(self) -> int:
@@ -50,7 +56,7 @@ class Spiller:
     def submit(self, block: BlockKV, wait: bool = False) -> bool:
         """Queue a block for the disk. Without `wait`, a full queue drops it (returns False);
         with `wait`, blocks until there is room (used at shutdown)."""
-        key = block.meta.key
+        key = block.meta.name
         with self._cv:
             if self._closing:
                 self.dropped += 1

@@ -2,11 +2,17 @@
 
     slot KV --save (on discard)--> RAM tier --LRU spill (background thread)--> disk tier --LRU--> deleted
     prompt --match (walk chained keys)--> refs found in RAM or disk --fetch--> verified BlockKV
+           --find_tail (after the last ref)--> the tail entry sharing most ids with the rest
 
 What is saved is only what the slot's record vouches for: full blocks of record.fed before any
-taint or caller-supplied embedding (their ids do not describe their KV). Blocks are copies, so a
-slot may be overwritten right after `save` returns. This module reads slots; it never writes one:
-copying blocks into a slot (and recording them) is the runner's job ([RECORD-WHERE-FED]).
+taint or caller-supplied embedding (their ids do not describe their KV), and the partial block after
+them as a tail entry (kv/blocks.py). Without the tail a tier hit re-prefilled up to 63 tokens a slot
+hit did not, and a conversation shorter than one block did not survive its slot at all.
+Tails are bounded: saving one drops the shorter tails of the same conversation (same parent, ids a
+prefix of its own) and those a saved whole block covers; at most TAILS_PER_PARENT per parent.
+Blocks are copies, so a slot may be overwritten right after `save` returns. This module reads
+slots; it never writes one: copying blocks into a slot (and recording them) is the runner's job
+([RECORD-WHERE-FED]).
 """
 from __future__ import annotations
 
@@ -16,13 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .blockfile import BlockKV, BlockMeta
-from .blocks import BLOCK_TOKENS, BlockRef, block_refs
+from .blocks import BLOCK_TOKENS, BlockRef, block_refs, tail_key, tail_locator, tail_parent
+from .record import lcp
 from .disk import DiskTier
 from .ram import RamTier
 from .spill import Spiller
 from .slots import Slot
 
 log = logging.getLogger("ternlm.cache")
+
+# Distinct tails kept after one parent block (branches: edited or regenerated turns, or short chats
+# that share only the template's opening, all of which follow ROOT); the oldest beyond it goes.
+TAILS_PER_PARENT = 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,24 @@ class Fetched:
         return len(self.blocks) * BLOCK_TOKENS
 
 
+@dataclass(frozen=True)
+class TailHit:
+    """A tail entry that continues a prompt after its matched whole blocks: positions
+    [start, start + tokens) of the prompt equal the tail's first `tokens` ids (its KV there is valid:
+    attention KV of a position does not depend on later ones)."""
+    block: BlockKV
+    tier: str                        # "ram" | "disk"
+    start: int                       # the prompt position it starts at (whole blocks before it)
+    tokens: int                      # usable positions, >= 1, already capped at the lookup's limit
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What `save` copied into the RAM tier."""
+    blocks: int                      # whole blocks not there before
+    tail: int                        # positions of the tail entry copied (0: none, or already there)
+
+
 def storable(slot: Slot) -> int:
     """Positions of the slot's KV that may be stored: before any taint or embedding payload."""
     rec = slot.record
@@ -71,7 +100,8 @@ class TieredStore:
                  disk_bytes: int = 0):
         self.ident = ident
         self.ram = RamTier(ram_bytes)
-        self.disk = DiskTier(Path(disk_dir), disk_bytes) if disk_dir is not None and disk_bytes > 0 else None
+        self.disk = DiskTier(Path(disk_dir), disk_bytes, TAILS_PER_PARENT) \
+            if disk_dir is not None and disk_bytes > 0 else None
         self.spill = Spiller(self.disk) if self.disk is not None else None
 
     def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
@@ -79,24 +109,56 @@ class TieredStore:
         return BlockMeta(ref.key, ref.parent, namespace, i.model_sha256, i.dtype, i.kv_dtype, i.shape, ref.ids)
 
     # ---- down: slots -> RAM -> disk --------------------------------------------------------------
-    def save(self, slot: Slot, wait: bool = False) -> int:
-        """Copy the slot's recorded full blocks into the RAM tier (those not there yet), spilling the
-        RAM tier's oldest blocks to disk (`wait`: block while the write queue is full instead of
-        dropping them). Reads the slot, does not modify it. Returns blocks copied."""
+    def tail_meta(self, parent: bytes, ids: tuple[int, ...], namespace: bytes) -> BlockMeta:
+        i = self.ident
+        return BlockMeta(tail_key(parent, list(ids), namespace), parent, namespace, i.model_sha256, i.dtype,
+                         i.kv_dtype, (i.layers, i.kv_heads, len(ids), i.head_dim), ids, tail=True)
+
+    def save(self, slot: Slot, wait: bool = False) -> Saved:
+        """Copy the slot's recorded full blocks (those not there yet) and the tail after them into the
+        RAM tier, spilling the RAM tier's oldest entries to disk (`wait`: block while the write queue
+        is full instead of dropping them). Drops the RAM tails this save supersedes. Reads the slot,
+        does not modify it."""
         rec = slot.record
         if not rec.namespace:
-            return 0
+            return Saved(0, 0)
+        ns, end = rec.namespace, storable(slot)
+        refs = block_refs(rec.fed, ns, end)
         copied = 0
-        for ref in block_refs(rec.fed, rec.namespace, storable(slot)):
+        for ref in refs:
+            self._drop_tails(tail_locator(ref.parent, ns), ref.ids)   # a whole block covers them
             if ref.key in self.ram:
                 self.ram.touch(ref.key)
                 continue
             # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
             k = slot.k[:, :, ref.start:ref.end].clone()
             v = slot.v[:, :, ref.start:ref.end].clone()
-            self._ram_put(BlockKV(self.meta(ref, rec.namespace), k, v), wait)
+            self._ram_put(BlockKV(self.meta(ref, ns), k, v), wait)
             copied += 1
-        return copied
+        start = len(refs) * BLOCK_TOKENS
+        if start >= end:
+            return Saved(copied, 0)
+        ids = tuple(rec.fed[start:end])
+        meta = self.tail_meta(tail_parent(refs), ids, ns)
+        if meta.name in self.ram:
+            self.ram.touch(meta.name)
+            return Saved(copied, 0)
+        loc = meta.name[:32]
+        self._drop_tails(loc, ids)                       # the conversation grew: its shorter tail goes
+        for old in self.ram.tails(loc)[:max(0, len(self.ram.tails(loc)) - TAILS_PER_PARENT + 1)]:
+            self.ram.remove(old.meta.name)
+        # (layers, kv_heads, end - start, head_dim)
+        k = slot.k[:, :, start:end].clone()
+        v = slot.v[:, :, start:end].clone()
+        self._ram_put(BlockKV(meta, k, v), wait)
+        return Saved(copied, end - start)
+
+    def _drop_tails(self, locator: bytes, ids: tuple[int, ...]) -> None:
+        """Remove the RAM tails after one parent whose ids are a strict prefix of `ids`."""
+        for t in self.ram.tails(locator):
+            got = t.meta.ids
+            if len(got) < len(ids) and ids[:len(got)] == got:
+                self.ram.remove(t.meta.name)
 
     def _ram_put(self, block: BlockKV, wait: bool) -> None:
         for old in self.ram.put(block):
@@ -123,7 +185,7 @@ class TieredStore:
         for block in blocks:
             self.spill.submit(block, wait=True)
         self.spill.flush(timeout)
-        return sum(self.disk.has(b.meta.key) for b in blocks)
+        return sum(self.disk.has(b.meta.name) for b in blocks)
 
     # ---- up: tiers -> a prompt ------------------------------------------------------------------
     def match(self, prompt: list[int], namespace: bytes, limit: int) -> list[BlockRef]:
@@ -142,6 +204,43 @@ class TieredStore:
                 break
             found.append(ref)
         return found
+
+    def find_tail(self, prompt: list[int], namespace: bytes, refs: list[BlockRef], limit: int,
+                  beat: int = 0) -> TailHit | None:
+        """The tail entry that continues the prompt after its matched whole blocks `refs` (store.match)
+        furthest, up to `limit`, or None. Looks only when a tail could take the prompt past `beat`
+        positions (what the caller has without it). RAM (and blocks waiting for disk) first; the disk's
+        tails (listed and read by header) only when they could give more; the chosen disk tail is read
+        and verified in full. Touches LRU order and counters of the tier it comes from."""
+        start = len(refs) * BLOCK_TOKENS
+        cap = min(limit, start + BLOCK_TOKENS - 1, len(prompt)) - start   # a tail is < one block
+        if cap <= 0 or start + cap <= beat:
+            return None
+        rest = prompt[start:start + cap]
+        parent = tail_parent(refs)
+        loc = tail_locator(parent, namespace)
+
+        def usable(ids: tuple[int, ...]) -> int:
+            return lcp(list(ids[:cap]), rest)
+        mem = self.ram.tails(loc) + (self.spill.tails(loc) if self.spill is not None else [])
+        best = max(mem, key=lambda b: usable(b.meta.ids), default=None)
+        got = usable(best.meta.ids) if best is not None else 0
+        if got < cap and self.disk is not None:
+            heads = [m for m in self.disk.tail_heads(loc) if usable(m.ids) > got]
+            for head in sorted(heads, key=lambda m: -usable(m.ids)):
+                # what this request needs: our parent, namespace, model and shape; the header's ids
+                # (its key, recomputed from them, must be the one in the file's name)
+                expect = self.tail_meta(parent, head.ids, namespace)
+                block = self.disk.get(expect) if expect.name == head.name else None   # verified
+                if block is not None:
+                    return TailHit(block, "disk", start, usable(head.ids))
+        if got <= 0:
+            return None
+        if best.meta.name in self.ram:
+            self.ram.get(best.meta.name)                       # LRU touch + hit
+        else:
+            self.ram.stats.hits += 1                           # waiting for disk: served as RAM
+        return TailHit(best, "ram", start, got)
 
     def fetch(self, refs: list[BlockRef], namespace: bytes) -> Fetched:
         """Read `refs` in order from RAM or disk (verified); stops at the first block that is gone or
@@ -178,6 +277,7 @@ class TieredStore:
         r = self.ram
         out = {"ram": {"hits": r.stats.hits, "misses": r.stats.misses, "evictions": r.stats.evictions,
                        "bytes": r.used_bytes, "budget_bytes": r.budget, "blocks": r.blocks,
+                       "tails": r.tail_entries,
                        "load_seconds": r.stats.load_s}}
         if self.disk is not None:
             d = self.disk

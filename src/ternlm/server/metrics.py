@@ -36,7 +36,8 @@ _TIER_FIELDS = [("hits", "hits", "blocks found in the tier", True),
                 ("write_errors", "write_errors", "block writes that failed", True),
                 ("bytes", "bytes", "bytes of KV blocks held now", False),
                 ("budget_bytes", "budget_bytes", "byte budget of the tier", False),
-                ("blocks", "blocks", "KV blocks held now", False),
+                ("blocks", "blocks", "KV blocks held now (tail entries included)", False),
+                ("tails", "tail_entries", "tail entries (a conversation's last partial block) held now", False),
                 ("write_disabled", "writes_disabled", "1 when writes are off (e.g. disk full)", False)]
 
 
