@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, quants
 
-from ternlm.kernels.build import QMatmul, Unavailable, load
+from ternlm.kernels.build import Kernels, Unavailable, load
 from ternlm.models.gguf import hf_name
 from ternlm.models.qlinear import QLinear
 from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q8, QWeight, _CONVERT, from_gguf
@@ -38,7 +38,7 @@ def random_blocks(qtype: QT, out: int, inp: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(-1)
 
 
-def kernels() -> QMatmul:
+def kernels() -> Kernels:
     k = load()
     if isinstance(k, Unavailable):
         pytest.fail(f"the native kernel is part of the product and must build here: {k.reason}")
