@@ -1,0 +1,136 @@
+"""kernels/attention.c against a float64 softmax attention we did not tune, and its batch invariance:
+a query row's bits must not depend on the chunk it was computed in (prefill of any size, a tail after
+a reuse, a single decode step), nor on the thread count."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ternlm.kernels.build import Kernels, Unavailable, load
+from ternlm.models.llama import KV_DTYPE, native_attention
+
+
+def kernels() -> Kernels:
+    k = load()
+    if isinstance(k, Unavailable):
+        pytest.fail(f"the native kernels are part of the product and must build here: {k.reason}")
+    return k
+
+
+def reference(q, k, v, start):
+    """float64 causal softmax attention: q (H, T, D), k/v (KV, cap, D) -> (T, H * D)."""
+    H, T, D = q.shape
+    G = H // k.shape[0]
+    out = torch.empty(T, H * D, dtype=torch.float64)
+    pos = start + torch.arange(T)
+    for h in range(H):
+        s = (q[h].double() * D ** -0.5) @ k[h // G].double().T               # (T, cap)
+        s[torch.arange(k.shape[1])[None, :] > pos[:, None]] = float("-inf")
+        out[:, h * D:(h + 1) * D] = torch.softmax(s, -1) @ v[h // G].double()
+    return out
+
+
+SHAPES = [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 64)]   # smollm2, qwen2.5-0.5b, qwen3-like, MHA
+
+
+@pytest.mark.parametrize("H,KV,D", SHAPES, ids=str)
+def test_matches_float64_softmax(H, KV, D):
+    torch.manual_seed(H * D)
+    cap = 1024
+    k, v = torch.randn(KV, cap, D), torch.randn(KV, cap, D)
+    q = torch.randn(H, 300, D) * 3              # peaked softmaxes too
+    out = native_attention(kernels(), q, k, v, 600)
+    ref = reference(q, k, v, 600)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("H,KV,D", SHAPES[:2], ids=str)
+def test_rows_are_batch_invariant(H, KV, D):
+    """Every split of 700 positions (block edges at 256 and 512 inside some chunks) gives the bits of
+    one 700-row call, with 1 or 2 threads."""
+    torch.manual_seed(1)
+    cap = 1024
+    k, v = torch.randn(KV, cap, D), torch.randn(KV, cap, D)
+    q = torch.randn(H, 700, D)
+    kn = kernels()
+    full = native_attention(kn, q, k, v, 0)
+    for a, b in [(0, 1), (255, 256), (256, 257), (0, 37), (200, 300), (250, 520), (511, 700), (699, 700)]:
+        assert torch.equal(native_attention(kn, q[:, a:b], k, v, a), full[a:b]), (a, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_attention(kn, q, k, v, 0), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_never_reads_past_the_position():
+    """Keys after a row's position do not exist for it: garbage (even NaN) there changes nothing."""
+    torch.manual_seed(2)
+    k, v = torch.randn(3, 512, 64), torch.randn(3, 512, 64)
+    q = torch.randn(9, 10, 64)
+    kn = kernels()
+    before = native_attention(kn, q, k, v, 100)
+    k[:, 110:], v[:, 110:] = float("nan"), float("nan")
+    assert torch.equal(native_attention(kn, q, k, v, 100), before)
+
+
+def test_refuses_mismatched_caches():
+    kn = kernels()
+    q = torch.randn(9, 4, 64)
+    with pytest.raises(Exception, match="caches do not match"):
+        native_attention(kn, q, torch.randn(3, 256, 64).bfloat16(), torch.randn(3, 256, 64).bfloat16(), 0)
+    with pytest.raises(Exception, match="caches do not match"):
+        native_attention(kn, q, torch.randn(3, 256, 64), torch.randn(3, 256, 64), 254)   # 254 + 4 > 256
+
+
+_ISA_SCRIPT = textwrap.dedent("""
+    import torch
+    from ternlm.kernels.build import load
+    from ternlm.models.llama import native_attention
+    from test_native_attention import reference
+    kn = load()
+    k, v = torch.randn(2, 768, 64), torch.randn(2, 768, 64)
+    q = torch.randn(14, 600, 64)
+    full = native_attention(kn, q, k, v, 0)
+    assert (full.double() - reference(q, k, v, 0)).abs().max() < 2e-5
+    for a, b in [(0, 1), (250, 300), (599, 600)]:
+        assert torch.equal(native_attention(kn, q[:, a:b], k, v, a), full[a:b]), (a, b)
+    print(kn.isa, "ok")
+""")
+
+
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_lesser_isa_builds(march, isa, tmp_path):
+    """The kernels as an AVX2-only (or a baseline x86-64) CPU builds them: exact and invariant too."""
+    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [isa, "ok"]
+
+
+def test_engine_without_native_kernels_falls_back(tmp_path):
+    """TERNLM_NATIVE=0 (or no compiler): torch attention, dense weights, a distinct fingerprint, and
+    --weights gguf refused in one line."""
+    script = textwrap.dedent("""
+        from ternlm import Engine
+        from ternlm.weights import WeightsUnavailable
+        e = Engine.load("smollm2-135m", dtype="float32")
+        assert e.kernels is None and "attention=torch" in e.kernel_fingerprint
+        out = e.generate(e.apply_chat_template([{"role": "user", "content": "Hi"}]), max_tokens=4)
+        assert len(out.token_ids) == 4 or out.finish_reason == "stop"
+        try:
+            Engine.load("smollm2-135m", weights="gguf")
+        except WeightsUnavailable as err:
+            print("refused:", err)
+    """)
+    env = dict(os.environ, TERNLM_NATIVE="0")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused: --weights gguf needs the native kernel: native kernels turned off" in r.stdout
