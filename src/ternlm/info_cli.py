@@ -1,6 +1,7 @@
 """`ternlm info`: what a bug report needs. CPU model and the ISA flags that matter, torch and its CPU
-capability, what each --dtype resolves to here (or why it is refused), threads, cache directories.
-Reads only; loads no model."""
+capability, what each --dtype resolves to here (or why it is refused), the native kernels (built on
+first use, as a server would: whether they build here is part of a bug report), threads, cache
+directories. Loads no model."""
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,14 @@ import sys
 
 
 def gather() -> dict:
-    """Everything `ternlm info` prints, as plain data. Imports torch; writes nothing."""
+    """Everything `ternlm info` prints, as plain data. Imports torch; may build the native kernels
+    into the cache (kernels/build.py), nothing else."""
     import torch
 
     from . import __version__
     from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+    from .kernels.build import Unavailable
+    from .kernels.build import load as load_kernels
     from .models.registry import cache_root
     from .server.cli import default_kv_dir
 
@@ -28,6 +32,9 @@ def gather() -> dict:
                             "fingerprint": kernel_fingerprint(c, cpu)}
         except ValueError as e:
             dtypes[name] = {"refused": str(e)}
+    k = load_kernels()
+    native = ({"available": False, "reason": k.reason} if isinstance(k, Unavailable)
+              else {"available": True, "isa": k.isa, "digest": k.digest})
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "ternlm": __version__,
@@ -38,6 +45,7 @@ def gather() -> dict:
         "torch": {"version": cpu.torch_version, "cpu_capability": cpu.torch_capability,
                   "onednn": cpu.mkldnn, "onednn_bf16": cpu.mkldnn_bf16},
         "dtype": dtypes,
+        "native_kernels": native,
         "threads": {"torch": torch.get_num_threads(),
                     **{k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if os.environ.get(k)}},
         "cache": {"models": str(cache_root() / "models"), "kv": default_kv_dir()},
@@ -58,10 +66,15 @@ def _print(info: dict, out) -> None:
         label = f"--dtype {name}"
         lines.append(f"{label:18s}refused: {d['refused']}" if "refused" in d
                      else f"{label:18s}{d['dtype']}, {d['kernel']} ({d['reason']})")
+    n = info["native_kernels"]
+    lines.append("native    " + (f"{n['isa']} build {n['digest']} (attention; --weights gguf available)"
+                                 if n["available"] else f"unavailable: {n['reason']} (torch attention; no --weights gguf)"))
     th = info["threads"]
     lines.append("threads   torch " + str(th["torch"]) + "".join(f" · {k}={v}" for k, v in th.items() if k != "torch"))
     lines.append(f"cache     models {info['cache']['models']} · kv {info['cache']['kv']}")
-    lines.append(f"kernel fingerprint (auto): {info['dtype']['auto'].get('fingerprint', '-')}")
+    attn = f"native:{n['isa']}:{n['digest']}" if n["available"] else "torch"
+    lines.append(f"kernel fingerprint (auto): {info['dtype']['auto'].get('fingerprint', '-')};weights=dense;"
+                 f"attention={attn}")
     print("\n".join(lines), file=out)
 
 
