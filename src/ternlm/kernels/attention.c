@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -128,11 +129,42 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
                  int64_t cap, int64_t start, float *out, int64_t ldo, int nthreads) {
     if (D % 16 || D > MAXD || H % KV) return -1;
     const int64_t G = H / KV;
+    /* the G query heads of one kv head and position run back to back: its keys stay in cache */
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t t = 0; t < T; t++) {
-            const float *kh = k + (h / G) * cap * D, *vh = v + (h / G) * cap * D;
-            row(q + (h * T + t) * D, kh, vh, start + t + 1, D, out + t * ldo + h * D);
+    for (int64_t kvh = 0; kvh < KV; kvh++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                row(q + (h * T + t) * D, k + kvh * cap * D, v + kvh * cap * D, start + t + 1, D,
+                    out + t * ldo + h * D);
+    return 0;
+}
+
+/* Many sequences' rows in one call (continuous batching): one parallel region per layer instead of one
+ * per sequence. segs: nseg rows of 6 int64 (first row in q/out, rows, start position, cache capacity,
+ * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) fp32 contiguous).
+ * q: (H, M, D) scaled; out: (M, H * D). Each row runs `row` exactly as tq_attention would run it, so a
+ * sequence's bits are the same alone or in company. Returns -1 on a shape it does not take. */
+int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads) {
+    if (D % 16 || D > MAXD || H % KV || M <= 0) return -1;
+    const int64_t G = H / KV;
+    int64_t *seg_of = malloc(M * sizeof *seg_of);        /* row -> segment */
+    if (!seg_of) return -1;
+    for (int64_t s = 0; s < nseg; s++)
+        for (int64_t r = segs[6 * s]; r < segs[6 * s] + segs[6 * s + 1]; r++) {
+            if (r < 0 || r >= M) { free(seg_of); return -1; }
+            seg_of[r] = s;
         }
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t kvh = 0; kvh < KV; kvh++) {
+            const int64_t *sg = segs + 6 * seg_of[r];
+            const int64_t cap = sg[3], t = r - sg[0];
+            const float *k = (const float *)(intptr_t)sg[4] + ((layer * KV + kvh) * cap) * D;
+            const float *v = (const float *)(intptr_t)sg[5] + ((layer * KV + kvh) * cap) * D;
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                row(q + (h * M + r) * D, k, v, sg[2] + t + 1, D, out + r * H * D + h * D);
+        }
+    free(seg_of);
     return 0;
 }

@@ -47,6 +47,12 @@ class Kernels:
         if self.lib.tq_attention(q, T, H, KV, D, k, v, cap, start, out, ldo, threads) != 0:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D})")
 
+    def attention_segments(self, segs: int, nseg: int, layer: int, q: int, M: int, H: int, KV: int, D: int,
+                           out: int, threads: int) -> None:
+        """Raw pointers: see attention.c (tq_attention_segments). Releases the GIL while it runs."""
+        if self.lib.tq_attention_segments(segs, nseg, layer, q, M, H, KV, D, out, threads) != 0:
+            raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M})")
+
     def mm(self, fmt: str, x: int, M: int, K: int, codes: int, scale: int, bias: int, N: int,
            y: int, ldy: int, threads: int) -> None:
         """Raw pointers: see qmatmul.c. fmt: "q4g32" | "q8g16". Releases the GIL while it runs."""
@@ -122,6 +128,8 @@ def load() -> Kernels | Unavailable:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [p, i, i, p, p, p, i, p, i, ctypes.c_int], None
     lib.tq_attention.argtypes = [p, i, i, i, i, p, p, i, i, p, i, ctypes.c_int]
+    lib.tq_attention_segments.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int]
+    lib.tq_attention_segments.restype = ctypes.c_int
     lib.tq_attention.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
     return Kernels(lib, lib.tq_isa().decode(), digest)

@@ -113,6 +113,20 @@ def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v
     return out
 
 
+def segment_table(segments: list["Segment"]) -> torch.Tensor:
+    """(n, 6) int64 for kernels/attention.c's tq_attention_segments: per segment its first row, rows,
+    start position, cache capacity and the addresses of its K and V caches (layers, KV, cap, D).
+    Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
+    rows, r0 = [], 0
+    for s in segments:
+        check(s.k_cache.dtype == s.v_cache.dtype == KV_DTYPE and s.k_cache.is_contiguous()
+              and s.v_cache.is_contiguous() and s.k_cache.shape == s.v_cache.shape
+              and s.start + s.length <= s.k_cache.shape[2], "native attention: a segment's caches do not fit")
+        rows.append((r0, s.length, s.start, s.k_cache.shape[2], s.k_cache.data_ptr(), s.v_cache.data_ptr()))
+        r0 += s.length
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def causal_bias(start: int, T: int, capacity: int) -> torch.Tensor:
     """(T, S) fp32 additive mask: 0 where key j <= start + i, -inf elsewhere; S = end rounded up to
     ATTN_BLOCK (never past capacity, which is itself a multiple of ATTN_BLOCK)."""
@@ -149,13 +163,14 @@ class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, "torch.Tensor | QWeight"], pack: bool,
-                 kernels: Kernels | None = None, keep_quantized: bool = False):
+                 kernels: Kernels | None = None, keep_quantized: bool = False, index: int = 0):
         """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection).
         kernels: the native kernels (kernels/): attention.c when given, qmatmul.c for QWeights when
         also keep_quantized; None: torch attention, QWeights dequantized."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
+        self.index = index              # this layer's place in the slots' caches (native attention)
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         dtype = w["input_layernorm.weight"].dtype
@@ -173,11 +188,13 @@ class Layer(nn.Module):
         self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])   # (2 I, hidden)
         self.down = proj(["mlp.down_proj.weight"])                            # (hidden, I)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part],
+                table: torch.Tensor | None = None) -> torch.Tensor:
         """x: (M, hidden), the rows of every part in order; cos/sin: (M, head_dim), each row's
-        position. Side effect: writes K/V of each part's positions into that part's caches.
-        Everything row-wise (projections, norms, RoPE, MLP) runs once over all M rows; only the KV
-        write and attention run per part."""
+        position; table: `segment_table` of the parts (native attention only). Side effect: writes
+        K/V of each part's positions into that part's caches. Everything row-wise (projections,
+        norms, RoPE, MLP) runs once over all M rows; the KV write runs per part, attention per part
+        (torch) or for all parts in one native call (each row computed exactly as alone)."""
         cfg, M = self.cfg, x.shape[0]
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv)
@@ -186,11 +203,26 @@ class Layer(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
         qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
-        outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs)                  # (M, q)
+        if table is not None:
+            for p in parts:                                                      # the KV write, per slot
+                p.k_cache[:, p.start:p.start + p.r1 - p.r0] = qk[H:, p.r0:p.r1]
+                p.v_cache[:, p.start:p.start + p.r1 - p.r0] = v[:, p.r0:p.r1]
+            attn = self._attend_all(qk[:H], table)                              # (M, q)
+        else:
+            outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)              # (M, q)
         x = x + self.o(attn.to(x.dtype))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
         return x + self.down(F.silu(g) * u)
+
+    def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32."""
+        H, M, D = q.shape
+        qs = (q.to(KV_DTYPE) * D ** -0.5).contiguous()    # the same scaling as `attention`
+        out = torch.empty(M, H * D, dtype=KV_DTYPE)
+        self.kernels.attention_segments(table.data_ptr(), table.shape[0], self.index, qs.data_ptr(), M, H,
+                                        self.cfg.num_kv_heads, D, out.data_ptr(), torch.get_num_threads())
+        return out
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, p: _Part) -> torch.Tensor:
         """One sequence's KV write and attention. qk: (H + KV, T, D) after norm and RoPE, v: (KV, T, D):
@@ -201,8 +233,6 @@ class Layer(nn.Module):
         end = start + T
         p.k_cache[:, start:end] = qk[H:]
         p.v_cache[:, start:end] = v
-        if self.kernels is not None:
-            return native_attention(self.kernels, qk[:H], p.k_cache, p.v_cache, start)   # (T, q)
         # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
         attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias)            # (H, T, D) in KV_DTYPE
         return attn.transpose(0, 1).reshape(T, self.q_size)
@@ -231,8 +261,8 @@ class Transformer(nn.Module):
         self.embed = embed if isinstance(embed, QWeight) and quantized else (
             embed.dequantize().to(dtype) if isinstance(embed, QWeight) else embed)
         self.layers = [
-            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized)
-            for p in (f"model.layers.{i}." for i in range(cfg.num_layers))
+            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized, i)
+            for i, p in enumerate(f"model.layers.{i}." for i in range(cfg.num_layers))
         ]
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
@@ -288,8 +318,9 @@ class Transformer(nn.Module):
             r0 += s.length
         cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
         sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
+        table = segment_table(segments) if self.kernels is not None else None
         for layer, layer_parts in zip(self.layers, parts):
-            x = layer(x, cos_m, sin_m, layer_parts)
+            x = layer(x, cos_m, sin_m, layer_parts, table)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
         picks, r0 = [], 0
         for s in segments:
