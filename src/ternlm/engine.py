@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+from .grammar import GrammarCompiler, GrammarSpec
 from .invariants import check
 from .kv.blocks import BLOCK_TOKENS
 from .kv.placement import Placement, plan_placement
@@ -96,6 +97,7 @@ class Engine:
                                               pack=self.dtype_choice.kernel == "onednn-packed")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
         self.slots = [Slot(i, shape) for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
@@ -219,10 +221,10 @@ class Engine:
              digest_embeds: bool = True, cache_salt: str = "", slot: Slot | int | None = None,
              on_chunk: Callable[[int], None] | None = None,
              keep_logits: bool = False, logprobs: int | None = None,
-             ignore_eos: bool = False) -> Sequence:
+             ignore_eos: bool = False, grammar: GrammarSpec | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
         Returns its Sequence, ready for `step`. Raises ValueError for a bad request (nothing
-        changed then). Side effects: may save the slot's blocks to the store, truncate or reset the
+        changed then; an invalid `grammar` included). Side effects: may save the slot's blocks to the store, truncate or reset the
         slot, load tier blocks into it (each load recorded where fed)."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
@@ -238,6 +240,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab})")
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        constraint = self.grammars.constraint(grammar) if grammar is not None else None
         ns = self.namespace(cache_salt)
         emb = {p: Embed(t, digest_tensor(t) if digest_embeds else None) for p, t in (embeds or {}).items()}
         if any(not 0 <= p < n for p in emb):
@@ -259,7 +262,7 @@ class Engine:
         return Sequence(slot=slot, prompt=prompt, reused=k, reuse=reuse, restored=restored, sampler=sampler,
                         tokenizer=self.tokenizer, stop=list(stop or []),
                         limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
-                        keep_logits=keep_logits, logprobs=logprobs, started=t_start)
+                        keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint)
 
     @staticmethod
     def want(seq: Sequence) -> Want:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .engine import Completion, Delta, Engine, Sequence
+from .grammar import GrammarSpec
 from .step_plan import plan_step
 
 log = logging.getLogger("ternlm.scheduler")
@@ -54,6 +55,7 @@ class GenParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None      # None: none; k >= 0: the sampled token's logprob + top k
+    grammar: GrammarSpec | None = None   # structured output: every sampled token must fit it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -336,7 +338,7 @@ class Scheduler:
             run.seq = self.engine.open(r.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
                                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                                        stop=list(p.stop) or None, cache_salt=r.salt, slot=run.slot,
-                                       logprobs=p.logprobs)
+                                       logprobs=p.logprobs, grammar=p.grammar)
         except Exception as e:  # one request's error (e.g. context overflow) ends that request only
             log.warning("request %d failed: %s", run.ticket.id, e)
             self._end(run, Failed(e, "error"))

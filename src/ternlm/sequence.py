@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .detok import IncrementalDetokenizer, StopMatcher
+from .grammar import Constraint
 from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
@@ -92,7 +93,8 @@ class Sequence:
     def __init__(self, *, slot: Slot, prompt: list[int], reused: int, reuse: Reuse, restored: Restored,
                  sampler: Sampler, tokenizer, stop: list[str], limits: Limits,
                  embeds: dict[int, Embed], on_chunk: Callable[[int], None] | None,
-                 keep_logits: bool, logprobs: int | None, started: float):
+                 keep_logits: bool, logprobs: int | None, started: float,
+                 constraint: Constraint | None = None):
         self.slot = slot
         self.prompt = prompt
         self.n = len(prompt)
@@ -106,6 +108,7 @@ class Sequence:
         self.limits = limits
         self.keep_logits = keep_logits
         self.logprobs = logprobs
+        self.constraint = constraint                 # grammar.py: masks this request's row only
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stopper = StopMatcher(list(stop))
         self.out_ids: list[int] = []
@@ -154,7 +157,11 @@ class Sequence:
         return self._sample(logits)
 
     def _sample(self, logits: torch.Tensor) -> list[Delta | Completion]:
-        tok = self.sampler.sample(logits)
+        if self.constraint is None:
+            tok = self.sampler.sample(logits)
+        else:   # a masked copy: `logits` (kept, logprobs) stays the model's raw distribution
+            tok = self.sampler.sample(self.constraint.mask(logits))
+            self.constraint.advance(tok)
         if self.keep_logits:
             self.kept.append(logits)
         if not self.out_ids and not self.timings.ttft_s:

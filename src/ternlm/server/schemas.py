@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..engine import Completion, Delta
+from ..grammar import GrammarSpec, json_schema_source
 from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
@@ -62,9 +63,50 @@ class ChatMessage(_Closed):
         return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
 
 
+_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+def grammar_of(fmt: Any) -> GrammarSpec | None:
+    """response_format -> the grammar that constrains the output (None for plain text).
+    OpenAI's {"type": "json_object"} and {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}; ternlm extensions {"type": "regex", "regex": str} and
+    {"type": "grammar", "grammar": str} (Lark syntax, llguidance dialect). Raises ValueError.
+    Constrained whether or not `strict` is set: a schema the client sent is a schema it wants."""
+    if not isinstance(fmt, dict) or fmt.get("type") not in _FORMATS:
+        raise ValueError(f"type must be one of {list(_FORMATS)}")
+    kind = fmt["type"]
+    extra = set(fmt) - {"type", kind}
+    if extra:
+        raise ValueError(f"unknown field(s) {sorted(extra)} for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    body = fmt.get(kind)
+    if kind in ("regex", "grammar"):
+        if not isinstance(body, str) or not body:
+            raise ValueError(f"{kind!r} must be a non-empty string")
+        return GrammarSpec("regex" if kind == "regex" else "lark", body)
+    if not isinstance(body, dict):
+        raise ValueError("json_schema must be an object with 'name' and 'schema'")
+    unknown = set(body) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} in json_schema")
+    name = body.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise ValueError("json_schema.name must be a string of 1 to 64 characters")
+    if "strict" in body and body["strict"] is not None and not isinstance(body["strict"], bool):
+        raise ValueError("json_schema.strict must be a boolean")
+    schema = body.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema.schema must be a JSON schema object")
+    return GrammarSpec("json_schema", json_schema_source(schema))
+
+
 class _Sampling(_Closed):
     """Fields shared by both endpoints."""
     model: str
+    response_format: GrammarSpec | None = None    # see grammar_of
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -76,6 +118,11 @@ class _Sampling(_Closed):
     user: str | None = Field(None, max_length=512)
     prompt_cache_key: str | None = Field(None, max_length=1024)
     cache_salt: str | None = Field(None, max_length=1024)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format(cls, v: Any) -> Any:
+        return grammar_of(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -187,8 +234,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
     "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        "response_format other than {'type': 'text'} (JSON mode, json_schema) is not supported"),
     "tools": (lambda v: v == [], "tools (function calling) are not supported"),
     "tool_choice": (lambda v: v == "none", "tool_choice is not supported (no tool calling)"),
     "functions": (lambda v: v == [], "functions (function calling) are not supported"),
