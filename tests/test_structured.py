@@ -148,3 +148,29 @@ def test_bad_response_format_is_400(server, fmt):
         client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4, response_format=fmt)
     assert e.value.response.json()["error"]["param"] == "response_format"
+
+
+def test_grammar_mask_touches_only_its_own_row_in_a_batch():
+    """A constrained request batched with unconstrained ones: every request's tokens equal its
+    tokens alone (the mask is per Sequence, applied to a copy of its own logits row)."""
+    from ternlm.engine import Engine
+    from ternlm.grammar import GrammarSpec
+    from ternlm.sequence import Completion
+    from ternlm.step_plan import plan_step
+    e = Engine.load(MODEL, dtype="float32", slots=4, prefix_reuse=False)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS["nested"]))
+    prompts = [e.apply_chat_template([{"role": "user", "content": t}]) for t in
+               (PROMPT, "Name three fruits.", "Count to five.", PROMPT)]
+    kws = [{"grammar": spec}, {}, {"temperature": 0.8, "seed": 5}, {"grammar": spec, "temperature": 0.8, "seed": 7}]
+    alone = [e.generate(p, max_tokens=40, slot=0, **kw).token_ids for p, kw in zip(prompts, kws)]
+    seqs = [e.open(p, max_tokens=40, slot=i, **kw) for i, (p, kw) in enumerate(zip(prompts, kws))]
+    done: dict[int, list[int]] = {}
+    while len(done) < len(seqs):
+        live = [i for i in range(len(seqs)) if i not in done]
+        counts = plan_step([e.want(seqs[i]) for i in live], 64, e.chunk_size)
+        work = [(i, c) for i, c in zip(live, counts) if c > 0]
+        for (i, _), out in zip(work, e.step([(seqs[i], c) for i, c in work])):
+            assert out.error is None, out.error
+            done.update({i: ev.token_ids for ev in out.events if isinstance(ev, Completion)})
+    assert [done[i] for i in range(len(seqs))] == alone
+    jsonschema.validate(json.loads(e.tokenizer.decode(alone[0])), SCHEMAS["nested"])

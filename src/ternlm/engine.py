@@ -16,6 +16,7 @@ A request's life, in three parts that each do one thing:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -221,7 +222,8 @@ class Engine:
              digest_embeds: bool = True, cache_salt: str = "", slot: Slot | int | None = None,
              on_chunk: Callable[[int], None] | None = None,
              keep_logits: bool = False, logprobs: int | None = None,
-             ignore_eos: bool = False, grammar: GrammarSpec | None = None) -> Sequence:
+             ignore_eos: bool = False, grammar: GrammarSpec | None = None,
+             fork_from: Slot | int | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
         Returns its Sequence, ready for `step`. Raises ValueError for a bad request (nothing
         changed then; an invalid `grammar` included). Side effects: may save the slot's blocks to the store, truncate or reset the
@@ -254,6 +256,13 @@ class Engine:
         reuse = decide_reuse(slot.record, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
                              enabled=self.prefix_reuse, message_ends=ends)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
+        if fork_from is not None and self.prefix_reuse:
+            src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from
+            # the same reuse rules as any prompt: namespace, embeds, [FRESH-LOGITS] (k <= n - 1)
+            fork = decide_reuse(src.record, prompt, ns, prompt_digests=digests, min_reuse=0).tokens
+            if src is not slot and fork > restored.tokens:   # _place left the slot in namespace ns
+                self.runner.copy_prefix(src, slot, fork)
+                restored = dataclasses.replace(restored, sibling=fork - restored.tokens)
         k = restored.tokens
         check(len(slot.record) == k and slot.record.fed == prompt[:k],
               f"after placement the slot must hold exactly the prompt's first {k} ids")

@@ -38,20 +38,22 @@ class Timings:
 @dataclass(frozen=True)
 class Restored:
     """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
-    loaded from the tiers below it (RAM, then disk), in position order."""
+    loaded from the tiers below it (RAM, then disk), then positions copied from a sibling choice's
+    live slot (n > 1: one prompt prefilled once), in position order."""
     slot: int = 0
     ram: int = 0
     disk: int = 0
     load_s: float = 0.0          # reading + verifying + copying tier blocks
+    sibling: int = 0             # copied from the slot of choice 0 of the same request
 
     @property
     def tokens(self) -> int:
-        return self.slot + self.ram + self.disk
+        return self.slot + self.ram + self.disk + self.sibling
 
     @property
     def tier(self) -> str:
-        """The slowest tier that contributed: "disk" | "ram" | "slot" | "none"."""
-        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot else "none"
+        """The slowest tier that contributed: "disk" | "ram" | "slot" (own or sibling's) | "none"."""
+        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot or self.sibling else "none"
 
 
 @dataclass

@@ -24,6 +24,9 @@ from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP = 4
+MAX_N = 16            # choices per prompt
+MAX_PROMPTS = 64      # prompts in one /v1/completions request
+MAX_CHOICES = 128     # choices in one response (prompts x n)
 _SEED = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)   # the range torch.Generator.manual_seed takes
 
 
@@ -106,6 +109,7 @@ def grammar_of(fmt: Any) -> GrammarSpec | None:
 class _Sampling(_Closed):
     """Fields shared by both endpoints."""
     model: str
+    n: int = Field(1, ge=1, le=MAX_N)             # choices; they share one prefill (scheduler: leader/fork)
     response_format: GrammarSpec | None = None    # see grammar_of
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -187,7 +191,8 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]                       # text, or token ids (skips tokenisation)
+    # prompts, in order: each text or token ids (skips tokenisation); a single prompt is a list of one
+    prompt: list[str | list[int]]
     max_tokens: int = Field(16, ge=1)             # OpenAI's default for this endpoint
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens: bool = False                   # ternlm: the generated ids in the choice as `tokens`
@@ -195,21 +200,33 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            return v
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if any(isinstance(x, (str, list)) for x in v):
-                raise ValueError(f"batched prompts ({len(v)} prompts) are not supported; send one request "
-                                 "per prompt (a prompt is a string or a list of token ids)")
-            bad = next((x for x in v if type(x) is not int), None)
-            if bad is not None:
-                raise ValueError(f"token ids must be integers, got {bad!r}")
-            return v
-        raise ValueError("prompt must be a string or a list of token ids")
+        """str | list[int] (one prompt) | list[str] | list[list[int]] (a batch) -> list of prompts."""
+        if isinstance(v, str) or (isinstance(v, list) and v and all(type(x) is int for x in v)):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of those")
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+        for i, p in enumerate(v):
+            where = f"prompt {i}" if len(v) > 1 else "prompt"
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"{where} must not be empty")
+            elif isinstance(p, list):
+                if not p:
+                    raise ValueError(f"{where} must not be empty")
+                bad = next((x for x in p if type(x) is not int), None)
+                if bad is not None:
+                    raise ValueError(f"token ids must be integers, got {bad!r} in {where}")
+            else:
+                raise ValueError(f"{where} must be a string or a list of token ids, got {type(p).__name__}")
+        return v
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if len(self.prompt) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompt)} prompts x n={self.n} exceeds {MAX_CHOICES} choices")
+        return self
 
 
 class TokenizeRequest(_Closed):
@@ -228,7 +245,6 @@ def _always(_: Any) -> bool:
 
 # Known OpenAI fields we do not implement -> the value that is harmless (null always is: parse drops nulls).
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1 and v is not True, "n > 1 is not supported: send n separate requests"),
     "best_of": (lambda v: v == 1 and v is not True, "best_of > 1 is not supported"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty other than 0 is not supported"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
@@ -291,10 +307,14 @@ def _short(v: Any, n: int = 60) -> str:
 
 # ---- responses --------------------------------------------------------------------------------
 
-def usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-            "total_tokens": c.prompt_tokens + len(c.token_ids),
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def usage(cs: list[Completion], counted: list[bool] | None = None) -> dict:
+    """Usage of a response's choices. counted[i]: choice i's prompt counts (the first choice of each
+    prompt; n choices of one prompt prefill it once and count it once, as OpenAI does)."""
+    counted = counted or [True] * len(cs)
+    prompt = sum(c.prompt_tokens for c, k in zip(cs, counted) if k)
+    out = sum(len(c.token_ids) for c in cs)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c, k in zip(cs, counted) if k)}}
 
 
 def timings(c: Completion) -> dict:
@@ -312,7 +332,8 @@ def timings(c: Completion) -> dict:
             "predicted_per_second": per_s(n_pred, t.decode_s),
             # ternlm: where cache_n came from (slot KV, RAM tier, disk tier) and what loading cost
             "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
-            "cache_disk_n": c.restored.disk, "cache_load_ms": c.restored.load_s * 1e3}
+            "cache_disk_n": c.restored.disk, "cache_sibling_n": c.restored.sibling,
+            "cache_load_ms": c.restored.load_s * 1e3}
 
 
 class Shape:
@@ -330,8 +351,9 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def usage_chunk(self, c: Completion) -> dict:
-        return self._envelope(self.object_chunk, [], usage=usage(c), timings=timings(c))
+    def usage_chunk(self, cs: list[Completion], counted: list[bool] | None = None) -> dict:
+        # timings: choice 0's (each choice's own ride on its final chunk)
+        return self._envelope(self.object_chunk, [], usage=usage(cs, counted), timings=timings(cs[0]))
 
     def token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
@@ -360,30 +382,34 @@ class ChatShape(Shape):
             tops.append({"token": t, "logprob": lp, "bytes": tb})
         return {"token": tok, "logprob": d.logprob, "bytes": b, "top_logprobs": tops}
 
-    def first_chunk(self, include_usage: bool) -> dict | None:
-        return self._chunk({"role": "assistant", "content": ""}, None, None, include_usage)
+    def first_chunk(self, index: int, include_usage: bool) -> dict | None:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None, include_usage)
 
-    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+    def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         lp = self.logprob(d)
         if not d.text and lp is None:
             return None          # text held back (partial UTF-8 / possible stop string): nothing to send
-        return self._chunk({"content": d.text}, {"content": [lp]} if lp else None, None, include_usage)
+        return self._chunk(index, {"content": d.text}, {"content": [lp]} if lp else None, None, include_usage)
 
-    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
-        out = self._chunk({}, None, c.finish_reason, include_usage)
+    def final_chunk(self, index: int, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        out = self._chunk(index, {}, None, c.finish_reason, include_usage)
         out["timings"] = timings(c)
         return out
 
-    def _chunk(self, delta: dict, logprobs, finish, include_usage: bool) -> dict:
+    def _chunk(self, index: int, delta: dict, logprobs, finish, include_usage: bool) -> dict:
         extra = {"usage": None} if include_usage else {}
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": logprobs,
+        return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": logprobs,
                                                    "finish_reason": finish}], **extra)
 
-    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
-        lps = [x for x in (self.logprob(d) for d in deltas) if x is not None]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": c.finish_reason}
-        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+    def response(self, cs: list[Completion], deltas: list[list[Delta]], want_logprobs: bool, return_tokens: bool,
+                 counted: list[bool] | None = None) -> dict:
+        choices = []
+        for i, (c, ds) in enumerate(zip(cs, deltas)):
+            lps = [x for x in (self.logprob(d) for d in ds) if x is not None]
+            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": {"content": lps} if want_logprobs else None,
+                            "finish_reason": c.finish_reason})
+        return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
 
 
 class TextShape(Shape):
@@ -391,7 +417,7 @@ class TextShape(Shape):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, id_prefix="cmpl", **kw)
-        self._offset = 0          # text_offset of the next streamed token
+        self._offset: dict[int, int] = {}   # choice index -> text_offset of its next streamed token
 
     def logprobs(self, deltas: list[Delta], offset: int = 0) -> dict:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -407,36 +433,40 @@ class TextShape(Shape):
             offset += len(tok)
         return out
 
-    def first_chunk(self, include_usage: bool) -> dict | None:
+    def first_chunk(self, index: int, include_usage: bool) -> dict | None:
         return None
 
-    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+    def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         if not d.text and d.logprob is None:
             return None
         lp = None
         if d.logprob is not None:
-            lp = self.logprobs([d], self._offset)
-            self._offset += len(lp["tokens"][0])
-        return self._chunk(d.text, lp, None, include_usage)
+            lp = self.logprobs([d], self._offset.get(index, 0))
+            self._offset[index] = self._offset.get(index, 0) + len(lp["tokens"][0])
+        return self._chunk(index, d.text, lp, None, include_usage)
 
-    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
-        out = self._chunk("", None, c.finish_reason, include_usage)
+    def final_chunk(self, index: int, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        out = self._chunk(index, "", None, c.finish_reason, include_usage)
         if return_tokens:
             out["choices"][0]["tokens"] = list(c.token_ids)
         out["timings"] = timings(c)
         return out
 
-    def _chunk(self, text: str, logprobs, finish, include_usage: bool) -> dict:
+    def _chunk(self, index: int, text: str, logprobs, finish, include_usage: bool) -> dict:
         extra = {"usage": None} if include_usage else {}
-        return self._envelope(self.object_chunk, [{"index": 0, "text": text, "logprobs": logprobs,
+        return self._envelope(self.object_chunk, [{"index": index, "text": text, "logprobs": logprobs,
                                                    "finish_reason": finish}], **extra)
 
-    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
-        choice = {"index": 0, "text": c.text, "logprobs": self.logprobs(deltas) if want_logprobs else None,
-                  "finish_reason": c.finish_reason}
-        if return_tokens:
-            choice["tokens"] = list(c.token_ids)
-        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+    def response(self, cs: list[Completion], deltas: list[list[Delta]], want_logprobs: bool, return_tokens: bool,
+                 counted: list[bool] | None = None) -> dict:
+        choices = []
+        for i, (c, ds) in enumerate(zip(cs, deltas)):
+            choice = {"index": i, "text": c.text, "logprobs": self.logprobs(ds) if want_logprobs else None,
+                      "finish_reason": c.finish_reason}
+            if return_tokens:
+                choice["tokens"] = list(c.token_ids)
+            choices.append(choice)
+        return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
 
 
 def too_long(prompt_tokens: int, max_tokens: int, ctx: int, where: str) -> APIError:
