@@ -38,6 +38,8 @@ from ..engine import Completion, Delta, Engine
 from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
+from .. import tools
+from ..grammar import GrammarSpec
 from . import schemas
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
 from .metrics import CONTENT_TYPE, Metrics, StatusCounter
@@ -401,6 +403,8 @@ async def _sse_events(tickets: list[Ticket], inbox: Inbox, first: tuple[int, Eve
                     yield _sse(chunk)
             elif isinstance(ev, Finished):
                 done[i] = ev.completion
+                for chunk in shape.before_final(i, ev.completion, include_usage):
+                    yield _sse(chunk)
                 yield _sse(shape.final_chunk(i, ev.completion, include_usage, return_tokens))
                 if len(done) == len(tickets):
                     if include_usage:
@@ -475,13 +479,13 @@ def _routes(app: FastAPI, st: ServerState) -> None:
             raise bad_request(f"token id {ids[bad]} at position {bad} is outside the vocabulary "
                               f"[0, {vocab})", param, "invalid_token_id")
 
-    async def check_grammar(engine: Engine, req: schemas._Sampling) -> None:
-        if req.response_format is None:
+    async def check_grammar(engine: Engine, grammar: GrammarSpec | None, param: str = "response_format") -> None:
+        if grammar is None:
             return
         try:   # builds the grammar tokenizer once (~0.2 s), then milliseconds: off the event loop
-            await asyncio.to_thread(engine.grammars.check, req.response_format)
+            await asyncio.to_thread(engine.grammars.check, grammar)
         except ValueError as e:
-            raise bad_request(f"Invalid 'response_format': {e}", "response_format", "invalid_value") from None
+            raise bad_request(f"Invalid '{param}': {e}", param, "invalid_value") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -490,10 +494,18 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         engine, _ = st.ready()
         req: schemas.ChatRequest = schemas.parse(schemas.ChatRequest, raw)
         st.check_model(req.model)
-        await check_grammar(engine, req)
-        messages = [m.for_template() for m in req.messages]
+        await check_grammar(engine, req.response_format)
+        # tools: through the template's own `tools` where it has them, else the documented fallback
+        messages, extra = tools.prepare([m.for_template() for m in req.messages], req.tool_dicts,
+                                        tools.supports_tools(engine.chat_template))
+        grammar = req.response_format
+        forced, only = req.forced
+        if forced:   # the answer must be calls: constrained (tools.call_grammar)
+            grammar = tools.call_grammar(req.tool_dicts, only, req.parallel_tool_calls, engine.tokenizer)
+            await check_grammar(engine, grammar, "tools")
         try:   # template + tokenizer reads only: safe beside the worker, kept off the event loop
-            ids = await asyncio.to_thread(engine.apply_chat_template, messages, add_generation_prompt=True)
+            ids = await asyncio.to_thread(engine.apply_chat_template, messages, add_generation_prompt=True,
+                                          **extra)
         except ValueError as e:  # ChatTemplateError (e.g. raise_exception: roles must alternate), no template
             raise bad_request(f"the chat template rejected the messages: {e}", "messages",
                               "invalid_messages") from None
@@ -504,9 +516,9 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         salt = st.salt(tenant, req.cache_salt)
         choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
-                                                    req.response_format), salt, None if j else req.affinity),
+                                                    grammar), salt, None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
-        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer)
+        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling)
         return await serve_request(st, request, choices, shape, stream=req.stream,
                                    include_usage=req.include_usage, want_logprobs=req.logprobs)
 
@@ -517,7 +529,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         engine, _ = st.ready()
         req: schemas.CompletionRequest = schemas.parse(schemas.CompletionRequest, raw)
         st.check_model(req.model)
-        await check_grammar(engine, req)
+        await check_grammar(engine, req.response_format)
         prompts = []
         for p, prompt in enumerate(req.prompt):
             where = "prompt" if len(req.prompt) == 1 else f"prompt[{p}]"

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine import Completion, Delta
 from ..grammar import GrammarSpec, json_schema_source
+from ..tools import ContentFilter, parse_calls
 from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
@@ -40,9 +41,22 @@ class StreamOptions(_Closed):
     include_usage: bool = False
 
 
+class FunctionCall(_Closed):
+    name: str
+    arguments: str                                # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Closed):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Closed):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str                                  # text parts joined; see _content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None                    # text parts joined; see _content
+    tool_calls: list[MessageToolCall] | None = None   # assistant: the calls it made
+    tool_call_id: str | None = Field(None, max_length=256)   # tool: the call this result answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -57,13 +71,47 @@ class ChatMessage(_Closed):
                                      "{'type': 'text', 'text': str} parts")
                 texts.append(part["text"])
             return "\n".join(texts)
-        if v is None:
-            raise ValueError("content is required (a string or a list of text parts)")
         return v
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def for_template(self) -> dict:
         # "developer" is OpenAI's new name for the system role; chat templates know "system"
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(_Closed):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None                # a JSON schema (object)
+    strict: bool | None = None                    # forced calls are constrained either way
+
+
+class Tool(_Closed):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 _FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -160,6 +208,9 @@ class _Sampling(_Closed):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -179,7 +230,33 @@ class ChatRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.calling and self.response_format is not None:
+            raise ValueError("response_format together with tools is not supported: send tool_choice 'none' "
+                             "or no tools")
         return self
+
+    @property
+    def calling(self) -> bool:
+        """Tools are offered and may be called (their calls are parsed out of the answer)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def forced(self) -> tuple[bool, str | None]:
+        """(a call is forced, the one function it must be: None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required" and self.calling, None
 
     @property
     def max_new(self) -> int | None:
@@ -250,11 +327,8 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
     "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
-    "tools": (lambda v: v == [], "tools (function calling) are not supported"),
-    "tool_choice": (lambda v: v == "none", "tool_choice is not supported (no tool calling)"),
     "functions": (lambda v: v == [], "functions (function calling) are not supported"),
     "function_call": (lambda v: v == "none", "function_call is not supported (no function calling)"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "parallel_tool_calls must be a boolean"),
     "echo": (lambda v: v is False, "echo is not supported"),
     "suffix": (_always, "suffix (insertion) is not supported"),
     "modalities": (lambda v: v == ["text"], "only the 'text' modality is supported"),
@@ -355,6 +429,9 @@ class Shape:
         # timings: choice 0's (each choice's own ride on its final chunk)
         return self._envelope(self.object_chunk, [], usage=usage(cs, counted), timings=timings(cs[0]))
 
+    def before_final(self, index: int, c: Completion, include_usage: bool) -> list[dict]:
+        return []
+
     def token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
@@ -367,10 +444,17 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """tools: tools may be called: `<tool_call>` blocks in an answer become message.tool_calls
+    (streamed as delta.tool_calls once the choice ends; the content before them streams as it comes)."""
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, tools: bool = False, **kw):
         super().__init__(*a, id_prefix="chatcmpl", **kw)
+        self.tools = tools
+        self._filters: dict[int, ContentFilter] = {}
+
+    def _filter(self, index: int) -> ContentFilter:
+        return self._filters.setdefault(index, ContentFilter())
 
     def logprob(self, d: Delta) -> dict | None:
         if d.logprob is None:
@@ -387,12 +471,25 @@ class ChatShape(Shape):
 
     def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         lp = self.logprob(d)
-        if not d.text and lp is None:
-            return None          # text held back (partial UTF-8 / possible stop string): nothing to send
-        return self._chunk(index, {"content": d.text}, {"content": [lp]} if lp else None, None, include_usage)
+        text = self._filter(index).feed(d.text) if self.tools else d.text
+        if not text and lp is None:
+            return None          # text held back (partial UTF-8 / possible stop string / a call): nothing to send
+        return self._chunk(index, {"content": text}, {"content": [lp]} if lp else None, None, include_usage)
+
+    def before_final(self, index: int, c: Completion, include_usage: bool) -> list[dict]:
+        """Chunks a choice sends when it ends, before its final chunk: held-back content, its tool calls."""
+        if not self.tools:
+            return []
+        tail, calls = self._filter(index).finish()
+        out = [self._chunk(index, {"content": tail}, None, None, include_usage)] if tail else []
+        if calls:
+            out.append(self._chunk(index, {"tool_calls": [call.openai(k) for k, call in enumerate(calls)]},
+                                   None, None, include_usage))
+        return out
 
     def final_chunk(self, index: int, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
-        out = self._chunk(index, {}, None, c.finish_reason, include_usage)
+        called = self.tools and bool(self._filter(index).finish()[1])
+        out = self._chunk(index, {}, None, "tool_calls" if called else c.finish_reason, include_usage)
         out["timings"] = timings(c)
         return out
 
@@ -406,9 +503,16 @@ class ChatShape(Shape):
         choices = []
         for i, (c, ds) in enumerate(zip(cs, deltas)):
             lps = [x for x in (self.logprob(d) for d in ds) if x is not None]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": {"content": lps} if want_logprobs else None,
-                            "finish_reason": c.finish_reason})
+            message: dict = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if self.tools:
+                content, calls = parse_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.openai() for call in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": finish})
         return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
 
 
