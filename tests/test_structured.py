@@ -174,3 +174,13 @@ def test_grammar_mask_touches_only_its_own_row_in_a_batch():
             done.update({i: ev.token_ids for ev in out.events if isinstance(ev, Completion)})
     assert [done[i] for i in range(len(seqs))] == alone
     jsonschema.validate(json.loads(e.tokenizer.decode(alone[0])), SCHEMAS["nested"])
+
+
+def test_n_choices_each_constrained(server):
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=200, temperature=0.9, seed=11, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:     # one grammar state per choice: forks share the prompt's KV, not the matcher
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), SCHEMAS["person"])
