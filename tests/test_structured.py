@@ -184,3 +184,23 @@ def test_n_choices_each_constrained(server):
     for c in r.choices:     # one grammar state per choice: forks share the prompt's KV, not the matcher
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.message.content), SCHEMAS["person"])
+
+
+@pytest.mark.slow
+def test_json_schema_on_qwen():
+    """The same schemas on qwen2.5-coder-0.5b (151k vocabulary, special tokens in the grammar tokenizer)."""
+    s = ServerProc("-m", "qwen2.5-coder-0.5b", "--dtype", "float32", "--threads", "1", "--slots", "4")
+    try:
+        s.start().wait_ready()
+        c = client(s)
+        names = ["person", "nested", "array_of_objects", "defs_and_anyof"]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda n: c.chat.completions.create(
+                model="qwen2.5-coder-0.5b", messages=[{"role": "user", "content": PROMPT}], max_tokens=200,
+                temperature=0.7, seed=1,
+                response_format={"type": "json_schema", "json_schema": {"name": n, "schema": SCHEMAS[n]}}), names))
+        for n, r in zip(names, outs):
+            assert r.choices[0].finish_reason == "stop", (n, r.choices[0].message.content)
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS[n])
+    finally:
+        s.close()
