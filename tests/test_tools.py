@@ -60,7 +60,8 @@ def test_supports_tools_reads_the_template():
 def test_parse_calls():
     text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     content, calls = parse_calls(text)
-    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
     assert calls[0].id.startswith("call_")
     bad = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_calls(bad) == (bad, [])                   # not a call: stays content

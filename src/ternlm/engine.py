@@ -225,9 +225,12 @@ class Engine:
              ignore_eos: bool = False, grammar: GrammarSpec | None = None,
              fork_from: Slot | int | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
-        Returns its Sequence, ready for `step`. Raises ValueError for a bad request (nothing
-        changed then; an invalid `grammar` included). Side effects: may save the slot's blocks to the store, truncate or reset the
-        slot, load tier blocks into it (each load recorded where fed)."""
+        Returns its Sequence, ready for `step`. Raises ValueError for a bad request, an invalid
+        `grammar` included (nothing changed then). Side effects: may save the slot's blocks to the
+        store, truncate or reset the slot, load tier blocks into it (each load recorded where fed),
+        copy KV from `fork_from` (another slot: choice 0 of the same n > 1 request) where it holds
+        more of this prompt than placement found (runner.copy_prefix, recorded where copied).
+        `grammar`: constrain every sampled token (grammar.py), this request's logits row only."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
         n = len(prompt)
