@@ -190,3 +190,19 @@ def test_round_trip_qwen_native_template():
         round_trip(client(s), "qwen2.5-coder-0.5b", {"type": "function", "function": {"name": "get_weather"}})
     finally:
         s.close()
+
+
+def test_openai_parse_with_pydantic_function_tool(smol):
+    import openai
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=30)
+        days: int = Field(ge=1, le=7)
+
+    r = client(smol).beta.chat.completions.parse(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Forecast for Oslo, 3 days."}],
+        tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required", parallel_tool_calls=False,
+        max_tokens=60, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
