@@ -16,6 +16,7 @@ A request's life, in three parts that each do one thing:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -26,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+from .grammar import GrammarCompiler, GrammarSpec
 from .invariants import check
 from .kernels.build import Kernels
 from .kernels.build import load as load_kernels
@@ -110,6 +112,7 @@ class Engine:
                                               keep_quantized=self.weights_choice.mode == "gguf")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
         self.slots = [Slot(i, shape) for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
@@ -240,11 +243,15 @@ class Engine:
              digest_embeds: bool = True, cache_salt: str = "", slot: Slot | int | None = None,
              on_chunk: Callable[[int], None] | None = None,
              keep_logits: bool = False, logprobs: int | None = None,
-             ignore_eos: bool = False) -> Sequence:
+             ignore_eos: bool = False, grammar: GrammarSpec | None = None,
+             fork_from: Slot | int | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
-        Returns its Sequence, ready for `step`. Raises ValueError for a bad request (nothing
-        changed then). Side effects: may save the slot's blocks to the store, truncate or reset the
-        slot, load tier blocks into it (each load recorded where fed)."""
+        Returns its Sequence, ready for `step`. Raises ValueError for a bad request, an invalid
+        `grammar` included (nothing changed then). Side effects: may save the slot's blocks to the
+        store, truncate or reset the slot, load tier blocks into it (each load recorded where fed),
+        copy KV from `fork_from` (another slot: choice 0 of the same n > 1 request) where it holds
+        more of this prompt than placement found (runner.copy_prefix, recorded where copied).
+        `grammar`: constrain every sampled token (grammar.py), this request's logits row only."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
         n = len(prompt)
@@ -259,6 +266,7 @@ class Engine:
         if bad is not None:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab})")
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        constraint = self.grammars.constraint(grammar) if grammar is not None else None
         ns = self.namespace(cache_salt)
         emb = {p: Embed(t, digest_tensor(t) if digest_embeds else None) for p, t in (embeds or {}).items()}
         if any(not 0 <= p < n for p in emb):
@@ -272,6 +280,13 @@ class Engine:
         reuse = decide_reuse(slot.record, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
                              enabled=self.prefix_reuse, message_ends=ends)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
+        if fork_from is not None and self.prefix_reuse:
+            src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from
+            # the same reuse rules as any prompt: namespace, embeds, [FRESH-LOGITS] (k <= n - 1)
+            fork = decide_reuse(src.record, prompt, ns, prompt_digests=digests, min_reuse=0).tokens
+            if src is not slot and fork > restored.tokens:   # _place left the slot in namespace ns
+                self.runner.copy_prefix(src, slot, fork)
+                restored = dataclasses.replace(restored, sibling=fork - restored.tokens)
         k = restored.tokens
         check(len(slot.record) == k and slot.record.fed == prompt[:k],
               f"after placement the slot must hold exactly the prompt's first {k} ids")
@@ -280,7 +295,7 @@ class Engine:
         return Sequence(slot=slot, prompt=prompt, reused=k, reuse=reuse, restored=restored, sampler=sampler,
                         tokenizer=self.tokenizer, stop=list(stop or []),
                         limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
-                        keep_logits=keep_logits, logprobs=logprobs, started=t_start)
+                        keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint)
 
     @staticmethod
     def want(seq: Sequence) -> Want:

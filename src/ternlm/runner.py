@@ -135,6 +135,19 @@ class Runner:
             slot.v[:, :, pos:pos + n].copy_(b.v)
             slot.record.append(list(b.meta.ids))  # [RECORD-WHERE-FED]
 
+    def copy_prefix(self, src: Slot, dst: Slot, upto: int) -> None:
+        """Copy KV positions [len(dst.record), upto) of `src` into `dst`: n > 1 choices of one prompt
+        fork the KV its first choice prefilled instead of computing the same bits again. dst's record
+        must be a prefix of src's. Side effects: writes dst's KV, appends the ids to dst's record."""
+        start = len(dst.record)
+        check(start <= upto <= len(src.record) and src.record.fed[:start] == dst.record.fed
+              and src.record.namespace == dst.record.namespace,
+              "copy_prefix: the destination's record must be a prefix of the source's, same namespace")
+        dst.ensure_capacity(upto)
+        dst.k[:, :, start:upto].copy_(src.k[:, :, start:upto])   # k, v: (layers, kv_heads, positions, head_dim)
+        dst.v[:, :, start:upto].copy_(src.v[:, :, start:upto])
+        dst.record.append(src.record.fed[start:upto])            # [RECORD-WHERE-FED]
+
     @torch.inference_mode()
     def full_logits(self, ids: list[int]) -> torch.Tensor:
         """One full forward pass on a private, exact-size KV (no slot, no cache): (len(ids), vocab)."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .engine import Completion, Delta, Engine, Sequence
+from .grammar import GrammarSpec
+from .invariants import check
 from .step_plan import plan_step
 
 log = logging.getLogger("ternlm.scheduler")
@@ -54,6 +56,7 @@ class GenParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None      # None: none; k >= 0: the sampled token's logprob + top k
+    grammar: GrammarSpec | None = None   # structured output: every sampled token must fit it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -118,13 +121,17 @@ class ShuttingDown(Exception):
 
 
 class Ticket:
-    """A submitted request. `cancel()` is thread-safe; the worker acts on it within one step."""
+    """A submitted request. `cancel()` is thread-safe; the worker acts on it within one step.
+    `leader`: for choice i > 0 of an n > 1 request, choice 0's ticket: this one waits until the
+    leader's prompt is prefilled, then forks its KV instead of prefilling the same prompt again."""
 
-    def __init__(self, ident: int, request: GenRequest, sink: Sink, submitted: float):
+    def __init__(self, ident: int, request: GenRequest, sink: Sink, submitted: float,
+                 leader: "Ticket | None" = None):
         self.id = ident
         self.request = request
         self.sink = sink
         self.submitted = submitted
+        self.leader = leader
         self._cancel = threading.Event()
 
     def cancel(self) -> None:
@@ -205,16 +212,28 @@ class Scheduler:
     def submit(self, request: GenRequest, sink: Sink) -> Ticket:
         """Queue a request. Raises QueueFull when more than max_queue requests would be waiting
         beyond the free slots, ShuttingDown after close(). Events go to `sink` on the worker thread."""
+        return self.submit_many([request], [sink])[0]
+
+    def submit_many(self, requests: list[GenRequest], sinks: list[Sink],
+                    leaders: list[int | None] | None = None) -> list[Ticket]:
+        """Queue several requests at once, in order, all or none (QueueFull, ShuttingDown as submit).
+        leaders[i]: index (< i) of the request whose prompt request i shares and forks from (n > 1
+        choices), or None. Events of request i go to sinks[i]."""
+        leaders = leaders or [None] * len(requests)
+        check(len(sinks) == len(requests) == len(leaders)
+              and all(j is None or 0 <= j < i for i, j in enumerate(leaders)), "submit_many: bad arguments")
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
             free = self.engine.num_slots - len(self._busy)
-            if len(self._queue) >= self.max_queue + max(free, 0):
+            if len(self._queue) + len(requests) > self.max_queue + max(free, 0):
                 raise QueueFull(len(self._queue), self._retry_after())
-            ticket = Ticket(next(self._ids), request, sink, self._clock())
-            self._queue.append(ticket)
+            now, tickets = self._clock(), []
+            for r, sink, j in zip(requests, sinks, leaders):
+                tickets.append(Ticket(next(self._ids), r, sink, now, tickets[j] if j is not None else None))
+            self._queue.extend(tickets)
             self._cv.notify()
-        return ticket
+        return tickets
 
     def close(self, grace_s: float = 0.0) -> None:
         """Stop taking work. Waiting requests fail now (ShuttingDown); running ones get `grace_s`
@@ -307,6 +326,8 @@ class Scheduler:
                 dropped.append(t)
             info = {s.index: s for s in self.engine.slot_info()} if self._queue else {}
             while self._queue and len(self._busy) < self.engine.num_slots:
+                if self._waits_for_leader(self._queue[0]):
+                    break                    # FIFO: the head forks its leader's prompt once prefilled
                 ticket = self._queue.popleft()
                 free = [i for i in info if i not in self._busy]
                 slot = self.choose_slot(ticket.request, free)
@@ -329,14 +350,27 @@ class Scheduler:
             self._post(run.ticket, Admitted(run.slot, run.queued_s))
             self._open(run)
 
+    def _leader_run(self, ticket: Ticket) -> _Running | None:
+        lead = ticket.leader
+        return next((r for r in self._running if r.ticket is lead), None) if lead is not None else None
+
+    def _waits_for_leader(self, ticket: Ticket) -> bool:
+        """A follower waits while its leader runs and has not finished prefilling the shared prompt
+        (a leader that ended, or never ran, leaves it to an ordinary open: prefix reuse still applies)."""
+        run = self._leader_run(ticket)
+        return run is not None and (run.seq is None or (run.seq.prefilling and not run.seq.done))
+
     def _open(self, run: _Running) -> None:
-        """Validate and place the request (engine.open); a bad request ends here with Failed."""
+        """Validate and place the request (engine.open); a bad request ends here with Failed.
+        A follower forks the KV of its leader's slot (engine.open's fork_from)."""
         p, r = run.ticket.request.params, run.ticket.request
+        lead = self._leader_run(run.ticket)
+        fork = lead.slot if lead is not None and lead.seq is not None else None
         try:
             run.seq = self.engine.open(r.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
                                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                                        stop=list(p.stop) or None, cache_salt=r.salt, slot=run.slot,
-                                       logprobs=p.logprobs)
+                                       logprobs=p.logprobs, grammar=p.grammar, fork_from=fork)
         except Exception as e:  # one request's error (e.g. context overflow) ends that request only
             log.warning("request %d failed: %s", run.ticket.id, e)
             self._end(run, Failed(e, "error"))

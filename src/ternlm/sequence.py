@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from .detok import IncrementalDetokenizer, StopMatcher
+from .grammar import Constraint
 from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
@@ -37,20 +38,22 @@ class Timings:
 @dataclass(frozen=True)
 class Restored:
     """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
-    loaded from the tiers below it (RAM, then disk), in position order."""
+    loaded from the tiers below it (RAM, then disk), then positions copied from a sibling choice's
+    live slot (n > 1: one prompt prefilled once), in position order."""
     slot: int = 0
     ram: int = 0
     disk: int = 0
     load_s: float = 0.0          # reading + verifying + copying tier blocks
+    sibling: int = 0             # copied from the slot of choice 0 of the same request
 
     @property
     def tokens(self) -> int:
-        return self.slot + self.ram + self.disk
+        return self.slot + self.ram + self.disk + self.sibling
 
     @property
     def tier(self) -> str:
-        """The slowest tier that contributed: "disk" | "ram" | "slot" | "none"."""
-        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot else "none"
+        """The slowest tier that contributed: "disk" | "ram" | "slot" (own or sibling's) | "none"."""
+        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot or self.sibling else "none"
 
 
 @dataclass
@@ -92,7 +95,8 @@ class Sequence:
     def __init__(self, *, slot: Slot, prompt: list[int], reused: int, reuse: Reuse, restored: Restored,
                  sampler: Sampler, tokenizer, stop: list[str], limits: Limits,
                  embeds: dict[int, Embed], on_chunk: Callable[[int], None] | None,
-                 keep_logits: bool, logprobs: int | None, started: float):
+                 keep_logits: bool, logprobs: int | None, started: float,
+                 constraint: Constraint | None = None):
         self.slot = slot
         self.prompt = prompt
         self.n = len(prompt)
@@ -106,6 +110,7 @@ class Sequence:
         self.limits = limits
         self.keep_logits = keep_logits
         self.logprobs = logprobs
+        self.constraint = constraint                 # grammar.py: masks this request's row only
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stopper = StopMatcher(list(stop))
         self.out_ids: list[int] = []
@@ -154,7 +159,11 @@ class Sequence:
         return self._sample(logits)
 
     def _sample(self, logits: torch.Tensor) -> list[Delta | Completion]:
-        tok = self.sampler.sample(logits)
+        if self.constraint is None:
+            tok = self.sampler.sample(logits)
+        else:   # a masked copy: `logits` (kept, logprobs) stays the model's raw distribution
+            tok = self.sampler.sample(self.constraint.mask(logits))
+            self.constraint.advance(tok)
         if self.keep_logits:
             self.kept.append(logits)
         if not self.out_ids and not self.timings.ttft_s:

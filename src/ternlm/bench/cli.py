@@ -28,6 +28,13 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=_dtype)
 
+    p = which.add_parser("grammar", help="decode tok/s with and without a json_schema grammar; mask cost per token")
+    engine_args(p)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=_grammar_bench(load_engine))
+
     p = which.add_parser("reuse", help="time to first token of a long conversation's next turn")
     engine_args(p)
     p.add_argument("--history-tokens", type=int, default=2000)
@@ -115,6 +122,16 @@ def _dtype(args) -> int:
         args.threads = os.cpu_count() or 1
     run(args)
     return 0
+
+
+def _grammar_bench(load_engine):
+    def go(args) -> int:
+        from .grammar import run
+        if args.threads is None:
+            args.threads = os.cpu_count() or 1
+        run(args, load_engine)
+        return 0
+    return go
 
 
 def _tiers(args) -> int:

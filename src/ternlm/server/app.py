@@ -16,6 +16,7 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -33,11 +34,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
-from ..weights import WEIGHTS
-from ..engine import Delta, Engine
+from ..engine import Completion, Delta, Engine
 from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
+from ..weights import WEIGHTS
+from .. import tools
+from ..grammar import GrammarSpec
 from . import schemas
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
 from .metrics import CONTENT_TYPE, Metrics, StatusCounter
@@ -96,23 +99,24 @@ class ClientGone(Exception):
 
 
 class Inbox:
-    """One request's event queue. `post` runs on the worker thread; the rest on the event loop."""
+    """One response's event queue ((choice index, Event) pairs). `post` runs on the worker thread;
+    the rest on the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._q: asyncio.Queue[Event] = asyncio.Queue()
+        self._q: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self._checked = time.monotonic()     # when we last asked whether the client is still there
 
-    def post(self, event: Event) -> None:
+    def post(self, event: tuple[int, Event]) -> None:
         try:
             self._loop.call_soon_threadsafe(self._q.put_nowait, event)
         except RuntimeError:
             pass  # the event loop is closed (shutdown): nobody is listening any more
 
-    async def get(self) -> Event:
+    async def get(self) -> tuple[int, Event]:
         return await self._q.get()
 
-    async def get_or_gone(self, request: Request) -> Event:
+    async def get_or_gone(self, request: Request) -> tuple[int, Event]:
         """Next event; raises ClientGone if the client has disconnected. Checks at least every
         _POLL_S, whether events are flowing (a long non-stream answer) or not (queued, prefilling)."""
         while True:
@@ -125,12 +129,12 @@ class Inbox:
             except asyncio.TimeoutError:
                 continue
 
-    async def first_output(self, request: Request) -> Event:
-        """The first event past admission: a Delta, or the request's end."""
+    async def first_output(self, request: Request) -> tuple[int, Event]:
+        """The first (choice index, event) past admission: a Delta, or a choice's end."""
         while True:
-            ev = await self.get_or_gone(request)
+            i, ev = await self.get_or_gone(request)
             if not isinstance(ev, Admitted):
-                return ev
+                return i, ev
 
 
 class ServerState:
@@ -322,78 +326,112 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def serve_request(st: ServerState, request: Request, gen: GenRequest, shape: schemas.Shape, *,
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a response. leader: the index of the choice whose prompt KV this one forks
+    (choices 1..n-1 of an n > 1 request fork choice 0), or None; a choice without a leader is the
+    first of its prompt and its prompt tokens count in `usage`."""
+    gen: GenRequest
+    leader: int | None = None
+
+
+async def serve_request(st: ServerState, request: Request, choices: list[Choice], shape: schemas.Shape, *,
                         stream: bool, include_usage: bool, want_logprobs: bool,
                         return_tokens: bool = False) -> Response:
-    """Queue one generation and answer it, as one JSON body or as an SSE stream."""
+    """Queue the generations of one response (n choices, batched prompts: all or none) and answer
+    them, as one JSON body or one SSE stream whose chunks carry each choice's `index`."""
     _, sched = st.ready()
     inbox = Inbox(st.loop)
     try:
-        ticket = sched.submit(gen, inbox.post)
+        tickets = sched.submit_many([c.gen for c in choices],
+                                    [functools.partial(_tag, inbox, i) for i in range(len(choices))],
+                                    [c.leader for c in choices])
     except QueueFull as e:
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(e.retry_after_s)}) from None
     except ShuttingDown as e:
         raise unavailable(str(e), "shutting_down") from None
-    handed_off = False   # once the SSE generator owns the ticket, it cancels it on its own exit
+    counted = [c.leader is None for c in choices]
+    handed_off = False   # once the SSE generator owns the tickets, it cancels them on its own exit
     try:
-        ev = await inbox.first_output(request)
+        i, ev = await inbox.first_output(request)
         if stream and isinstance(ev, (Delta, Finished)):
             handed_off = True
-            return StreamingResponse(_sse_events(ticket, inbox, ev, shape, include_usage, return_tokens),
+            return StreamingResponse(_sse_events(tickets, inbox, (i, ev), shape, include_usage, return_tokens,
+                                                 counted),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        deltas: list[Delta] = []
+        deltas: list[list[Delta]] = [[] for _ in choices]
+        done: dict[int, Completion] = {}
         while True:
             if isinstance(ev, Delta):
-                deltas.append(ev)
+                deltas[i].append(ev)
             elif isinstance(ev, Finished):
-                return JSONResponse(shape.response(ev.completion, deltas, want_logprobs, return_tokens))
+                done[i] = ev.completion
+                if len(done) == len(choices):
+                    return JSONResponse(shape.response([done[j] for j in range(len(choices))], deltas,
+                                                       want_logprobs, return_tokens, counted))
             elif isinstance(ev, Failed):
                 raise failure(ev)
             elif isinstance(ev, Cancelled):
                 return Response(status_code=499)
-            ev = await inbox.get_or_gone(request)
+            i, ev = await inbox.get_or_gone(request)
     except ClientGone:
         return Response(status_code=499)       # nginx's "client closed request"; nobody reads it
     finally:
         if not handed_off:
-            ticket.cancel()                    # no-op after the end; stops it if we left early
+            for t in tickets:
+                t.cancel()                     # no-op after the end; stops the rest if we left early
 
 
-async def _sse_events(ticket: Ticket, inbox: Inbox, first: Event, shape: schemas.Shape,
-                      include_usage: bool, return_tokens: bool):
+def _tag(inbox: "Inbox", index: int, event: Event) -> None:
+    """A ticket's sink: its events reach the response's one inbox tagged with the choice index."""
+    inbox.post((index, event))
+
+
+async def _sse_events(tickets: list[Ticket], inbox: Inbox, first: tuple[int, Event], shape: schemas.Shape,
+                      include_usage: bool, return_tokens: bool, counted: list[bool]):
     """SSE body. If the client disconnects, Starlette cancels this generator: `finally` cancels the
-    ticket and the worker closes the engine stream within one step."""
-    ended = False
+    tickets and the worker closes their engine streams within one step."""
+    done: dict[int, Completion] = {}
     try:
-        head = shape.first_chunk(include_usage)
-        if head is not None:
-            yield _sse(head)
-        ev = first
+        for j in range(len(tickets)):
+            head = shape.first_chunk(j, include_usage)
+            if head is not None:
+                yield _sse(head)
+        i, ev = first
         while True:
             if isinstance(ev, Delta):
-                chunk = shape.delta_chunk(ev, include_usage)
+                chunk = shape.delta_chunk(i, ev, include_usage)
                 if chunk is not None:
                     yield _sse(chunk)
             elif isinstance(ev, Finished):
-                ended = True
-                yield _sse(shape.final_chunk(ev.completion, include_usage, return_tokens))
-                if include_usage:
-                    yield _sse(shape.usage_chunk(ev.completion))
-                yield b"data: [DONE]\n\n"
-                return
+                done[i] = ev.completion
+                for chunk in shape.before_final(i, ev.completion, include_usage):
+                    yield _sse(chunk)
+                yield _sse(shape.final_chunk(i, ev.completion, include_usage, return_tokens))
+                if len(done) == len(tickets):
+                    if include_usage:
+                        yield _sse(shape.usage_chunk([done[j] for j in range(len(tickets))], counted))
+                    yield b"data: [DONE]\n\n"
+                    return
             elif isinstance(ev, Failed):
-                ended = True
                 yield _sse(failure(ev).body())   # OpenAI clients raise on an "error" event
                 return
             elif isinstance(ev, Cancelled):
-                ended = True
                 return
-            ev = await inbox.get()
+            i, ev = await inbox.get()
     finally:
-        if not ended:
-            ticket.cancel()
+        for t in tickets:
+            t.cancel()                           # no-op for the finished ones
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """Choice j's seed: seed + j, so choice j of a seeded n > 1 request answers as a lone request with
+    seed + j would (wrapped into torch's seed range [-2**63, 2**64))."""
+    if seed is None or j == 0:
+        return seed
+    return (seed + j) % (1 << 64) if seed >= 0 else seed + j
 
 
 def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
@@ -445,6 +483,14 @@ def _routes(app: FastAPI, st: ServerState) -> None:
             raise bad_request(f"token id {ids[bad]} at position {bad} is outside the vocabulary "
                               f"[0, {vocab})", param, "invalid_token_id")
 
+    async def check_grammar(engine: Engine, grammar: GrammarSpec | None, param: str = "response_format") -> None:
+        if grammar is None:
+            return
+        try:   # builds the grammar tokenizer once (~0.2 s), then milliseconds: off the event loop
+            await asyncio.to_thread(engine.grammars.check, grammar)
+        except ValueError as e:
+            raise bad_request(f"Invalid '{param}': {e}", param, "invalid_value") from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         tenant = st.tenant(request)
@@ -452,9 +498,18 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         engine, _ = st.ready()
         req: schemas.ChatRequest = schemas.parse(schemas.ChatRequest, raw)
         st.check_model(req.model)
-        messages = [m.for_template() for m in req.messages]
+        await check_grammar(engine, req.response_format)
+        # tools: through the template's own `tools` where it has them, else the documented fallback
+        messages, extra = tools.prepare([m.for_template() for m in req.messages], req.tool_dicts,
+                                        tools.supports_tools(engine.chat_template))
+        grammar = req.response_format
+        forced, only = req.forced
+        if forced:   # the answer must be calls: constrained (tools.call_grammar)
+            grammar = tools.call_grammar(req.tool_dicts, only, req.parallel_tool_calls, engine.tokenizer)
+            await check_grammar(engine, grammar, "tools")
         try:   # template + tokenizer reads only: safe beside the worker, kept off the event loop
-            ids = await asyncio.to_thread(engine.apply_chat_template, messages, add_generation_prompt=True)
+            ids = await asyncio.to_thread(engine.apply_chat_template, messages, add_generation_prompt=True,
+                                          **extra)
         except ValueError as e:  # ChatTemplateError (e.g. raise_exception: roles must alternate), no template
             raise bad_request(f"the chat template rejected the messages: {e}", "messages",
                               "invalid_messages") from None
@@ -462,11 +517,13 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         max_new = req.max_new if req.max_new is not None else ctx - n   # OpenAI: up to the context
         if n + max(max_new, 1) > ctx:
             raise schemas.too_long(n, max(max_new, 1), ctx, "messages")
-        params = GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p, req.seed,
-                           tuple(req.stop), req.logprobs_k)
-        gen = GenRequest(ids, params, st.salt(tenant, req.cache_salt), req.affinity)
-        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer)
-        return await serve_request(st, request, gen, shape, stream=req.stream,
+        salt = st.salt(tenant, req.cache_salt)
+        choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
+                                                    choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
+                                                    grammar), salt, None if j else req.affinity),
+                          leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
+        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling)
+        return await serve_request(st, request, choices, shape, stream=req.stream,
                                    include_usage=req.include_usage, want_logprobs=req.logprobs)
 
     @app.post("/v1/completions")
@@ -476,20 +533,30 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         engine, _ = st.ready()
         req: schemas.CompletionRequest = schemas.parse(schemas.CompletionRequest, raw)
         st.check_model(req.model)
-        if isinstance(req.prompt, str):
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt)
-            if not ids:
-                raise bad_request("the prompt tokenizes to no tokens", "prompt", "invalid_value")
-        else:
-            ids = list(req.prompt)
-            check_ids(engine, ids, "prompt")
-        if len(ids) + req.max_tokens > engine.ctx:
-            raise schemas.too_long(len(ids), req.max_tokens, engine.ctx, "prompt")
-        params = GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p, req.min_p, req.seed,
-                           tuple(req.stop), req.logprobs)
-        gen = GenRequest(ids, params, st.salt(tenant, req.cache_salt), req.affinity)
+        await check_grammar(engine, req.response_format)
+        prompts = []
+        for p, prompt in enumerate(req.prompt):
+            where = "prompt" if len(req.prompt) == 1 else f"prompt[{p}]"
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
+                if not ids:
+                    raise bad_request(f"{where} tokenizes to no tokens", "prompt", "invalid_value")
+            else:
+                ids = list(prompt)
+                check_ids(engine, ids, "prompt")
+            if len(ids) + req.max_tokens > engine.ctx:
+                raise schemas.too_long(len(ids), req.max_tokens, engine.ctx, "prompt")
+            prompts.append(ids)
+        salt = st.salt(tenant, req.cache_salt)
+        # choice index = prompt * n + j, as OpenAI numbers them; choice j > 0 forks choice 0's prompt KV
+        choices = [Choice(GenRequest(ids, GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p,
+                                                    req.min_p, choice_seed(req.seed, j), tuple(req.stop),
+                                                    req.logprobs, req.response_format), salt,
+                                         req.affinity if p == j == 0 else None),
+                          leader=p * req.n if j else None)
+                   for p, ids in enumerate(prompts) for j in range(req.n)]
         shape = schemas.TextShape(st.model_id, st.fingerprint, engine.tokenizer)
-        return await serve_request(st, request, gen, shape, stream=req.stream, include_usage=req.include_usage,
+        return await serve_request(st, request, choices, shape, stream=req.stream, include_usage=req.include_usage,
                                    want_logprobs=req.logprobs is not None, return_tokens=req.return_tokens)
 
     def model_card() -> dict:

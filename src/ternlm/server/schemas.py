@@ -19,10 +19,15 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..engine import Completion, Delta
+from ..grammar import GrammarSpec, json_schema_source
+from ..tools import ContentFilter, parse_calls
 from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP = 4
+MAX_N = 16            # choices per prompt
+MAX_PROMPTS = 64      # prompts in one /v1/completions request
+MAX_CHOICES = 128     # choices in one response (prompts x n)
 _SEED = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)   # the range torch.Generator.manual_seed takes
 
 
@@ -36,9 +41,22 @@ class StreamOptions(_Closed):
     include_usage: bool = False
 
 
+class FunctionCall(_Closed):
+    name: str
+    arguments: str                                # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Closed):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Closed):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str                                  # text parts joined; see _content
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None                    # text parts joined; see _content
+    tool_calls: list[MessageToolCall] | None = None   # assistant: the calls it made
+    tool_call_id: str | None = Field(None, max_length=256)   # tool: the call this result answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -53,18 +71,94 @@ class ChatMessage(_Closed):
                                      "{'type': 'text', 'text': str} parts")
                 texts.append(part["text"])
             return "\n".join(texts)
-        if v is None:
-            raise ValueError("content is required (a string or a list of text parts)")
         return v
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def for_template(self) -> dict:
         # "developer" is OpenAI's new name for the system role; chat templates know "system"
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(_Closed):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None                # a JSON schema (object)
+    strict: bool | None = None                    # forced calls are constrained either way
+
+
+class Tool(_Closed):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+def grammar_of(fmt: Any) -> GrammarSpec | None:
+    """response_format -> the grammar that constrains the output (None for plain text).
+    OpenAI's {"type": "json_object"} and {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}; ternlm extensions {"type": "regex", "regex": str} and
+    {"type": "grammar", "grammar": str} (Lark syntax, llguidance dialect). Raises ValueError.
+    Constrained whether or not `strict` is set: a schema the client sent is a schema it wants."""
+    if not isinstance(fmt, dict) or fmt.get("type") not in _FORMATS:
+        raise ValueError(f"type must be one of {list(_FORMATS)}")
+    kind = fmt["type"]
+    extra = set(fmt) - {"type", kind}
+    if extra:
+        raise ValueError(f"unknown field(s) {sorted(extra)} for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    body = fmt.get(kind)
+    if kind in ("regex", "grammar"):
+        if not isinstance(body, str) or not body:
+            raise ValueError(f"{kind!r} must be a non-empty string")
+        return GrammarSpec("regex" if kind == "regex" else "lark", body)
+    if not isinstance(body, dict):
+        raise ValueError("json_schema must be an object with 'name' and 'schema'")
+    unknown = set(body) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} in json_schema")
+    name = body.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64:
+        raise ValueError("json_schema.name must be a string of 1 to 64 characters")
+    if "strict" in body and body["strict"] is not None and not isinstance(body["strict"], bool):
+        raise ValueError("json_schema.strict must be a boolean")
+    schema = body.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema.schema must be a JSON schema object")
+    return GrammarSpec("json_schema", json_schema_source(schema))
 
 
 class _Sampling(_Closed):
     """Fields shared by both endpoints."""
     model: str
+    n: int = Field(1, ge=1, le=MAX_N)             # choices; they share one prefill (scheduler: leader/fork)
+    response_format: GrammarSpec | None = None    # see grammar_of
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -76,6 +170,11 @@ class _Sampling(_Closed):
     user: str | None = Field(None, max_length=512)
     prompt_cache_key: str | None = Field(None, max_length=1024)
     cache_salt: str | None = Field(None, max_length=1024)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format(cls, v: Any) -> Any:
+        return grammar_of(v)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -109,6 +208,9 @@ class _Sampling(_Closed):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -128,7 +230,33 @@ class ChatRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        if self.calling and self.response_format is not None:
+            raise ValueError("response_format together with tools is not supported: send tool_choice 'none' "
+                             "or no tools")
         return self
+
+    @property
+    def calling(self) -> bool:
+        """Tools are offered and may be called (their calls are parsed out of the answer)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def forced(self) -> tuple[bool, str | None]:
+        """(a call is forced, the one function it must be: None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required" and self.calling, None
 
     @property
     def max_new(self) -> int | None:
@@ -140,7 +268,8 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]                       # text, or token ids (skips tokenisation)
+    # prompts, in order: each text or token ids (skips tokenisation); a single prompt is a list of one
+    prompt: list[str | list[int]]
     max_tokens: int = Field(16, ge=1)             # OpenAI's default for this endpoint
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens: bool = False                   # ternlm: the generated ids in the choice as `tokens`
@@ -148,21 +277,33 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            return v
-        if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            if any(isinstance(x, (str, list)) for x in v):
-                raise ValueError(f"batched prompts ({len(v)} prompts) are not supported; send one request "
-                                 "per prompt (a prompt is a string or a list of token ids)")
-            bad = next((x for x in v if type(x) is not int), None)
-            if bad is not None:
-                raise ValueError(f"token ids must be integers, got {bad!r}")
-            return v
-        raise ValueError("prompt must be a string or a list of token ids")
+        """str | list[int] (one prompt) | list[str] | list[list[int]] (a batch) -> list of prompts."""
+        if isinstance(v, str) or (isinstance(v, list) and v and all(type(x) is int for x in v)):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("prompt must be a non-empty string, a list of token ids, or a list of those")
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
+        for i, p in enumerate(v):
+            where = f"prompt {i}" if len(v) > 1 else "prompt"
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"{where} must not be empty")
+            elif isinstance(p, list):
+                if not p:
+                    raise ValueError(f"{where} must not be empty")
+                bad = next((x for x in p if type(x) is not int), None)
+                if bad is not None:
+                    raise ValueError(f"token ids must be integers, got {bad!r} in {where}")
+            else:
+                raise ValueError(f"{where} must be a string or a list of token ids, got {type(p).__name__}")
+        return v
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if len(self.prompt) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompt)} prompts x n={self.n} exceeds {MAX_CHOICES} choices")
+        return self
 
 
 class TokenizeRequest(_Closed):
@@ -181,19 +322,13 @@ def _always(_: Any) -> bool:
 
 # Known OpenAI fields we do not implement -> the value that is harmless (null always is: parse drops nulls).
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v == 1 and v is not True, "n > 1 is not supported: send n separate requests"),
     "best_of": (lambda v: v == 1 and v is not True, "best_of > 1 is not supported"),
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty other than 0 is not supported"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
     "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
-    "response_format": (lambda v: v == {"type": "text"},
-                        "response_format other than {'type': 'text'} (JSON mode, json_schema) is not supported"),
-    "tools": (lambda v: v == [], "tools (function calling) are not supported"),
-    "tool_choice": (lambda v: v == "none", "tool_choice is not supported (no tool calling)"),
-    "functions": (lambda v: v == [], "functions (function calling) are not supported"),
-    "function_call": (lambda v: v == "none", "function_call is not supported (no function calling)"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "parallel_tool_calls must be a boolean"),
+    "functions": (lambda v: v == [], "functions (OpenAI's deprecated form) is not supported: send tools"),
+    "function_call": (lambda v: v == "none", "function_call (OpenAI's deprecated form) is not supported: send tool_choice"),
     "echo": (lambda v: v is False, "echo is not supported"),
     "suffix": (_always, "suffix (insertion) is not supported"),
     "modalities": (lambda v: v == ["text"], "only the 'text' modality is supported"),
@@ -246,10 +381,14 @@ def _short(v: Any, n: int = 60) -> str:
 
 # ---- responses --------------------------------------------------------------------------------
 
-def usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
-            "total_tokens": c.prompt_tokens + len(c.token_ids),
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def usage(cs: list[Completion], counted: list[bool] | None = None) -> dict:
+    """Usage of a response's choices. counted[i]: choice i's prompt counts (the first choice of each
+    prompt; n choices of one prompt prefill it once and count it once, as OpenAI does)."""
+    counted = counted or [True] * len(cs)
+    prompt = sum(c.prompt_tokens for c, k in zip(cs, counted) if k)
+    out = sum(len(c.token_ids) for c in cs)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c, k in zip(cs, counted) if k)}}
 
 
 def timings(c: Completion) -> dict:
@@ -267,7 +406,8 @@ def timings(c: Completion) -> dict:
             "predicted_per_second": per_s(n_pred, t.decode_s),
             # ternlm: where cache_n came from (slot KV, RAM tier, disk tier) and what loading cost
             "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
-            "cache_disk_n": c.restored.disk, "cache_load_ms": c.restored.load_s * 1e3}
+            "cache_disk_n": c.restored.disk, "cache_sibling_n": c.restored.sibling,
+            "cache_load_ms": c.restored.load_s * 1e3}
 
 
 class Shape:
@@ -285,8 +425,12 @@ class Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def usage_chunk(self, c: Completion) -> dict:
-        return self._envelope(self.object_chunk, [], usage=usage(c), timings=timings(c))
+    def usage_chunk(self, cs: list[Completion], counted: list[bool] | None = None) -> dict:
+        # timings: choice 0's (each choice's own ride on its final chunk)
+        return self._envelope(self.object_chunk, [], usage=usage(cs, counted), timings=timings(cs[0]))
+
+    def before_final(self, index: int, c: Completion, include_usage: bool) -> list[dict]:
+        return []
 
     def token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
@@ -300,10 +444,17 @@ class Shape:
 
 
 class ChatShape(Shape):
+    """tools: tools may be called: `<tool_call>` blocks in an answer become message.tool_calls
+    (streamed as delta.tool_calls once the choice ends; the content before them streams as it comes)."""
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *a, **kw):
+    def __init__(self, *a, tools: bool = False, **kw):
         super().__init__(*a, id_prefix="chatcmpl", **kw)
+        self.tools = tools
+        self._filters: dict[int, ContentFilter] = {}
+
+    def _filter(self, index: int) -> ContentFilter:
+        return self._filters.setdefault(index, ContentFilter())
 
     def logprob(self, d: Delta) -> dict | None:
         if d.logprob is None:
@@ -315,30 +466,54 @@ class ChatShape(Shape):
             tops.append({"token": t, "logprob": lp, "bytes": tb})
         return {"token": tok, "logprob": d.logprob, "bytes": b, "top_logprobs": tops}
 
-    def first_chunk(self, include_usage: bool) -> dict | None:
-        return self._chunk({"role": "assistant", "content": ""}, None, None, include_usage)
+    def first_chunk(self, index: int, include_usage: bool) -> dict | None:
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None, include_usage)
 
-    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+    def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         lp = self.logprob(d)
-        if not d.text and lp is None:
-            return None          # text held back (partial UTF-8 / possible stop string): nothing to send
-        return self._chunk({"content": d.text}, {"content": [lp]} if lp else None, None, include_usage)
+        text = self._filter(index).feed(d.text) if self.tools else d.text
+        if not text and lp is None:
+            return None          # text held back (partial UTF-8 / possible stop string / a call): nothing to send
+        return self._chunk(index, {"content": text}, {"content": [lp]} if lp else None, None, include_usage)
 
-    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
-        out = self._chunk({}, None, c.finish_reason, include_usage)
+    def before_final(self, index: int, c: Completion, include_usage: bool) -> list[dict]:
+        """Chunks a choice sends when it ends, before its final chunk: held-back content, its tool calls."""
+        if not self.tools:
+            return []
+        tail, calls = self._filter(index).finish()
+        out = [self._chunk(index, {"content": tail}, None, None, include_usage)] if tail else []
+        if calls:
+            out.append(self._chunk(index, {"tool_calls": [call.openai(k) for k, call in enumerate(calls)]},
+                                   None, None, include_usage))
+        return out
+
+    def final_chunk(self, index: int, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        called = self.tools and bool(self._filter(index).finish()[1])
+        out = self._chunk(index, {}, None, "tool_calls" if called else c.finish_reason, include_usage)
         out["timings"] = timings(c)
         return out
 
-    def _chunk(self, delta: dict, logprobs, finish, include_usage: bool) -> dict:
+    def _chunk(self, index: int, delta: dict, logprobs, finish, include_usage: bool) -> dict:
         extra = {"usage": None} if include_usage else {}
-        return self._envelope(self.object_chunk, [{"index": 0, "delta": delta, "logprobs": logprobs,
+        return self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": logprobs,
                                                    "finish_reason": finish}], **extra)
 
-    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
-        lps = [x for x in (self.logprob(d) for d in deltas) if x is not None]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": c.finish_reason}
-        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+    def response(self, cs: list[Completion], deltas: list[list[Delta]], want_logprobs: bool, return_tokens: bool,
+                 counted: list[bool] | None = None) -> dict:
+        choices = []
+        for i, (c, ds) in enumerate(zip(cs, deltas)):
+            lps = [x for x in (self.logprob(d) for d in ds) if x is not None]
+            message: dict = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if self.tools:
+                content, calls = parse_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.openai() for call in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": finish})
+        return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
 
 
 class TextShape(Shape):
@@ -346,7 +521,7 @@ class TextShape(Shape):
 
     def __init__(self, *a, **kw):
         super().__init__(*a, id_prefix="cmpl", **kw)
-        self._offset = 0          # text_offset of the next streamed token
+        self._offset: dict[int, int] = {}   # choice index -> text_offset of its next streamed token
 
     def logprobs(self, deltas: list[Delta], offset: int = 0) -> dict:
         """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -362,36 +537,40 @@ class TextShape(Shape):
             offset += len(tok)
         return out
 
-    def first_chunk(self, include_usage: bool) -> dict | None:
+    def first_chunk(self, index: int, include_usage: bool) -> dict | None:
         return None
 
-    def delta_chunk(self, d: Delta, include_usage: bool) -> dict | None:
+    def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         if not d.text and d.logprob is None:
             return None
         lp = None
         if d.logprob is not None:
-            lp = self.logprobs([d], self._offset)
-            self._offset += len(lp["tokens"][0])
-        return self._chunk(d.text, lp, None, include_usage)
+            lp = self.logprobs([d], self._offset.get(index, 0))
+            self._offset[index] = self._offset.get(index, 0) + len(lp["tokens"][0])
+        return self._chunk(index, d.text, lp, None, include_usage)
 
-    def final_chunk(self, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
-        out = self._chunk("", None, c.finish_reason, include_usage)
+    def final_chunk(self, index: int, c: Completion, include_usage: bool, return_tokens: bool = False) -> dict:
+        out = self._chunk(index, "", None, c.finish_reason, include_usage)
         if return_tokens:
             out["choices"][0]["tokens"] = list(c.token_ids)
         out["timings"] = timings(c)
         return out
 
-    def _chunk(self, text: str, logprobs, finish, include_usage: bool) -> dict:
+    def _chunk(self, index: int, text: str, logprobs, finish, include_usage: bool) -> dict:
         extra = {"usage": None} if include_usage else {}
-        return self._envelope(self.object_chunk, [{"index": 0, "text": text, "logprobs": logprobs,
+        return self._envelope(self.object_chunk, [{"index": index, "text": text, "logprobs": logprobs,
                                                    "finish_reason": finish}], **extra)
 
-    def response(self, c: Completion, deltas: list[Delta], want_logprobs: bool, return_tokens: bool) -> dict:
-        choice = {"index": 0, "text": c.text, "logprobs": self.logprobs(deltas) if want_logprobs else None,
-                  "finish_reason": c.finish_reason}
-        if return_tokens:
-            choice["tokens"] = list(c.token_ids)
-        return self._envelope(self.object_full, [choice], usage=usage(c), timings=timings(c))
+    def response(self, cs: list[Completion], deltas: list[list[Delta]], want_logprobs: bool, return_tokens: bool,
+                 counted: list[bool] | None = None) -> dict:
+        choices = []
+        for i, (c, ds) in enumerate(zip(cs, deltas)):
+            choice = {"index": i, "text": c.text, "logprobs": self.logprobs(ds) if want_logprobs else None,
+                      "finish_reason": c.finish_reason}
+            if return_tokens:
+                choice["tokens"] = list(c.token_ids)
+            choices.append(choice)
+        return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
 
 
 def too_long(prompt_tokens: int, max_tokens: int, ctx: int, where: str) -> APIError:
