@@ -134,3 +134,31 @@ def test_engine_without_native_kernels_falls_back(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused: --weights gguf needs the native kernel: native kernels turned off" in r.stdout
+
+
+def test_many_sequences_in_one_call_equal_each_alone():
+    """tq_attention_segments (a step's sequences in one call) gives each row the bits of its own call."""
+    from types import SimpleNamespace
+
+    from ternlm.models.llama import Segment, segment_table
+    torch.manual_seed(3)
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64)
+    segs = [Segment(start, n, torch.randn(2, 3, cap, 64), torch.randn(2, 3, cap, 64))
+            for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512), (12, 1, 256)]]
+    M = sum(s.length for s in segs)
+    q = torch.randn(9, M, 64)
+    kn = kernels()
+    for layer in range(2):
+        qs = (q * 64 ** -0.5).contiguous()
+        out = torch.empty(M, 9 * 64)
+        table = segment_table(segs, cfg)
+        kn.attention_segments(table.data_ptr(), len(segs), layer, qs.data_ptr(), M, 9, 3, 64, out.data_ptr(),
+                              torch.get_num_threads())
+        r0 = 0
+        for s in segs:
+            alone = native_attention(kn, q[:, r0:r0 + s.length], s.k_cache[layer], s.v_cache[layer], s.start)
+            assert torch.equal(out[r0:r0 + s.length], alone)
+            r0 += s.length
+    with pytest.raises(Exception, match="caches do not fit"):
+        segment_table([Segment(0, 1, torch.randn(2, 3, 256, 64).bfloat16(), torch.randn(2, 3, 256, 64).bfloat16())],
+                      cfg)

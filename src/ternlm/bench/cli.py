@@ -20,6 +20,14 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     _common(p)
     p.set_defaults(func=lambda a: _run("engine", a, load_engine))
 
+    p = which.add_parser("quality", help="--weights gguf vs the dequantized fp32 model: agreement, perplexity, RSS")
+    p.add_argument("-m", "--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=2000, help="length of the teacher-forced text")
+    p.add_argument("--ctx", type=int, default=4096, help="KV context of the RSS measurement (one slot)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=_quality)
+
     p = which.add_parser("dtype", help="float32 vs bfloat16 on this CPU, and what --dtype auto picks here")
     engine_args(p)
     p.add_argument("--prompt-tokens", type=int, default=1024)
@@ -101,6 +109,14 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
 
     from .soak_cli import add_soak_parser
     add_soak_parser(which, engine_args)
+
+
+def _quality(args) -> int:
+    from .quality import run
+    if args.threads is None:
+        args.threads = os.cpu_count() or 1
+    run(args)
+    return 0
 
 
 def _common(p) -> None:

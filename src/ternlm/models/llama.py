@@ -113,15 +113,16 @@ def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v
     return out
 
 
-def segment_table(segments: list["Segment"]) -> torch.Tensor:
+def segment_table(segments: list["Segment"], cfg: ModelConfig) -> torch.Tensor:
     """(n, 6) int64 for kernels/attention.c's tq_attention_segments: per segment its first row, rows,
     start position, cache capacity and the addresses of its K and V caches (layers, KV, cap, D).
     Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
     rows, r0 = [], 0
     for s in segments:
+        shape = (cfg.num_layers, cfg.num_kv_heads, s.k_cache.shape[2], cfg.head_dim)
         check(s.k_cache.dtype == s.v_cache.dtype == KV_DTYPE and s.k_cache.is_contiguous()
-              and s.v_cache.is_contiguous() and s.k_cache.shape == s.v_cache.shape
-              and s.start + s.length <= s.k_cache.shape[2], "native attention: a segment's caches do not fit")
+              and s.v_cache.is_contiguous() and tuple(s.k_cache.shape) == tuple(s.v_cache.shape) == shape
+              and s.start + s.length <= shape[2], "native attention: a segment's caches do not fit")
         rows.append((r0, s.length, s.start, s.k_cache.shape[2], s.k_cache.data_ptr(), s.v_cache.data_ptr()))
         r0 += s.length
     return torch.tensor(rows, dtype=torch.int64)
@@ -318,7 +319,7 @@ class Transformer(nn.Module):
             r0 += s.length
         cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
         sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
-        table = segment_table(segments) if self.kernels is not None else None
+        table = segment_table(segments, self.cfg) if self.kernels is not None else None
         for layer, layer_parts in zip(self.layers, parts):
             x = layer(x, cos_m, sin_m, layer_parts, table)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)

@@ -1,0 +1,93 @@
+"""`ternlm bench quality`: what --weights gguf costs in answers and saves in memory.
+
+Next-token agreement (argmax) and perplexity of `--weights gguf` against the same GGUF dequantized to
+fp32 (`--weights fp32`), over one long text (MT-Bench questions and synthetic prose, teacher-forced),
+and each mode's resident set right after loading, measured in a fresh process per mode.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .common import command_line, synthetic_text, write_json
+
+_RSS_SCRIPT = """
+import json, sys, torch
+from ternlm import Engine
+torch.set_num_threads(1)
+e = Engine.load(sys.argv[1], weights=sys.argv[2], ctx=int(sys.argv[3]))
+kv = sum(s.k.nbytes + s.v.nbytes for s in e.slots)
+rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+print(json.dumps({"rss": rss, "kv": kv}))
+"""
+
+
+def _text_ids(engine, n: int) -> list[int]:
+    """n tokens of mixed text: MT-Bench turns (the repository's test data) then synthetic prose."""
+    data = Path(__file__).resolve().parents[3] / "tests" / "data" / "mt_bench_question.jsonl"
+    parts = []
+    if data.exists():
+        for line in data.read_text().splitlines():
+            if line.strip():
+                parts += json.loads(line)["turns"]
+    text = "\n\n".join(parts) + "\n\n" + synthetic_text(random.Random(0), n * 2)
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < n:
+        raise ValueError(f"text too short: {len(ids)} of {n} tokens")
+    return ids[:n]
+
+
+def _nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] given logits of positions [0, n-1)."""
+    lp = torch.log_softmax(logits[:-1].double(), dim=-1)
+    return float(-lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean())
+
+
+def _rss(model: str, weights: str, ctx: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, model, weights, str(ctx)], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ))
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else str(r.returncode)}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> dict:
+    from ..engine import Engine
+    from ..models.registry import resolve
+    torch.set_num_threads(args.threads)
+    ref = Engine.load(args.model, weights="fp32", prefix_reuse=False)
+    ids = _text_ids(ref, args.tokens)
+    with torch.inference_mode():
+        ref_logits = ref.logits(ids)
+    del ref
+    q = Engine.load(args.model, weights="gguf", prefix_reuse=False)
+    with torch.inference_mode():
+        q_logits = q.logits(ids)
+    del q
+    agree = float((q_logits.argmax(-1) == ref_logits.argmax(-1)).double().mean())
+    ppl_ref, ppl_q = math.exp(_nll(ref_logits, ids)), math.exp(_nll(q_logits, ids))
+    size = resolve(args.model).path.stat().st_size
+    mem = {w: _rss(args.model, w, args.ctx) for w in ("gguf", "bf16", "fp32")}
+    res = {"command": command_line(), "model": args.model, "tokens": len(ids), "agreement": agree,
+           "perplexity": {"fp32": ppl_ref, "gguf": ppl_q, "ratio": ppl_q / ppl_ref},
+           "max_abs_logit_diff": float((q_logits - ref_logits).abs().max()),
+           "gguf_file_bytes": size, "ctx": args.ctx, "rss_after_load": mem}
+    print(f"{args.model}: {len(ids)} tokens · next-token agreement gguf vs fp32 {agree:.2%} · perplexity "
+          f"fp32 {ppl_ref:.4f}, gguf {ppl_q:.4f} ({(ppl_q / ppl_ref - 1):+.3%}) · max |logit diff| "
+          f"{res['max_abs_logit_diff']:.2e}")
+    for w, m in mem.items():
+        if "error" in m:
+            print(f"  --weights {w}: {m['error']}")
+        else:
+            print(f"  --weights {w}: RSS after load {m['rss'] / 2**20:.0f} MiB = {m['rss'] / (size + m['kv']):.2f}x "
+                  f"(GGUF {size / 2**20:.0f} MiB + KV {m['kv'] / 2**20:.0f} MiB at ctx {args.ctx})")
+    path = write_json(Path(args.out), f"quality-{Path(str(args.model)).name}.json", res)
+    print(f"wrote {path}")
+    return res
