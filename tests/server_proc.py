@@ -7,6 +7,7 @@ block the server); `log()` returns it for assertions and failure messages.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -17,6 +18,19 @@ import tempfile
 import time
 
 import httpx2 as httpx
+
+
+# Every server a test started; whatever is still running when the test process exits is killed (a
+# last line of defence: fixtures and `with` blocks close their servers themselves).
+_LIVE: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in _LIVE:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:
@@ -58,9 +72,27 @@ class ServerProc:
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=self.preexec_fn)
+        _LIVE.append(self.proc)
         return self
 
+    def __enter__(self) -> "ServerProc":
+        """`with ServerProc(...) as s:` starts the server and waits for it; it is closed on the way out,
+        pass or fail."""
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def wait_ready(self, timeout: float = 300.0) -> "ServerProc":
+        """Wait for /health 200. On failure the process is stopped before raising: a caller that
+        chained `.start().wait_ready()` never got the object to close, so it must not stay running."""
+        try:
+            return self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> "ServerProc":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

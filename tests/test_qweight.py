@@ -230,3 +230,26 @@ def test_turn2_reuse_gives_the_cold_answer(smollm2_q):
         e.prefix_reuse = True
     assert warm.cached_tokens > 0 and cold.cached_tokens == 0
     assert warm.token_ids == cold.token_ids
+
+
+def test_server_with_gguf_weights_reuses_and_answers_like_a_cold_one():
+    """`ternlm serve --weights gguf` through the official client: turn 2 reuses turn 1's KV and the
+    greedy answers equal a server with prefix reuse off (same weights)."""
+    from openai import OpenAI
+
+    from server_proc import ServerProc
+    common = ("-m", "smollm2-135m", "--weights", "gguf", "--threads", "1", "--slots", "1")
+    with ServerProc(*common) as warm, ServerProc(*common, "--no-prefix-kv") as cold:
+        msgs = [{"role": "user", "content": "Name three rivers in Europe."}]
+        for follow_up in ("Which is the longest?", None):
+            answers, usage = [], None
+            for s in (warm, cold):
+                r = OpenAI(base_url=s.v1, api_key="x").chat.completions.create(
+                    model="smollm2-135m", messages=msgs, max_tokens=24, temperature=0)
+                answers.append(r.choices[0].message.content)
+                usage = usage or r.usage
+            assert answers[0] == answers[1]
+            if follow_up is None:
+                assert usage.prompt_tokens_details.cached_tokens > 0
+                break
+            msgs += [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": follow_up}]
