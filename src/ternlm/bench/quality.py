@@ -21,11 +21,13 @@ from .common import command_line, synthetic_text, write_json
 _RSS_SCRIPT = """
 import json, sys, torch
 from ternlm import Engine
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
 torch.set_num_threads(1)
+base = rss()     # Python + torch + ternlm imported, no model: what any process pays before loading
 e = Engine.load(sys.argv[1], weights=sys.argv[2], ctx=int(sys.argv[3]))
 kv = sum(s.k.nbytes + s.v.nbytes for s in e.slots)
-rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
-print(json.dumps({"rss": rss, "kv": kv}))
+print(json.dumps({"rss": rss(), "rss_before_load": base, "kv": kv}))
 """
 
 
@@ -86,8 +88,11 @@ def run(args) -> dict:
         if "error" in m:
             print(f"  --weights {w}: {m['error']}")
         else:
-            print(f"  --weights {w}: RSS after load {m['rss'] / 2**20:.0f} MiB = {m['rss'] / (size + m['kv']):.2f}x "
-                  f"(GGUF {size / 2**20:.0f} MiB + KV {m['kv'] / 2**20:.0f} MiB at ctx {args.ctx})")
+            added = m["rss"] - m["rss_before_load"]
+            print(f"  --weights {w}: RSS after load {m['rss'] / 2**20:.0f} MiB, {added / 2**20:.0f} MiB of it added by "
+                  f"the load = {added / (size + m['kv']):.2f}x (GGUF {size / 2**20:.0f} MiB + KV "
+                  f"{m['kv'] / 2**20:.0f} MiB at ctx {args.ctx}); before loading: "
+                  f"{m['rss_before_load'] / 2**20:.0f} MiB")
     path = write_json(Path(args.out), f"quality-{Path(str(args.model)).name}.json", res)
     print(f"wrote {path}")
     return res
