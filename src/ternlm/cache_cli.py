@@ -7,12 +7,11 @@ reading one keeps its open copy and verifies it).
 """
 from __future__ import annotations
 
-import struct
 import time
 from collections import Counter
 from pathlib import Path
 
-from .kv.blockfile import MAGIC, BadBlock, decode, meta_of, read_header
+from .kv.blockfile import BadBlock, decode, meta_of, read_file_header
 from .kv.disk import unlink_quiet, dir_lock, scan
 from .sizes import format_size
 
@@ -36,14 +35,8 @@ def add_cache_parser(subparsers) -> None:
 
 
 def _head(path: Path) -> dict:
-    """The header of a block file, reading only the header bytes. Raises BadBlock."""
-    with open(path, "rb") as f:
-        start = f.read(len(MAGIC) + 4)
-        if len(start) < len(MAGIC) + 4:
-            raise BadBlock("truncated (no header)")
-        (hlen,) = struct.unpack("<I", start[len(MAGIC):])
-        data = start + f.read(min(hlen, 1 << 20))
-    header, _ = read_header(data)
+    """The header of a block file, reading only the header bytes (validated as a BlockMeta). Raises BadBlock."""
+    header = read_file_header(path)
     meta_of(header)
     return header
 

@@ -141,18 +141,6 @@ INLINE void q8_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t
 }
 
 
-/* One weight row per tile here (16 vector registers leave no room for more accumulators). */
-#define COLS 1
-INLINE void q4_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
-    (void)C; (void)ldc; (void)ldg;
-    q4_rows(x, ldx, R, K, c, sc, bi, y, ldy);
-}
-INLINE void q8_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
-    (void)C; (void)ldc; (void)ldg;
-    q8_rows(x, ldx, R, K, c, sc, bi, y, ldy);
-}
 #else
 #define TILE 4
 const char *tq_isa(void) { return "scalar"; }
@@ -182,7 +170,10 @@ INLINE void q8_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t
 }
 
 
-/* Scalar: one weight row per tile. */
+#endif
+
+#if !defined(__AVX512F__)
+/* AVX2 and scalar: one weight row per tile (16 vector registers leave no room for more accumulators). */
 #define COLS 1
 INLINE void q4_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
                     const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {

@@ -134,6 +134,18 @@ def read_header(data: bytes | memoryview) -> tuple[dict, int]:
     return header, start + hlen
 
 
+def read_file_header(path) -> dict:
+    """The header of a block (or tail) file, reading only the header bytes, not the payload (listing a
+    directory of them stays cheap). Raises BadBlock, OSError."""
+    with open(path, "rb") as f:
+        start = f.read(len(MAGIC) + 4)
+        if len(start) < len(MAGIC) + 4:
+            raise BadBlock("truncated (no header)")
+        (hlen,) = struct.unpack("<I", start[len(MAGIC):])
+        data = start + f.read(min(hlen, MAX_HEADER))
+    return read_header(data)[0]
+
+
 @_only_bad_block
 def meta_of(header: dict) -> BlockMeta:
     """The header as a BlockMeta; checks that its key recomputes from its own parent, ids, namespace."""

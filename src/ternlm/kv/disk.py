@@ -28,7 +28,6 @@ import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .blocks import tail_locator
-from .blockfile import MAGIC, SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode, meta_of, read_header
+from .blockfile import SUFFIX, BadBlock, BlockKV, BlockMeta, decode, encode, meta_of, read_file_header
 
 log = logging.getLogger("ternlm.cache")
 
@@ -171,14 +170,7 @@ def unlink_quiet(path: Path) -> None:
 def _read_meta(path: Path) -> BlockMeta:
     """The header of a block file as a BlockMeta, reading only the header bytes. Raises BadBlock,
     OSError."""
-    with open(path, "rb") as f:
-        start = f.read(len(MAGIC) + 4)
-        if len(start) < len(MAGIC) + 4:
-            raise BadBlock("truncated (no header)")
-        (hlen,) = struct.unpack("<I", start[len(MAGIC):])
-        data = start + f.read(min(hlen, 1 << 20))
-    header, _ = read_header(data)
-    return meta_of(header)
+    return meta_of(read_file_header(path))
 
 
 class DiskTier:
