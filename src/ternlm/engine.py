@@ -140,7 +140,7 @@ class Engine:
         an unknown or unsupported choice raises ValueError before any weight is read.
         Side effect: raises glibc's malloc thresholds for the process (malloc.py: ~1.6x faster long
         prefills; TERNLM_MALLOC_TUNE=0 opts out)."""
-        from .malloc import keep_large_buffers, trim
+        from .malloc import keep_large_buffers
         from .models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -160,8 +160,6 @@ class Engine:
             from .models.hf import load_hf_folder
             loaded = load_hf_folder(r.path, tdtype)
         engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
-        del loaded
-        trim()                                   # the loader's temporaries leave the resident set
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 

@@ -49,16 +49,3 @@ def keep_large_buffers() -> bool:
         log.debug("mallopt refused the thresholds; large buffers stay mmap'ed")
     return _done
 
-
-def trim() -> bool:
-    """Hand freed heap memory back to the kernel now (glibc malloc_trim). Called once after a model
-    loads: with the raised thresholds above, the loader's temporaries (dequantization and layout
-    conversion, tens of MiB) would otherwise stay in the resident set for the process's life.
-    Side effect: process-wide. No-op (False) off glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        malloc_trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(malloc_trim(0))
