@@ -134,3 +134,17 @@ class ServerProc:
         os.unlink(self._log.name)
         if self.kv_dir is not None:
             shutil.rmtree(self.kv_dir, ignore_errors=True)
+
+
+def serving(*args: str):
+    """Generator for a module fixture: `yield from serving(flags...)` runs one real server for the
+    module, closes it pass or fail, and checks at the end that it logged no traceback."""
+    with ServerProc(*args) as s:
+        yield s
+        assert "Traceback" not in s.log(), s.log()[-4000:]
+
+
+def openai_client(s: ServerProc):
+    """The official client against `s`: no retries (a failure shows), a generous timeout for 2 cores."""
+    from openai import OpenAI
+    return OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=300)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import httpx2 as httpx
 import pytest
-from openai import OpenAI
 
-from server_proc import ServerProc
+from server_proc import ServerProc, openai_client, serving
 from ternlm.scheduler import Cancelled, Failed, Finished, GenParams, GenRequest, Scheduler
 from tiny import tiny_engine
 
@@ -110,17 +109,10 @@ MODEL = "smollm2-135m"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("-m", MODEL, "--dtype", "float32", "--threads", "1", "--slots", "4")
-    try:
-        s.start().wait_ready()
-        yield s
-        assert "Traceback" not in s.log(), s.log()[-4000:]
-    finally:
-        s.close()
+    yield from serving("-m", MODEL, "--dtype", "float32", "--threads", "1", "--slots", "4")
 
 
-def client(s: ServerProc) -> OpenAI:
-    return OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=300)
+client = openai_client
 
 
 MSGS = [{"role": "system", "content": "You are a helpful assistant who writes short poems."},

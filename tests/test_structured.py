@@ -16,7 +16,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 from pydantic import BaseModel, Field
 
-from server_proc import ServerProc
+from server_proc import ServerProc, openai_client, serving
 
 MODEL = "smollm2-135m"
 S = {"type": "string", "maxLength": 24}
@@ -57,17 +57,10 @@ PROMPT = "Answer with JSON only. Describe something from everyday life."
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("-m", MODEL, "--dtype", "float32", "--threads", "1", "--slots", "4")
-    try:
-        s.start().wait_ready()
-        yield s
-        assert "Traceback" not in s.log(), s.log()[-4000:]
-    finally:
-        s.close()
+    yield from serving("-m", MODEL, "--dtype", "float32", "--threads", "1", "--slots", "4")
 
 
-def client(s: ServerProc) -> OpenAI:
-    return OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=300)
+client = openai_client
 
 
 def ask(c: OpenAI, schema: dict, name: str, **kw):

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from server_proc import ServerProc
+from server_proc import ServerProc, openai_client, serving
 from ternlm.tools import FALLBACK_HEADER, ContentFilter, parse_calls, prepare, supports_tools
 
 WEATHER = {"type": "function", "function": {
@@ -81,23 +81,16 @@ def test_content_filter_streams_text_and_holds_calls():
 
 # ---- through a real server ---------------------------------------------------------------------
 
-def start(model: str) -> ServerProc:
-    return ServerProc("-m", model, "--dtype", "float32", "--threads", "1", "--slots", "2").start()
+def flags(model: str) -> tuple[str, ...]:
+    return ("-m", model, "--dtype", "float32", "--threads", "1", "--slots", "2")
 
 
 @pytest.fixture(scope="module")
 def smol():
-    s = start("smollm2-135m")
-    try:
-        s.wait_ready()
-        yield s
-        assert "Traceback" not in s.log(), s.log()[-4000:]
-    finally:
-        s.close()
+    yield from serving(*flags("smollm2-135m"))
 
 
-def client(s: ServerProc) -> OpenAI:
-    return OpenAI(base_url=s.v1, api_key="unused", max_retries=0, timeout=300)
+client = openai_client
 
 
 def round_trip(c: OpenAI, model: str, tool_choice) -> None:
@@ -183,13 +176,9 @@ def test_bad_tool_requests_are_400(smol):
 
 @pytest.mark.slow
 def test_round_trip_qwen_native_template():
-    s = start("qwen2.5-coder-0.5b")
-    try:
-        s.wait_ready()
+    with ServerProc(*flags("qwen2.5-coder-0.5b")) as s:
         round_trip(client(s), "qwen2.5-coder-0.5b", "required")
         round_trip(client(s), "qwen2.5-coder-0.5b", {"type": "function", "function": {"name": "get_weather"}})
-    finally:
-        s.close()
 
 
 def test_openai_parse_with_pydantic_function_tool(smol):
