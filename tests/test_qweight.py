@@ -18,13 +18,18 @@ from gguf import GGUFReader, quants
 from ternlm.kernels.build import Kernels, Unavailable, load
 from ternlm.models.gguf import hf_name
 from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q8, QWeight, _CONVERT, from_gguf
+from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf
 from ternlm.weights import WeightsUnavailable, choose_weights
 from test_model import CHATS, LOGIT_ATOL, TEXTS, hf_greedy, hf_logits
 
 # byte offsets of each type's fp16 fields (random bytes there would give inf/nan scales)
 _F16_AT = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q8_0: [0], QT.Q5_0: [0], QT.Q5_1: [0, 2],
            QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+
+
+_LAYOUT_OF = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5, QT.Q6_K: Q8,
+              QT.Q8_0: Q8W}
+_FP16_FIELDS = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
 
 
 def random_blocks(qtype: QT, out: int, inp: int, seed: int = 0) -> np.ndarray:
@@ -50,7 +55,9 @@ def test_layouts_equal_gguf_dequantization(qtype):
     raw = random_blocks(qtype, 8, 512)
     ref = torch.from_numpy(quants.dequantize(raw, qtype).reshape(8, 512).astype(np.float32))
     q = from_gguf(torch.from_numpy(raw), qtype, 8, 512)
-    assert q.fmt == (Q4 if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else Q8)
+    assert q.fmt == _LAYOUT_OF[qtype]
+    if qtype in _FP16_FIELDS:        # GGML's own fp16 d (and m): kept as fp16, exactly
+        assert q.scale.dtype == q.bias.dtype == torch.float16
     assert torch.equal(q.dequantize(), ref)          # equal values (an exact zero's sign aside)
     rows = torch.tensor([5, 0, 7])
     assert torch.equal(q.dequantize(rows), ref[rows])
@@ -75,15 +82,27 @@ def test_model_tensors_equal_gguf_dequantization(smollm2_gguf):
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864)]   # smollm2 q+k+v, o, gate+up, down; qwen down
 
 
-def _weights(fmt: str, out: int, inp: int) -> QWeight:
-    qtype = QT.Q4_1 if fmt == Q4 else QT.Q8_0
-    return from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
+# Every kernel variant: (layout, fp16 scales). q8g16 and the fp32-scale variants are built from the
+# same random blocks by re-expressing their (exact) scales, so any input size works.
+LAYOUTS = [(Q4, True), (Q4, False), (Q5, True), (Q5, False), (Q8, False), (Q8, True), (Q8W, True), (Q8W, False)]
+LAYOUT_IDS = [f"{f}{'h' if h else ''}" for f, h in LAYOUTS]
 
 
-@pytest.mark.parametrize("fmt", [Q4, Q8])
+def _weights(layout: tuple[str, bool], out: int, inp: int) -> QWeight:
+    fmt, half = layout
+    qtype = {Q4: QT.Q4_1, Q5: QT.Q5_0, Q8: QT.Q8_0, Q8W: QT.Q8_0}[fmt]
+    q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
+    scale, bias = q.scale, q.bias
+    if fmt == Q8:                    # the same values in groups of 16
+        scale, bias = scale.repeat_interleave(2, dim=1).contiguous(), bias.repeat_interleave(2, dim=1).contiguous()
+    dtype = torch.float16 if half else torch.float32
+    return QWeight(fmt, q.codes, scale.to(dtype), bias.to(dtype), q.high)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_equals_float64_matmul(fmt, shape):
-    q = _weights(fmt, *shape)
+def test_kernel_equals_float64_matmul(layout, shape):
+    q = _weights(layout, *shape)
     x = torch.randn(37, shape[1])
     y = QLinear([q], None, kernels())(x)
     ref = (x.double() @ q.dequantize().double().T)
@@ -91,11 +110,11 @@ def test_kernel_equals_float64_matmul(fmt, shape):
     assert (y.double() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("fmt", [Q4, Q8])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_kernel_rows_are_batch_invariant(fmt, shape):
+def test_kernel_rows_are_batch_invariant(layout, shape):
     """[BATCH-INVARIANT] a row's bits do not depend on the rows beside it (M = 1..512) nor on threads."""
-    lin = QLinear([_weights(fmt, *shape)], None, kernels())
+    lin = QLinear([_weights(layout, *shape)], None, kernels())
     x = torch.randn(512, shape[1])
     full = lin(x)
     for m in (1, 2, 3, 7, 8, 9, 63, 300):
@@ -111,7 +130,7 @@ def test_kernel_rows_are_batch_invariant(fmt, shape):
 
 def test_mixed_layouts_in_one_projection():
     """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by side."""
-    a, b = _weights(Q4, 64, 576), _weights(Q8, 32, 576)
+    a, b = _weights((Q4, True), 64, 576), _weights((Q8, False), 32, 576)
     bias = torch.randn(96)
     x = torch.randn(5, 576)
     k = kernels()
@@ -124,10 +143,10 @@ _ISA_SCRIPT = textwrap.dedent("""
     import torch
     from ternlm.kernels.build import load
     from ternlm.models.qlinear import QLinear
-    from test_qweight import _weights, Q4, Q8
+    from test_qweight import _weights, LAYOUTS
     k = load()
     print(k.isa)
-    for fmt in (Q4, Q8):
+    for fmt in LAYOUTS:
         lin = QLinear([_weights(fmt, 576, 1536)], None, k)
         x = torch.randn(40, 1536)
         full = lin(x)

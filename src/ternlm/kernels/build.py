@@ -30,6 +30,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c")]
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
+MM_LAYOUTS = ("q4g32", "q5g32", "q8g16", "q8g32")    # qmatmul.c's layouts (models/qweight.py)
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 
 
@@ -53,10 +54,12 @@ class Kernels:
         if self.lib.tq_attention_segments(segs, nseg, layer, q, M, H, KV, D, out, threads) != 0:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M})")
 
-    def mm(self, fmt: str, x: int, M: int, K: int, codes: int, scale: int, bias: int, N: int,
-           y: int, ldy: int, threads: int) -> None:
-        """Raw pointers: see qmatmul.c. fmt: "q4g32" | "q8g16". Releases the GIL while it runs."""
-        getattr(self.lib, f"tq_{fmt}_mm")(x, M, K, codes, scale, bias, N, y, ldy, threads)
+    def mm(self, fmt: str, half: bool, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
+           N: int, y: int, ldy: int, threads: int) -> None:
+        """Raw pointers: see qmatmul.c. fmt: one of MM_LAYOUTS; half: fp16 scale/bias (else fp32);
+        high: the q5g32 high bits (0 otherwise). Releases the GIL while it runs."""
+        getattr(self.lib, f"tq_{fmt}{'h' if half else ''}_mm")(x, M, K, codes, high, scale, bias, N, y, ldy,
+                                                                 threads)
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,9 @@ def load() -> Kernels | Unavailable:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return Unavailable(f"building the native kernels failed: {e}")
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for name in ("tq_q4g32_mm", "tq_q8g16_mm"):
+    for name in (f"tq_{fmt}{h}_mm" for fmt in MM_LAYOUTS for h in ("", "h")):
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [p, i, i, p, p, p, i, p, i, ctypes.c_int], None
+        fn.argtypes, fn.restype = [p, i, i, p, p, p, p, i, p, i, ctypes.c_int], None
     lib.tq_attention.argtypes = [p, i, i, i, i, p, p, i, i, p, i, ctypes.c_int]
     lib.tq_attention_segments.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int]
     lib.tq_attention_segments.restype = ctypes.c_int

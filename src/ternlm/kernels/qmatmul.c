@@ -1,83 +1,136 @@
 /* Weight-only quantized matmul: y[m, n] = sum_k x[m, k] * w[n, k], w stored as codes with a per-group
- * fp32 scale and bias, w = fma(scale, code, bias) (exactly GGML's dequantized fp32 value, see
+ * scale and bias, w = fma(scale, code, bias) (exactly GGML's dequantized fp32 value, see
  * ternlm/models/qweight.py). Activations and accumulation stay fp32.
  *
- * Formats (K is a multiple of 32, rows of w are output features):
- *   Q4G32: codes (N, K/2) bytes; in each group of 32, byte j holds element j (low nibble) and j+16
+ * Layouts (K is a multiple of 32, rows of w are output features; every layout is read in chunks of
+ * 32 inputs):
+ *   q4g32: codes (N, K/2) bytes; in each group of 32, byte j holds element j (low nibble) and j+16
  *          (high nibble), GGML's layout; scale/bias (N, K/32).
- *   Q8G16: codes (N, K) bytes 0..255; scale/bias (N, K/16).
+ *   q5g32: q4g32's nibbles plus high (N, K/8) bytes: per group 4 bytes, bit j (little-endian) the
+ *          fifth bit (value 16) of element j; scale/bias (N, K/32).
+ *   q8g16: codes (N, K) bytes 0..255; scale/bias (N, K/16).
+ *   q8g32: codes (N, K) bytes 0..255; scale/bias (N, K/32).
+ * Scale and bias are fp32, or fp16 ("h" variants) where every value of the weight is exactly an fp16
+ * (GGML's own d and m fields): the conversion is exact either way, the bytes read per weight fewer.
+ * Decode is bound by memory bandwidth, so bytes per weight is what sets its speed.
  *
  * [BATCH-INVARIANT] A row's result must not depend on how many rows are multiplied with it, nor on
  * how threads split the work: every (m, n) is computed by the same instruction sequence whatever M,
  * the row tile or the thread count. Tiles (up to TILE rows x COLS weight rows) only share loaded
  * vectors (x rows, dequantized weights); every (row, weight row) pair keeps its own accumulators, fed in
- * the same order and summed the same way at the end.
- * Threads split output features n, never k.
+ * the same order and summed the same way at the end. Threads split output features n, never k.
  *
  * Built at run time for the host CPU by ternlm/kernels/build.py (cc -O3 -march=native -fopenmp);
  * the ISA paths below are picked by the compiler's own macros.
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+enum { Q4 = 4, Q5 = 5, Q8 = 8 };   /* code kinds: packed nibbles, nibbles + high bit, bytes */
+
+/* ---- scale/bias loads: fp32, or fp16 converted exactly ----------------------------------------- */
+INLINE float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, u;
+    float f;
+    if (e == 0) {                                  /* zero or subnormal: m * 2^-24, exact in fp32 */
+        f = (float)m * (1.0f / 16777216.0f);
+        memcpy(&u, &f, 4);
+        u |= s;
+    } else if (e == 31) {
+        u = s | 0x7F800000u | (m << 13);
+    } else {
+        u = s | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* element i of a scale/bias array; `half` is a compile-time constant in every instantiation */
+INLINE float ld(const void *p, int64_t i, int half) {
+    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Group index of element e (0..31) of chunk g: groups of 16 (q8g16) or 32 (all others). */
+INLINE int64_t grp(int kind, int g16, int64_t g, int e) { return (kind == Q8 && g16) ? 2 * g + e / 16 : g; }
+
+/* Pointers to one weight row: codes, high bits (q5g32), scales, biases (offsets in elements). */
+typedef struct {
+    const uint8_t *c;
+    const uint8_t *h;
+    const void *s;
+    const void *b;
+    int64_t g0;       /* this row's first group in s/b */
+} Row;
+
+/* Software prefetch of a row's codes PF bytes ahead, once per 64-byte line: with three weight rows
+ * streamed at once the hardware prefetcher alone left the 8-bit layouts at ~12 GB/s where the 4-bit
+ * ones reach ~17 (151,936 x 896 at M = 1, 2 threads); this brings them to ~14-16. */
+#define PF 1024
+INLINE void prefetch_codes(int kind, const Row *r, int64_t g) {
+#if defined(__SSE__)
+    if (kind == Q8 ? (g & 1) == 0 : (g & 3) == 0)
+        _mm_prefetch((const char *)(r->c + (kind == Q8 ? 32 : 16) * g + PF), _MM_HINT_T0);
+#else
+    (void)kind; (void)r; (void)g;
+#endif
+}
+
+INLINE uint32_t high_bits(const Row *r, int64_t g) {
+    uint32_t v;
+    memcpy(&v, r->h + 4 * g, 4);
+    return v;
+}
 
 #if defined(__AVX512F__)
 #define TILE 4          /* rows per tile */
 #define COLS 3          /* weight rows (output features) per tile: 4 x 3 x 2 accumulators in 24 zmm */
 const char *tq_isa(void) { return "avx512"; }
 
-INLINE __m512 deq16(__m128i c8, float s, float b) {        /* 16 codes -> 16 fp32 weights */
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c8)), _mm512_set1_ps(s), _mm512_set1_ps(b));
+/* Chunk g (32 inputs) of a weight row -> w0 (elements 0-15), w1 (16-31), fp32. */
+INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m512 *w0, __m512 *w1) {
+    __m512i i0, i1;
+    prefetch_codes(kind, r, g);
+    if (kind == Q8) {
+        i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->c + 32 * g)));
+        i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16)));
+    } else {
+        __m128i q = _mm_loadu_si128((const __m128i *)(r->c + 16 * g));
+        i0 = _mm512_cvtepu8_epi32(_mm_and_si128(q, _mm_set1_epi8(0x0F)));
+        i1 = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)));
+        if (kind == Q5) {
+            uint32_t hb = high_bits(r, g);
+            __m512i sixteen = _mm512_set1_epi32(16);
+            i0 = _mm512_mask_add_epi32(i0, (__mmask16)(hb & 0xFFFF), i0, sixteen);
+            i1 = _mm512_mask_add_epi32(i1, (__mmask16)(hb >> 16), i1, sixteen);
+        }
+    }
+    int64_t a = r->g0 + grp(kind, g16, g, 0), b = r->g0 + grp(kind, g16, g, 16);
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(ld(r->s, a, half)), _mm512_set1_ps(ld(r->b, a, half)));
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(ld(r->s, b, half)), _mm512_set1_ps(ld(r->b, b, half)));
 }
 
 /* R rows x C weight rows. Each (row, weight row) pair has accumulators a0 (elements 0-15 of every
- * group of 32) and a1 (16-31), fed group by group and summed as reduce(a0 + a1): the same sequence
+ * chunk of 32) and a1 (16-31), fed chunk by chunk and summed as reduce(a0 + a1): the same sequence
  * whatever R and C are. */
-INLINE void q4_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
+INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+                 const Row *rows, float *y, int64_t ldy) {
     __m512 a0[TILE][COLS], a1[TILE][COLS];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) { a0[r][j] = _mm512_setzero_ps(); a1[r][j] = _mm512_setzero_ps(); }
     for (int64_t g = 0; g < K / 32; g++) {
-        __m512 wl[COLS], wh[COLS];
-        for (int j = 0; j < C; j++) {
-            __m128i q = _mm_loadu_si128((const __m128i *)(c + j * ldc + 16 * g));
-            float s = sc[j * ldg + g], b = bi[j * ldg + g];
-            wl[j] = deq16(_mm_and_si128(q, _mm_set1_epi8(0x0F)), s, b);
-            wh[j] = deq16(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), s, b);
-        }
-        for (int r = 0; r < R; r++) {
-            __m512 xl = _mm512_loadu_ps(x + r * ldx + 32 * g), xh = _mm512_loadu_ps(x + r * ldx + 32 * g + 16);
-            for (int j = 0; j < C; j++) {
-                a0[r][j] = _mm512_fmadd_ps(wl[j], xl, a0[r][j]);
-                a1[r][j] = _mm512_fmadd_ps(wh[j], xh, a1[r][j]);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) y[r * ldy + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][j], a1[r][j]));
-}
-
-/* Groups of 16 taken in pairs: a0 gets the even groups, a1 the odd ones. */
-INLINE void q8_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
-    __m512 a0[TILE][COLS], a1[TILE][COLS];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < C; j++) { a0[r][j] = _mm512_setzero_ps(); a1[r][j] = _mm512_setzero_ps(); }
-    for (int64_t g = 0; g < K / 16; g += 2) {
         __m512 w0[COLS], w1[COLS];
-        for (int j = 0; j < C; j++) {
-            const uint8_t *cj = c + j * ldc + 16 * g;
-            const float *s = sc + j * ldg + g, *b = bi + j * ldg + g;
-            w0[j] = deq16(_mm_loadu_si128((const __m128i *)cj), s[0], b[0]);
-            w1[j] = deq16(_mm_loadu_si128((const __m128i *)(cj + 16)), s[1], b[1]);
-        }
+        for (int j = 0; j < C; j++) deq32(kind, g16, half, &rows[j], g, &w0[j], &w1[j]);
         for (int r = 0; r < R; r++) {
-            __m512 x0 = _mm512_loadu_ps(x + r * ldx + 16 * g), x1 = _mm512_loadu_ps(x + r * ldx + 16 * g + 16);
+            __m512 x0 = _mm512_loadu_ps(x + r * ldx + 32 * g), x1 = _mm512_loadu_ps(x + r * ldx + 32 * g + 16);
             for (int j = 0; j < C; j++) {
                 a0[r][j] = _mm512_fmadd_ps(w0[j], x0, a0[r][j]);
                 a1[r][j] = _mm512_fmadd_ps(w1[j], x1, a1[r][j]);
@@ -90,11 +143,8 @@ INLINE void q8_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const 
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TILE 4
+#define COLS 1          /* 16 vector registers leave no room for more weight rows */
 const char *tq_isa(void) { return "avx2"; }
-
-INLINE __m256 deq8(__m128i c8, float s, float b) {         /* low 8 codes of c8 -> 8 fp32 weights */
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8)), _mm256_set1_ps(s), _mm256_set1_ps(b));
-}
 
 INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -103,110 +153,103 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-INLINE void q4_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t *c, const float *sc,
-                    const float *bi, float *y, int64_t ldy) {
-    __m256 a0[8], a1[8];
-    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    for (int64_t g = 0; g < K / 32; g++) {
-        __m128i q = _mm_loadu_si128((const __m128i *)(c + 16 * g));
+/* 16 where bit i of `bits` (8 bits) is set, lane i; else 0. */
+INLINE __m256i high8(uint32_t bits) {
+    __m256i m = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    __m256i b = _mm256_and_si256(_mm256_set1_epi32((int)bits), m);
+    return _mm256_and_si256(_mm256_cmpeq_epi32(b, m), _mm256_set1_epi32(16));
+}
+
+/* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32. */
+INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m256 w[4]) {
+    __m256i i[4];
+    prefetch_codes(kind, r, g);
+    if (kind == Q8) {
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16));
+        i[0] = _mm256_cvtepu8_epi32(q0); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8));
+        i[2] = _mm256_cvtepu8_epi32(q1); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8));
+    } else {
+        __m128i q = _mm_loadu_si128((const __m128i *)(r->c + 16 * g));
         __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
         __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-        __m256 w0 = deq8(lo, sc[g], bi[g]), w1 = deq8(_mm_srli_si128(lo, 8), sc[g], bi[g]);
-        __m256 w2 = deq8(hi, sc[g], bi[g]), w3 = deq8(_mm_srli_si128(hi, 8), sc[g], bi[g]);
+        i[0] = _mm256_cvtepu8_epi32(lo); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        i[2] = _mm256_cvtepu8_epi32(hi); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        if (kind == Q5) {
+            uint32_t hb = high_bits(r, g);
+            for (int t = 0; t < 4; t++) i[t] = _mm256_add_epi32(i[t], high8((hb >> (8 * t)) & 0xFF));
+        }
+    }
+    for (int t = 0; t < 4; t++) {
+        int64_t a = r->g0 + grp(kind, g16, g, 8 * t);
+        w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(ld(r->s, a, half)), _mm256_set1_ps(ld(r->b, a, half)));
+    }
+}
+
+/* R rows x one weight row: accumulators a0 (elements 0-7 and 16-23 of each chunk) and a1 (8-15, 24-31). */
+INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+                 const Row *rows, float *y, int64_t ldy) {
+    (void)C;
+    __m256 a0[TILE], a1[TILE];
+    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 w[4];
+        deq32(kind, g16, half, &rows[0], g, w);
         for (int r = 0; r < R; r++) {
             const float *xr = x + r * ldx + 32 * g;
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-            a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a1[r]);
+            a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
+            a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
-
-INLINE void q8_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t *c, const float *sc,
-                    const float *bi, float *y, int64_t ldy) {
-    __m256 a0[8], a1[8];
-    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    for (int64_t g = 0; g < K / 16; g++) {
-        __m128i q = _mm_loadu_si128((const __m128i *)(c + 16 * g));
-        __m256 w0 = deq8(q, sc[g], bi[g]), w1 = deq8(_mm_srli_si128(q, 8), sc[g], bi[g]);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * ldx + 16 * g;
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
-}
-
 
 #else
 #define TILE 4
+#define COLS 1
 const char *tq_isa(void) { return "scalar"; }
 
-INLINE void q4_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t *c, const float *sc,
-                    const float *bi, float *y, int64_t ldy) {
+INLINE int code(int kind, const Row *r, int64_t g, int e) {
+    if (kind == Q8) return r->c[32 * g + e];
+    uint8_t b = r->c[16 * g + (e & 15)];
+    int v = e < 16 ? b & 15 : b >> 4;
+    return kind == Q5 ? v | (int)((high_bits(r, g) >> e) & 1) << 4 : v;
+}
+
+INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+                 const Row *rows, float *y, int64_t ldy) {
+    (void)C;
     for (int r = 0; r < R; r++) {
         float acc = 0.0f;
         for (int64_t g = 0; g < K / 32; g++)
-            for (int j = 0; j < 32; j++) {
-                uint8_t b = c[16 * g + (j & 15)];
-                float w = __builtin_fmaf(sc[g], (float)(j < 16 ? b & 15 : b >> 4), bi[g]);
-                acc = __builtin_fmaf(w, x[r * ldx + 32 * g + j], acc);
+            for (int e = 0; e < 32; e++) {
+                int64_t a = rows[0].g0 + grp(kind, g16, g, e);
+                float w = __builtin_fmaf(ld(rows[0].s, a, half), (float)code(kind, &rows[0], g, e), ld(rows[0].b, a, half));
+                acc = __builtin_fmaf(w, x[r * ldx + 32 * g + e], acc);
             }
         y[r * ldy] = acc;
     }
 }
-
-INLINE void q8_rows(const float *x, int64_t ldx, int R, int64_t K, const uint8_t *c, const float *sc,
-                    const float *bi, float *y, int64_t ldy) {
-    for (int r = 0; r < R; r++) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; k++)
-            acc = __builtin_fmaf(__builtin_fmaf(sc[k / 16], (float)c[k], bi[k / 16]), x[r * ldx + k], acc);
-        y[r * ldy] = acc;
-    }
-}
-
-
 #endif
 
-#if !defined(__AVX512F__)
-/* AVX2 and scalar: one weight row per tile (16 vector registers leave no room for more accumulators). */
-#define COLS 1
-INLINE void q4_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
-    (void)C; (void)ldc; (void)ldg;
-    q4_rows(x, ldx, R, K, c, sc, bi, y, ldy);
-}
-INLINE void q8_tile(const float *x, int64_t ldx, int R, int C, int64_t K, const uint8_t *c, int64_t ldc,
-                    const float *sc, const float *bi, int64_t ldg, float *y, int64_t ldy) {
-    (void)C; (void)ldc; (void)ldg;
-    q8_rows(x, ldx, R, K, c, sc, bi, y, ldy);
-}
-#endif
-
-/* Output features per parallel task: its weights (32 x K x 0.75 bytes) stay in L2 while every row tile
- * passes over them. */
+/* Output features per parallel task: its weights stay in L2 while every row tile passes over them. */
 #define NCHUNK 48
 
 /* Dispatch a tile to constant (R, C), so that the compiler keeps the accumulators in registers. */
-#define CASE(FN, R_, C_) case (R_) * 8 + (C_): FN(xm, K, R_, C_, K, c, ldc, s, b, ldg, ym, ldy); break;
-#define CASES_R(FN, R_) CASE(FN, R_, 1) CASE(FN, R_, 2) CASE(FN, R_, 3)
-#define TILE_SWITCH(FN)                                                                     \
-    switch (R * 8 + (C > COLS ? COLS : C)) {                                                \
-        CASES_R(FN, 1) CASES_R(FN, 2) CASES_R(FN, 3) CASES_R(FN, 4)                         \
-        default: break;                                                                     \
-    }
+#define CASE(KIND, G16, HALF, R_, C_) \
+    case (R_) * 8 + (C_): tile(KIND, G16, HALF, xm, K, R_, C_, K, rows, ym, ldy); break;
+#define CASES_R(KIND, G16, HALF, R_) CASE(KIND, G16, HALF, R_, 1) CASE(KIND, G16, HALF, R_, 2) CASE(KIND, G16, HALF, R_, 3)
 
-/* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine).
- * nthreads: passed in, not taken from OpenMP's per-thread default: the caller is often not the thread
- * torch.set_num_threads ran on. */
-#define DEFINE_MM(NAME, FN, LDC, GROUP)                                                     \
-void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale,   \
-          const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {              \
-    int64_t ldc = (LDC), ldg = K / (GROUP), nchunks = (N + NCHUNK - 1) / NCHUNK;            \
+/* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine);
+ * high: the q5g32 high bits, else unused. nthreads: passed in, not taken from OpenMP's per-thread
+ * default: the caller is often not the thread torch.set_num_threads ran on. */
+#define DEFINE_MM(NAME, KIND, G16, HALF)                                                    \
+void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,  \
+          const void *scale, const void *bias, int64_t N, float *y, int64_t ldy, int nthreads) { \
+    int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
+    int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                      \
     for (int64_t ch = 0; ch < nchunks; ch++) {                                              \
         int64_t n0 = ch * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;                   \
@@ -214,14 +257,29 @@ void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const floa
             int R = (int)(M - m < TILE ? M - m : TILE);                                     \
             for (int64_t n = n0; n < n1; n += COLS) {                                       \
                 int C = (int)(n1 - n < COLS ? n1 - n : COLS);                               \
-                const uint8_t *c = codes + n * ldc;                                         \
-                const float *s = scale + n * ldg, *b = bias + n * ldg, *xm = x + m * K;     \
+                Row rows[COLS];                                                             \
+                for (int j = 0; j < C; j++) {                                               \
+                    rows[j].c = codes + (n + j) * ldc;                                      \
+                    rows[j].h = (KIND) == Q5 ? high + (n + j) * (K / 8) : NULL;             \
+                    rows[j].s = scale; rows[j].b = bias; rows[j].g0 = (n + j) * ldg;        \
+                }                                                                           \
+                const float *xm = x + m * K;                                                \
                 float *ym = y + m * ldy + n;                                                \
-                TILE_SWITCH(FN)                                                             \
+                switch (R * 8 + C) {                                                        \
+                    CASES_R(KIND, G16, HALF, 1) CASES_R(KIND, G16, HALF, 2)                 \
+                    CASES_R(KIND, G16, HALF, 3) CASES_R(KIND, G16, HALF, 4)                 \
+                    default: break;                                                         \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }
 
-DEFINE_MM(tq_q4g32_mm, q4_tile, K / 2, 32)
-DEFINE_MM(tq_q8g16_mm, q8_tile, K, 16)
+DEFINE_MM(tq_q4g32_mm, Q4, 0, 0)
+DEFINE_MM(tq_q4g32h_mm, Q4, 0, 1)
+DEFINE_MM(tq_q5g32_mm, Q5, 0, 0)
+DEFINE_MM(tq_q5g32h_mm, Q5, 0, 1)
+DEFINE_MM(tq_q8g16_mm, Q8, 1, 0)
+DEFINE_MM(tq_q8g16h_mm, Q8, 1, 1)
+DEFINE_MM(tq_q8g32_mm, Q8, 0, 0)
+DEFINE_MM(tq_q8g32h_mm, Q8, 0, 1)

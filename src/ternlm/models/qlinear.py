@@ -43,8 +43,9 @@ class QLinear:
         off = 0
         for p in self.parts:   # each part writes its own column slice of y (row stride out_features)
             n = p.shape[0]
-            self.kernels.mm(p.fmt, x.data_ptr(), M, K, p.codes.data_ptr(), p.scale.data_ptr(),
-                            p.bias.data_ptr(), n, y.data_ptr() + 4 * off, self.out_features, threads)
+            self.kernels.mm(p.fmt, p.half_scales, x.data_ptr(), M, K, p.codes.data_ptr(),
+                            0 if p.high is None else p.high.data_ptr(), p.scale.data_ptr(), p.bias.data_ptr(),
+                            n, y.data_ptr() + 4 * off, self.out_features, threads)
             off += n
         return y if self.bias is None else y.add_(self.bias)
 

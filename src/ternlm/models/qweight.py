@@ -1,8 +1,16 @@
-"""GGUF weights kept quantized: the two layouts the native kernel multiplies (kernels/qmatmul.c).
+"""GGUF weights kept quantized: the layouts the native kernel multiplies (kernels/qmatmul.c).
 
   q4g32: 4-bit codes, groups of 32 along the input: codes (out, in/2) bytes, byte j of a group holding
-         elements j (low nibble) and j+16 (high nibble); scale/bias (out, in/32) fp32.
-  q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16) fp32.
+         elements j (low nibble) and j+16 (high nibble); scale/bias (out, in/32).
+  q5g32: 5-bit codes: q4g32's nibbles plus `high` (out, in/8) bytes, 4 a group, bit j (little-endian)
+         the fifth bit of element j; scale/bias (out, in/32).
+  q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16).
+  q8g32: the same with groups of 32.
+
+Scale and bias are fp16 when every one of them is exactly an fp16 (GGML's own d and m: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0), else fp32 (K-quants, whose d*sc products need more bits): decode reads every
+weight byte once per token, so the bytes per weight set its speed (Q8_0: 1.125 instead of 1.5; Q5_0
+0.75 instead of 1.5; Q4_1 0.625 instead of 0.75).
 
 A weight is w = fma(scale, code, bias). Every GGML type below maps onto one layout with that value
 *exactly* equal to the fp32 GGML dequantization (gguf.quants.dequantize): the products d*sc, d*q and
@@ -11,10 +19,10 @@ which the fma does once, as GGML's fp32 code does. tests/test_qweight.py checks 
 package: equal values (only the sign of an exact zero can differ: fma(d, 8, -8d) is +0 where
 d * (8 - 8) is -0 for a negative d, which no sum can tell apart).
 
-  Q4_0  d*(q-8)          -> q4g32 scale d, bias -8d          Q8_0 d*q       -> q8g16 code q+128, bias -128d
-  Q4_1  d*q + m          -> q4g32 scale d, bias m            Q5_0 d*(q-16)  -> q8g16 scale d, bias -16d
-  Q4_K  d*sc*q - dmin*m  -> q4g32 (sub-blocks of 32)         Q5_1 d*q + m   -> q8g16
-                                                             Q5_K, Q6_K (sub-blocks of 32 / 16) -> q8g16
+  Q4_0  d*(q-8)          -> q4g32 scale d, bias -8d          Q8_0 d*q       -> q8g32 code q+128, bias -128d
+  Q4_1  d*q + m          -> q4g32 scale d, bias m            Q5_0 d*(q-16)  -> q5g32 scale d, bias -16d
+  Q4_K  d*sc*q - dmin*m  -> q4g32 (sub-blocks of 32)         Q5_1 d*q + m   -> q5g32
+  Q5_K  (sub-blocks of 32) -> q5g32                          Q6_K (sub-blocks of 16) -> q8g16
 """
 from __future__ import annotations
 
@@ -25,17 +33,19 @@ from gguf import GGMLQuantizationType as QT
 
 from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles
 
-Q4, Q8 = "q4g32", "q8g16"
-GROUP = {Q4: 32, Q8: 16}
+Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
+GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32}
+NIBBLES = (Q4, Q5)       # layouts whose codes are packed nibbles (GGML's order)
 
 
 @dataclass(frozen=True)
 class QWeight:
     """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
-    fmt: str                   # "q4g32" | "q8g16"
-    codes: torch.Tensor        # uint8 (out, in/2) for q4g32, (out, in) for q8g16
-    scale: torch.Tensor        # fp32 (out, in/group)
-    bias: torch.Tensor         # fp32 (out, in/group)
+    fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32"
+    codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts
+    scale: torch.Tensor        # fp32 or fp16 (out, in/group)
+    bias: torch.Tensor         # same dtype and shape as scale
+    high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32, else None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -43,15 +53,24 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.bias.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.bias.nbytes + (0 if self.high is None else self.high.nbytes)
+
+    @property
+    def half_scales(self) -> bool:
+        return self.scale.dtype == torch.float16
 
     def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Each weight's code, (len(rows), in) uint8, in input order."""
         c = self.codes[rows]
-        if self.fmt == Q8:
+        if self.fmt not in NIBBLES:
             return c
         g = c.reshape(c.shape[0], -1, 16)
-        return torch.cat((g & 0x0F, g >> 4), dim=-1).reshape(c.shape[0], -1)
+        q = torch.cat((g & 0x0F, g >> 4), dim=-1)                               # (n, groups, 32)
+        if self.fmt == Q5:
+            h = self.high[rows].reshape(c.shape[0], -1, 4)                      # (n, groups, 4)
+            bits = (h.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1   # (n, groups, 4, 8)
+            q = q | (bits.reshape(q.shape) << 4)
+        return q.reshape(c.shape[0], -1)
 
     def dequantize(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """fp32 (len(rows), in): the exact weights (fma: computed in float64, then rounded once).
@@ -65,7 +84,7 @@ class QWeight:
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
         """Rows reordered (output features): new row i is old row order[i]."""
         return QWeight(self.fmt, self.codes[order].contiguous(), self.scale[order].contiguous(),
-                       self.bias[order].contiguous())
+                       self.bias[order].contiguous(), None if self.high is None else self.high[order].contiguous())
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
@@ -74,6 +93,15 @@ class QWeight:
 def _pack_nibbles(v: torch.Tensor) -> torch.Tensor:
     """(n, groups, 32) values 0..15 -> (n, groups * 16) bytes: byte j = v[j] | v[j + 16] << 4."""
     return (v[..., :16] | (v[..., 16:] << 4)).reshape(v.shape[0], -1)
+
+
+def _pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, k) values 0..31, k a multiple of 32 -> (nibbles (n, k/2), high (n, k/8)): bit j of a
+    group's 4 high bytes (little-endian) is element j's bit 4."""
+    g = q.reshape(q.shape[0], -1, 32)
+    bits = ((g >> 4) & 1).reshape(q.shape[0], -1, 4, 8)                         # (n, groups, 4, 8)
+    high = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return _pack_nibbles(g & 0x0F), high.reshape(q.shape[0], -1)
 
 
 def _q4_0(b):
@@ -95,27 +123,26 @@ def _q4_k(b):
 def _q8_0(b):
     d = _f16(b, 0)
     codes = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return codes, d.expand(-1, 2), (d * -128.0).expand(-1, 2)
+    return codes, d, d * -128.0
 
 
+# The 5-bit converters return each element's full code 0..31 (n, 32 or 256): from_gguf packs them.
 def _q5_0(b):
     q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6], 8) << 4)
     d = _f16(b, 0)
-    return q, d.expand(-1, 2), (d * -16.0).expand(-1, 2)
+    return q, d, d * -16.0
 
 
 def _q5_1(b):
     q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8], 8) << 4)
-    return q, _f16(b, 0).expand(-1, 2), _f16(b, 2).expand(-1, 2)
+    return q, _f16(b, 0), _f16(b, 2)
 
 
 def _q5_k(b):
     sc, mn = _k_scales_mins(b[:, 4:16])
     high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
     q = (_k_low_nibbles(b[:, 48:]) | (high << 4)).reshape(b.shape[0], -1)     # (n, 256)
-    scale = (_f16(b, 0) * sc.float()).repeat_interleave(2, dim=1)              # (n, 16)
-    bias = -(_f16(b, 2) * mn.float()).repeat_interleave(2, dim=1)
-    return q, scale, bias
+    return q, _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())              # scale/bias (n, 8)
 
 
 def _q6_k(b):
@@ -131,10 +158,16 @@ def _q6_k(b):
 # qtype -> (layout, block elements, bytes per block, converter)
 _CONVERT = {
     QT.Q4_0: (Q4, 32, 18, _q4_0), QT.Q4_1: (Q4, 32, 20, _q4_1), QT.Q4_K: (Q4, 256, 144, _q4_k),
-    QT.Q8_0: (Q8, 32, 34, _q8_0), QT.Q5_0: (Q8, 32, 22, _q5_0), QT.Q5_1: (Q8, 32, 24, _q5_1),
-    QT.Q5_K: (Q8, 256, 176, _q5_k), QT.Q6_K: (Q8, 256, 210, _q6_k),
+    QT.Q8_0: (Q8W, 32, 34, _q8_0), QT.Q5_0: (Q5, 32, 22, _q5_0), QT.Q5_1: (Q5, 32, 24, _q5_1),
+    QT.Q5_K: (Q5, 256, 176, _q5_k), QT.Q6_K: (Q8, 256, 210, _q6_k),
 }
 QUANTIZED_TYPES = frozenset(_CONVERT)
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """t (fp32) as fp16 when that is exact for every value (GGML's own fp16 fields), else t."""
+    h = t.half()
+    return h if torch.equal(h.float(), t) and bool(torch.isfinite(h).all()) else t
 
 
 def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> QWeight:
@@ -144,6 +177,13 @@ def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int)
     if in_features % block:
         raise ValueError(f"input size {in_features} is not a multiple of the {qtype.name} block {block}")
     codes, scale, bias = fn(raw.view(-1, size))
-    return QWeight(fmt, codes.reshape(out_features, -1).contiguous(),
-                   scale.float().reshape(out_features, -1).contiguous(),
-                   bias.float().reshape(out_features, -1).contiguous())
+    high = None
+    if fmt == Q5:
+        codes, high = _pack_q5(codes.reshape(out_features, -1))
+        high = high.contiguous()
+    scale = scale.float().reshape(out_features, -1).contiguous()
+    bias = bias.float().reshape(out_features, -1).contiguous()
+    s16, b16 = _compact(scale), _compact(bias)
+    if s16.dtype == b16.dtype == torch.float16:       # one dtype for both: one kernel variant reads them
+        scale, bias = s16, b16
+    return QWeight(fmt, codes.reshape(out_features, -1).contiguous(), scale, bias, high)
