@@ -19,61 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#include "vec.h"
 
 #define BLOCK 256
 #define MAXD 256
-
-static inline v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* Lanes of a where mask (all ones) is set, else of b (C has no vector ?:). */
-static inline v16 select16(v16i mask, v16 a, v16 b) {
-    v16i ai, bi, r;
-    memcpy(&ai, &a, sizeof a);
-    memcpy(&bi, &b, sizeof b);
-    r = (ai & mask) | (bi & ~mask);
-    v16 out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
-/* Sum of 16 lanes as a fixed tree: halves, quarters, ... */
-static inline float hsum(v16 a) {
-    typedef float v8 __attribute__((vector_size(32)));
-    typedef float v4 __attribute__((vector_size(16)));
-    v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-static inline float hmax(v16 a) {
-    float m = a[0];
-    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
-    return m;
-}
-
-/* e^x for x <= 0 (softmax arguments), exact 0 below -104 (and for -inf). Relative error ~2e-7. */
-static inline v16 exp16(v16 x) {
-    v16i under = x < splat(-87.0f);                      /* 2^n below would leave fp32's normal range */
-    x = select16(under, splat(-87.0f), x);
-    /* round to nearest: adding and removing 1.5 * 2^23 (exact for |t| < 2^22; no -ffast-math here) */
-    v16 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
-    v16 r = x - n * splat(0.693359375f);                 /* ln2 split in two for an exact-ish reduction */
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16 scale;
-    memcpy(&scale, &e, sizeof scale);
-    return select16(under, splat(0.0f), p * scale);
-}
 
 static void row(const float *q, const float *k, const float *v, int64_t n, int64_t D, float *out) {
     const int64_t nv = D / 16;

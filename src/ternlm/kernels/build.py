@@ -1,4 +1,4 @@
-"""Compile the native kernels (qmatmul.c, attention.c) for this CPU on first use; load them with ctypes.
+"""Compile the native kernels (qmatmul.c, attention.c, layer.c) for this CPU on first use; load them with ctypes.
 
 Why at run time, not at install: the kernel is compiled with -march=native, so the binary must be
 built on the CPU it runs on (users' CPUs differ: AMX, AVX-512, AVX2-only), and pip's wheel for this
@@ -26,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c", "layer.c")]
+HEADERS = [Path(__file__).with_name("vec.h")]          # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
@@ -81,7 +82,7 @@ def _cpu_flags() -> str:
 def _digest(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     for part in (version, " ".join(FLAGS), _cpu_flags()):
         h.update(b"\0" + part.encode())
@@ -134,5 +135,7 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention_segments.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int]
     lib.tq_attention_segments.restype = ctypes.c_int
     lib.tq_attention.restype = ctypes.c_int
+    lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
+    lib.tq_layer.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
     return Kernels(lib, lib.tq_isa().decode(), digest)

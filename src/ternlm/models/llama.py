@@ -18,7 +18,9 @@ layer is two matmuls for attention and two for the MLP.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,11 @@ from ..invariants import check
 from ..kernels.build import Kernels
 from .qlinear import projection
 from .qweight import QWeight
+
+if TYPE_CHECKING:
+    from ..kernels.layer import NativeLayer
+
+log = logging.getLogger("ternlm")
 
 # The KV cache and attention run in fp32 whatever the compute dtype: exact, and on this CPU faster than
 # bf16 (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms).
@@ -269,7 +276,20 @@ class Transformer(nn.Module):
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
         self.lm_head = projection([head], None, dtype, pack, kernels if quantized else None)
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)                        # (max_pos, head_dim)
+        self.cos, self.sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()   # (max_pos, head_dim)
+        self.native = self._native_layers() if quantized else None
+
+    def _native_layers(self) -> "list[NativeLayer] | None":
+        """Every layer as one kernels/layer.c call, when all of them fit it (fp32 activations, every
+        projection quantized, shapes it takes); else None and the torch layers run. Deterministic in
+        the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
+        from ..kernels.layer import NativeLayer
+        built = [NativeLayer.build(self.kernels, layer, self.cos, self.sin) for layer in self.layers]
+        why = next((b for b in built if isinstance(b, str)), None)
+        if why is not None:
+            log.info("layers run in torch, not fused: %s", why)
+            return None
+        return built
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -301,7 +321,7 @@ class Transformer(nn.Module):
         else. A segment's results do not depend on the others [BATCH-INVARIANT]."""
         if sum(s.length for s in segments) != x.shape[0] or any(s.length < 1 for s in segments):
             raise ValueError("segments must cover the rows of x, each with at least one row")
-        parts: list[list[_Part]] = [[] for _ in self.layers]
+        parts: list[list[_Part]] = [[] for _ in self.layers] if self.native is None else []
         cos, sin = [], []                                                        # (T_i, head_dim) each
         r0 = 0
         for s in segments:
@@ -320,8 +340,14 @@ class Transformer(nn.Module):
         cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
         sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
         table = segment_table(segments, self.cfg) if self.kernels is not None else None
-        for layer, layer_parts in zip(self.layers, parts):
-            x = layer(x, cos_m, sin_m, layer_parts, table)
+        if self.native is not None:                 # whole layers in C, x updated in place
+            x = x.to(torch.float32).clone()
+            scratch = torch.empty(x.shape[0] * max(n.per_row for n in self.native))
+            for native in self.native:
+                native(x, table, scratch)
+        else:
+            for layer, layer_parts in zip(self.layers, parts):
+                x = layer(x, cos_m, sin_m, layer_parts, table)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
         picks, r0 = [], 0
         for s in segments:

@@ -1,0 +1,176 @@
+/* One whole decoder layer (llama / qwen2 / qwen3) for fp32 activations and quantized projections, in one
+ * call: RMSNorm -> q/k/v -> (q/k norm) -> RoPE -> KV write -> attention -> o + residual -> RMSNorm ->
+ * gate/up -> SiLU * up -> down + residual. models/llama.py's torch code computes the same layer; this
+ * exists because at decode (one row) its ~35 small torch ops a layer cost more than the layer's
+ * arithmetic (~4 ms a token on smollm2, a quarter of the step).
+ *
+ * [BATCH-INVARIANT] Everything here is row-wise (a row's norm, RoPE, SiLU read only that row, in a fixed
+ * order) or one of the batch-invariant kernels (qmatmul.c, attention.c): a row's bits do not depend on
+ * M, on the other sequences in the batch or on the thread count.
+ *
+ * [RECORD-WHERE-FED] The KV write is a side effect of this call, like the torch layer's; the caller
+ * (runner.py) records the positions fed once the whole forward returned.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+typedef void (*mm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
+                      const void *scale, const void *bias, int64_t N, float *y, int64_t ldy, int nthreads);
+void tq_q4g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q4g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q5g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q5g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q8g16_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q8g16h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q8g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+void tq_q8g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads);
+
+/* indexed by layout (0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32: kernels/layer.py LAYOUT_CODE) and fp16 scales */
+static const mm_fn MM[4][2] = {
+    {tq_q4g32_mm, tq_q4g32h_mm}, {tq_q5g32_mm, tq_q5g32h_mm},
+    {tq_q8g16_mm, tq_q8g16h_mm}, {tq_q8g32_mm, tq_q8g32h_mm},
+};
+
+/* Mirrored by ctypes Structures in kernels/layer.py: every field 8 bytes, no padding. */
+typedef struct {
+    int64_t layout, half, n;              /* n: output features of this part */
+    const uint8_t *codes, *high;
+    const void *scale, *bias;
+} TqPart;
+
+#define MAXPARTS 4
+typedef struct {
+    int64_t nparts, n_out;
+    const float *bias;                    /* (n_out,) added after the matmul, or NULL */
+    TqPart parts[MAXPARTS];               /* stacked along the outputs */
+} TqProj;
+
+typedef struct {
+    int64_t hidden, inter, H, KV, D, index;     /* index: this layer's place in the slots' caches */
+    double eps;
+    const float *in_norm, *post_norm;           /* (hidden,) */
+    const float *q_norm, *k_norm;               /* (D,) or NULL (qwen3's per-head norms) */
+    const float *cos, *sin;                     /* (max_pos, D) rotate-half tables */
+    TqProj qkv, o, gate_up, down;
+} TqLayer;
+
+/* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices. */
+static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float *y, int nthreads) {
+    int64_t off = 0;
+    for (int64_t i = 0; i < p->nparts; i++) {
+        const TqPart *t = &p->parts[i];
+        MM[t->layout][t->half ? 1 : 0](x, M, K, t->codes, t->high, t->scale, t->bias, t->n, y + off, p->n_out,
+                                        nthreads);
+        off += t->n;
+    }
+    if (p->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < p->n_out; j++) y[m * p->n_out + j] += p->bias[j];
+}
+
+/* out = w * (x * 1/sqrt(mean(x^2) + eps)): the torch rms_norm's formula, sums in a fixed order. n % 16 == 0. */
+static void rms_row(const float *x, const float *w, int64_t n, float eps, float *out) {
+    v16 acc = splat(0.0f);
+    for (int64_t c = 0; c < n; c += 16) { v16 v = load16(x + c); acc += v * v; }
+    float r = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
+    for (int64_t c = 0; c < n; c += 16) {
+        v16 o = load16(w + c) * (load16(x + c) * splat(r));
+        memcpy(out + c, &o, sizeof o);
+    }
+}
+
+/* In place: x (D,) rotated for its position (rotate-half layout): x*cos + [-x2, x1]*sin. */
+static void rope_row(float *x, const float *cos, const float *sin, int64_t D) {
+    float t[256];
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) { t[i] = -x[half + i]; t[half + i] = x[i]; }
+    for (int64_t i = 0; i < D; i++) x[i] = x[i] * cos[i] + t[i] * sin[i];
+}
+
+/* SiLU(g) * u for 16 lanes, exp's argument kept <= 0: silu(g) = g / (1 + e^-g) for g >= 0, and
+ * g e^g / (1 + e^g) for g < 0 (the same value, without overflow). */
+static inline v16 silu_mul16(v16 g, v16 u) {
+    v16i neg = g < splat(0.0f);
+    v16 t = exp16(select16(neg, g, -g));                 /* e^-|g| */
+    v16 num = select16(neg, g * t, g);
+    return num / (splat(1.0f) + t) * u;
+}
+
+/* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
+ * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (SCRATCH_PER_ROW
+ * in kernels/layer.py).
+ * Side effects: x; each sequence's K/V of its positions in this layer. Returns 0, or -1 on a shape
+ * it does not take (nothing written then). */
+int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M, float *scratch,
+             int nthreads) {
+    const int64_t hid = L->hidden, I = L->inter, H = L->H, KV = L->KV, D = L->D, nqkv = L->qkv.n_out;
+    if (hid % 16 || I % 16 || D % 16 || D > 256 || H % KV || M <= 0 || nqkv != (H + 2 * KV) * D
+        || L->o.n_out != hid || L->gate_up.n_out != 2 * I || L->down.n_out != hid)
+        return -1;
+    const float eps = (float)L->eps;
+    float *h = scratch, *qkv = h + M * hid, *qs = qkv + M * nqkv, *att = qs + M * H * D;
+    float *gu = att + M * H * D, *act = gu + M * 2 * I, *o = act + M * I;
+    int64_t *pos = malloc(M * sizeof *pos), *seg = malloc(M * sizeof *seg);
+    if (!pos || !seg) { free(pos); free(seg); return -1; }
+    for (int64_t s = 0; s < nseg; s++)
+        for (int64_t t = 0; t < segs[6 * s + 1]; t++) {
+            int64_t r = segs[6 * s] + t;
+            if (r < 0 || r >= M) { free(pos); free(seg); return -1; }
+            pos[r] = segs[6 * s + 2] + t;
+            seg[r] = s;
+        }
+    const int par = M >= 8;           /* row loops: threads only where there are rows to share */
+
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++) rms_row(x + r * hid, L->in_norm, hid, eps, h + r * hid);
+    project(&L->qkv, h, M, hid, qkv, nthreads);
+
+    const float qscale = 1.0f / sqrtf((float)D);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++) {
+        const int64_t *sg = segs + 6 * seg[r];
+        const int64_t cap = sg[3], p = pos[r];
+        const float *cs = L->cos + p * D, *sn = L->sin + p * D;
+        float *row = qkv + r * nqkv;
+        for (int64_t hh = 0; hh < H + KV; hh++) {        /* q heads, then k heads */
+            float *v = row + hh * D;
+            const float *nw = hh < H ? L->q_norm : L->k_norm;
+            if (nw) rms_row(v, nw, D, eps, v);
+            rope_row(v, cs, sn, D);
+        }
+        for (int64_t hh = 0; hh < H; hh++)
+            for (int64_t i = 0; i < D; i++) qs[(hh * M + r) * D + i] = row[hh * D + i] * qscale;
+        float *kc = (float *)(intptr_t)sg[4], *vc = (float *)(intptr_t)sg[5];
+        for (int64_t kv = 0; kv < KV; kv++) {
+            int64_t at = ((L->index * KV + kv) * cap + p) * D;
+            memcpy(kc + at, row + (H + kv) * D, D * sizeof(float));
+            memcpy(vc + at, row + (H + KV + kv) * D, D * sizeof(float));
+        }
+    }
+    free(pos);
+    free(seg);
+    if (tq_attention_segments(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads) != 0) return -1;
+
+    project(&L->o, att, M, H * D, o, nthreads);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t i = 0; i < hid; i++) x[r * hid + i] += o[r * hid + i];
+        rms_row(x + r * hid, L->post_norm, hid, eps, h + r * hid);
+    }
+    project(&L->gate_up, h, M, hid, gu, nthreads);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c = 0; c < I; c += 16) {
+            v16 a = silu_mul16(load16(gu + r * 2 * I + c), load16(gu + r * 2 * I + I + c));
+            memcpy(act + r * I + c, &a, sizeof a);
+        }
+    project(&L->down, act, M, I, o, nthreads);
+    for (int64_t i = 0; i < M * hid; i++) x[i] += o[i];
+    return 0;
+}

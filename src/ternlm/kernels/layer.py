@@ -1,0 +1,101 @@
+"""A decoder layer run whole by kernels/layer.c (fp32 activations, every projection quantized).
+
+`NativeLayer.build` returns one when the layer's shapes and weights fit layer.c, else a reason string
+(the caller keeps the torch layer then). The ctypes structures mirror layer.c's TqPart / TqProj /
+TqLayer field for field; they hold raw addresses, so a NativeLayer keeps every tensor it points at.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .build import Kernels
+
+LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3}   # layer.c's MM table
+MAXPARTS = 4
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("layout", _i64), ("half", _i64), ("n", _i64), ("codes", _ptr), ("high", _ptr),
+                ("scale", _ptr), ("bias", _ptr)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("nparts", _i64), ("n_out", _i64), ("bias", _ptr), ("parts", _Part * MAXPARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("inter", _i64), ("H", _i64), ("KV", _i64), ("D", _i64), ("index", _i64),
+                ("eps", ctypes.c_double), ("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr),
+                ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj)]
+
+
+def scratch_per_row(hidden: int, qkv_out: int, q_size: int, inter: int) -> int:
+    """Floats of layer.c's scratch per batch row: h, o (hidden each), qkv, scaled q and attention
+    output (q_size each), gate|up (2 inter), SiLU * up (inter)."""
+    return 2 * hidden + qkv_out + 2 * q_size + 3 * inter
+
+
+def _ptr_of(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _proj(q, keep: list) -> _Proj | str:
+    """A QLinear (models/qlinear.py) -> _Proj, or why not."""
+    from ..models.qlinear import QLinear
+    if not isinstance(q, QLinear):
+        return "a projection is not quantized"
+    if len(q.parts) > MAXPARTS:
+        return f"a projection has {len(q.parts)} parts (layer.c takes {MAXPARTS})"
+    p = _Proj(nparts=len(q.parts), n_out=q.out_features, bias=_ptr_of(q.bias))
+    keep.append(q)                     # its tensors stay alive as long as this layer
+    for i, w in enumerate(q.parts):
+        p.parts[i] = _Part(LAYOUT_CODE[w.fmt], int(w.half_scales), w.shape[0], w.codes.data_ptr(),
+                           _ptr_of(w.high), w.scale.data_ptr(), w.bias.data_ptr())
+    return p
+
+
+@dataclass
+class NativeLayer:
+    kernels: Kernels
+    spec: _Layer
+    per_row: int          # scratch floats per batch row
+    keep: list            # the tensors and projections spec points into
+
+    @classmethod
+    def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeLayer | str":
+        """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32 rope tables (kept alive here)."""
+        cfg = layer.cfg
+        norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, cos, sin]
+        if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
+            return "activations are not fp32"
+        keep: list = [t for t in norms if t is not None]
+        projs = {n: _proj(getattr(layer, n), keep) for n in ("qkv", "o", "gate_up", "down")}
+        for why in projs.values():
+            if isinstance(why, str):
+                return why
+        d, inter = cfg.head_dim, projs["gate_up"].n_out // 2
+        if cfg.hidden_size % 16 or inter % 16 or d % 16 or d > 256 or cfg.num_heads % cfg.num_kv_heads:
+            return f"shapes layer.c does not take (hidden {cfg.hidden_size}, intermediate {inter}, head_dim {d})"
+        spec = _Layer(hidden=cfg.hidden_size, inter=inter, H=cfg.num_heads, KV=cfg.num_kv_heads, D=d,
+                      index=layer.index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
+                      post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
+                      k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs)
+        per_row = scratch_per_row(cfg.hidden_size, projs["qkv"].n_out, cfg.num_heads * d, inter)
+        return cls(kernels, spec, per_row, keep)
+
+    def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch
+        (its caches checked there); scratch: >= M * per_row fp32. Side effects: x and the caches."""
+        M = x.shape[0]
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.spec.hidden
+                and scratch.dtype == torch.float32 and scratch.numel() >= M * self.per_row):
+            raise ValueError("native layer: input or scratch does not match")
+        rc = self.kernels.lib.tq_layer(ctypes.addressof(self.spec), table.data_ptr(), table.shape[0], x.data_ptr(),
+                                       M, scratch.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"native layer: unsupported shape or batch (rows {M})")

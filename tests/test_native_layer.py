@@ -1,0 +1,172 @@
+"""kernels/layer.c: a whole decoder layer in one call (fp32 activations, quantized projections).
+
+Oracles: the torch layer in models/llama.py on the same weights (the fused layer must agree with it to
+fp32 rounding), transformers through tests/test_qweight.py (the real model), and the fused layer's own
+runs split differently (batch invariance, bit for bit). Synthetic models cover what the default model
+lacks: qwen2's q/k/v bias, qwen3's per-head q/k norms, mixed layouts in one projection."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ternlm.config import ModelConfig
+from ternlm.kernels.build import Unavailable, load
+from ternlm.models.llama import Segment, Transformer
+from ternlm.models.qweight import from_gguf
+from test_qweight import random_blocks
+
+
+def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False) -> Transformer:
+    """2 layers, hidden 64, 4 heads over 2 kv heads of 32, random GGML blocks of several types."""
+    cfg = ModelConfig(arch="qwen3" if qk_norm else "qwen2" if qkv_bias else "llama", vocab_size=96,
+                      hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                      tie_word_embeddings=True, qkv_bias=qkv_bias, qk_norm=qk_norm)
+    g = torch.Generator().manual_seed(seed)
+    types = [QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.Q5_1]
+
+    def q(name: str, out: int, inp: int, i: int):
+        qt = types[i % len(types)]
+        return from_gguf(torch.from_numpy(random_blocks(qt, out, inp, seed=seed * 100 + i)), qt, out, inp)
+
+    w: dict = {"model.embed_tokens.weight": q("embed", 96, 64, 0),
+               "model.norm.weight": 1 + 0.1 * torch.randn(64, generator=g)}
+    i = 1
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        for name, out, inp in [("self_attn.q_proj", 128, 64), ("self_attn.k_proj", 64, 64),
+                               ("self_attn.v_proj", 64, 64), ("self_attn.o_proj", 64, 128),
+                               ("mlp.gate_proj", 160, 64), ("mlp.up_proj", 160, 64), ("mlp.down_proj", 64, 160)]:
+            w[p + name + ".weight"] = q(name, out, inp, i)
+            if dense_o and name == "self_attn.o_proj":
+                w[p + name + ".weight"] = w[p + name + ".weight"].dequantize()
+            i += 1
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            w[p + n + ".weight"] = 1 + 0.1 * torch.randn(64, generator=g)
+        if qkv_bias:
+            for n, size in (("q", 128), ("k", 64), ("v", 64)):
+                w[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(size, generator=g)
+        if qk_norm:
+            for n in ("q_norm", "k_norm"):
+                w[p + f"self_attn.{n}.weight"] = 1 + 0.1 * torch.randn(32, generator=g)
+    k = load()
+    if isinstance(k, Unavailable):
+        pytest.fail(f"the native kernels are part of the product and must build here: {k.reason}")
+    return Transformer(cfg, w, torch.float32, pack=False, kernels=k, keep_quantized=True)
+
+
+def caches(m: Transformer, cap: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (m.cfg.num_layers, m.cfg.num_kv_heads, cap, m.cfg.head_dim)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
+VARIANTS = [(False, False), (True, False), (False, True)]
+VARIANT_IDS = ["llama", "qwen2-bias", "qwen3-qknorm"]
+
+
+@pytest.mark.parametrize("qkv_bias,qk_norm", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm):
+    m = tiny_model(qkv_bias, qk_norm)
+    assert m.native is not None, "every layer of this model fits layer.c"
+    ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(1))
+    k1, v1 = caches(m)
+    fused = m.forward(m.embed_ids(ids), 0, k1, v1, all_logits=True)
+    native, m.native = m.native, None            # the torch layers on the same weights
+    try:
+        k2, v2 = caches(m)
+        ref = m.forward(m.embed_ids(ids), 0, k2, v2, all_logits=True)
+    finally:
+        m.native = native
+    scale = ref.abs().max().item()
+    assert (fused - ref).abs().max().item() <= 1e-4 * scale
+    assert (k1 - k2).abs().max().item() <= 1e-4 * k2.abs().max().item()
+    assert (v1 - v2).abs().max().item() <= 1e-4 * v2.abs().max().item()
+    assert k1[:, :, 300:].abs().max() == 0, "nothing written past the positions fed"
+
+
+@pytest.mark.parametrize("qkv_bias,qk_norm", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm):
+    """[BATCH-INVARIANT] a sequence's logits and KV bits are the same whole, in chunks, token by token,
+    and batched with other sequences."""
+    m = tiny_model(qkv_bias, qk_norm, seed=2)
+    ids = torch.randint(0, 96, (70,), generator=torch.Generator().manual_seed(4))
+    kw, vw = caches(m)
+    whole = m.forward(m.embed_ids(ids), 0, kw, vw, all_logits=True)
+    kc, vc = caches(m)
+    chunks = [m.forward(m.embed_ids(ids[a:b]), a, kc, vc, all_logits=True) for a, b in [(0, 9), (9, 40), (40, 70)]]
+    assert torch.equal(torch.cat(chunks), whole)
+    ks, vs = caches(m)
+    m.forward(m.embed_ids(ids[:60]), 0, ks, vs)
+    steps = [m.forward(m.embed_ids(ids[t:t + 1]), t, ks, vs) for t in range(60, 70)]
+    assert torch.equal(torch.cat(steps), whole[60:])
+    for a, b in ((kw, kc), (vw, vc), (kw, ks), (vw, vs)):
+        assert torch.equal(a, b)
+    # with two other sequences in the same forward (a decode row and a prefill chunk)
+    other = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(5))
+    kb, vb = caches(m)
+    ko, vo = caches(m, 256)
+    m.forward(m.embed_ids(ids[:60]), 0, kb, vb)
+    m.forward(m.embed_ids(other[:20]), 0, ko, vo)
+    x = torch.cat([m.embed_ids(other[20:21]), m.embed_ids(ids[60:70]), m.embed_ids(other[:5])])
+    kn, vn = caches(m, 256)
+    out = m.forward_batch(x, [Segment(20, 1, ko, vo), Segment(60, 10, kb, vb, "all"), Segment(0, 5, kn, vn, "none")])
+    assert torch.equal(out[1], whole[60:])
+    assert out[2] is None
+    assert torch.equal(kb, kw) and torch.equal(vb, vw)
+
+
+def test_fused_layer_threads_do_not_change_bits():
+    m = tiny_model(True, False, seed=3)
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6))
+    k1, v1 = caches(m)
+    two = m.forward(m.embed_ids(ids), 0, k1, v1, all_logits=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        k2, v2 = caches(m)
+        one = m.forward(m.embed_ids(ids), 0, k2, v2, all_logits=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(k1, k2)
+
+
+def test_layers_stay_in_torch_when_a_projection_is_dense():
+    """A dense projection (here every o_proj) keeps the whole model on the torch layers."""
+    assert tiny_model(False, False, dense_o=True).native is None
+
+
+_ISA_SCRIPT = textwrap.dedent("""
+    import torch
+    from test_native_layer import tiny_model, caches
+    for bias, norm in [(False, False), (True, False), (False, True)]:
+        m = tiny_model(bias, norm)
+        assert m.native is not None
+        ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1))
+        k1, v1 = caches(m)
+        whole = m.forward(m.embed_ids(ids), 0, k1, v1, all_logits=True)
+        k2, v2 = caches(m)
+        parts = [m.forward(m.embed_ids(ids[a:b]), a, k2, v2, all_logits=True) for a, b in [(0, 13), (13, 14), (14, 50)]]
+        assert torch.equal(torch.cat(parts), whole) and torch.equal(k1, k2) and torch.equal(v1, v2)
+        native, m.native = m.native, None
+        k3, v3 = caches(m)
+        ref = m.forward(m.embed_ids(ids), 0, k3, v3, all_logits=True)
+        m.native = native
+        assert (whole - ref).abs().max() <= 1e-4 * ref.abs().max()
+    print(m.kernels.isa, "ok")
+""")
+
+
+@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_lesser_isa_builds(march, isa, tmp_path):
+    """layer.c as an AVX2-only (or baseline x86-64) CPU builds it: agrees with torch, invariant."""
+    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [isa, "ok"]
