@@ -22,39 +22,43 @@ from ternlm.models.qweight import from_gguf
 from test_qweight import random_blocks
 
 
-def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False) -> Transformer:
-    """2 layers, hidden 64, 4 heads over 2 kv heads of 32, random GGML blocks of several types."""
+def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False,
+               kquants: bool = False) -> Transformer:
+    """2 layers, 4 heads over 2 kv heads, random GGML blocks of several types: hidden 64 (head_dim 16)
+    with the 32-blocks types, or hidden 256 (head_dim 64) with the K-quants, whose blocks are 256."""
+    h, hd, inter = (256, 64, 512) if kquants else (64, 32, 160)
     cfg = ModelConfig(arch="qwen3" if qk_norm else "qwen2" if qkv_bias else "llama", vocab_size=96,
-                      hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                      hidden_size=h, intermediate_size=inter, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=hd, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
                       tie_word_embeddings=True, qkv_bias=qkv_bias, qk_norm=qk_norm)
     g = torch.Generator().manual_seed(seed)
-    types = [QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.Q5_1]
+    types = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0] if kquants else [QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.Q5_1]
 
     def q(name: str, out: int, inp: int, i: int):
         qt = types[i % len(types)]
         return from_gguf(torch.from_numpy(random_blocks(qt, out, inp, seed=seed * 100 + i)), qt, out, inp)
 
-    w: dict = {"model.embed_tokens.weight": q("embed", 96, 64, 0),
-               "model.norm.weight": 1 + 0.1 * torch.randn(64, generator=g)}
+    qs, kvs = 4 * hd, 2 * hd
+    w: dict = {"model.embed_tokens.weight": q("embed", 96, h, 0),
+               "model.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
     i = 1
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
-        for name, out, inp in [("self_attn.q_proj", 128, 64), ("self_attn.k_proj", 64, 64),
-                               ("self_attn.v_proj", 64, 64), ("self_attn.o_proj", 64, 128),
-                               ("mlp.gate_proj", 160, 64), ("mlp.up_proj", 160, 64), ("mlp.down_proj", 64, 160)]:
+        for name, out, inp in [("self_attn.q_proj", qs, h), ("self_attn.k_proj", kvs, h),
+                               ("self_attn.v_proj", kvs, h), ("self_attn.o_proj", h, qs),
+                               ("mlp.gate_proj", inter, h), ("mlp.up_proj", inter, h), ("mlp.down_proj", h, inter)]:
             w[p + name + ".weight"] = q(name, out, inp, i)
             if dense_o and name == "self_attn.o_proj":
                 w[p + name + ".weight"] = w[p + name + ".weight"].dequantize()
             i += 1
         for n in ("input_layernorm", "post_attention_layernorm"):
-            w[p + n + ".weight"] = 1 + 0.1 * torch.randn(64, generator=g)
+            w[p + n + ".weight"] = 1 + 0.1 * torch.randn(h, generator=g)
         if qkv_bias:
-            for n, size in (("q", 128), ("k", 64), ("v", 64)):
+            for n, size in (("q", qs), ("k", kvs), ("v", kvs)):
                 w[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(size, generator=g)
         if qk_norm:
             for n in ("q_norm", "k_norm"):
-                w[p + f"self_attn.{n}.weight"] = 1 + 0.1 * torch.randn(32, generator=g)
+                w[p + f"self_attn.{n}.weight"] = 1 + 0.1 * torch.randn(hd, generator=g)
     k = load()
     if isinstance(k, Unavailable):
         pytest.fail(f"the native kernels are part of the product and must build here: {k.reason}")
@@ -66,13 +70,13 @@ def caches(m: Transformer, cap: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape), torch.zeros(shape)
 
 
-VARIANTS = [(False, False), (True, False), (False, True)]
-VARIANT_IDS = ["llama", "qwen2-bias", "qwen3-qknorm"]
+VARIANTS = [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]
+VARIANT_IDS = ["llama", "qwen2-bias", "qwen3-qknorm", "qwen2-kquants"]
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm", VARIANTS, ids=VARIANT_IDS)
-def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm):
-    m = tiny_model(qkv_bias, qk_norm)
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm, kquants):
+    m = tiny_model(qkv_bias, qk_norm, kquants=kquants)
     assert m.native is not None, "every layer of this model fits layer.c"
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(1))
     k1, v1 = caches(m)
@@ -90,11 +94,11 @@ def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm):
     assert k1[:, :, 300:].abs().max() == 0, "nothing written past the positions fed"
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm", VARIANTS, ids=VARIANT_IDS)
-def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm):
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants):
     """[BATCH-INVARIANT] a sequence's logits and KV bits are the same whole, in chunks, token by token,
     and batched with other sequences."""
-    m = tiny_model(qkv_bias, qk_norm, seed=2)
+    m = tiny_model(qkv_bias, qk_norm, seed=2, kquants=kquants)
     ids = torch.randint(0, 96, (70,), generator=torch.Generator().manual_seed(4))
     kw, vw = caches(m)
     whole = m.forward(m.embed_ids(ids), 0, kw, vw, all_logits=True)
@@ -144,8 +148,8 @@ def test_layers_stay_in_torch_when_a_projection_is_dense():
 _ISA_SCRIPT = textwrap.dedent("""
     import torch
     from test_native_layer import tiny_model, caches
-    for bias, norm in [(False, False), (True, False), (False, True)]:
-        m = tiny_model(bias, norm)
+    for bias, norm, kq in [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]:
+        m = tiny_model(bias, norm, kquants=kq)
         assert m.native is not None
         ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1))
         k1, v1 = caches(m)

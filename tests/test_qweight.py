@@ -29,7 +29,8 @@ _F16_AT = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q8_0: [0], QT.Q5_0
 
 _LAYOUT_OF = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5, QT.Q6_K: Q8,
               QT.Q8_0: Q8W}
-_FP16_FIELDS = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
+_MODE_OF = {QT.Q4_0: "f16", QT.Q4_1: "f16", QT.Q5_0: "f16", QT.Q5_1: "f16", QT.Q8_0: "f16", QT.Q4_K: "k",
+            QT.Q5_K: "k", QT.Q6_K: "k6"}
 
 
 def random_blocks(qtype: QT, out: int, inp: int, seed: int = 0) -> np.ndarray:
@@ -56,8 +57,7 @@ def test_layouts_equal_gguf_dequantization(qtype):
     ref = torch.from_numpy(quants.dequantize(raw, qtype).reshape(8, 512).astype(np.float32))
     q = from_gguf(torch.from_numpy(raw), qtype, 8, 512)
     assert q.fmt == _LAYOUT_OF[qtype]
-    if qtype in _FP16_FIELDS:        # GGML's own fp16 d (and m): kept as fp16, exactly
-        assert q.scale.dtype == q.bias.dtype == torch.float16
+    assert q.mode == _MODE_OF[qtype]  # GGML's own fp16 d and m kept as fp16; K-quants keep their sub-scales
     assert torch.equal(q.dequantize(), ref)          # equal values (an exact zero's sign aside)
     rows = torch.tensor([5, 0, 7])
     assert torch.equal(q.dequantize(rows), ref[rows])
@@ -82,25 +82,33 @@ def test_model_tensors_equal_gguf_dequantization(smollm2_gguf):
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864)]   # smollm2 q+k+v, o, gate+up, down; qwen down
 
 
-# Every kernel variant: (layout, fp16 scales). q8g16 and the fp32-scale variants are built from the
-# same random blocks by re-expressing their (exact) scales, so any input size works.
-LAYOUTS = [(Q4, True), (Q4, False), (Q5, True), (Q5, False), (Q8, False), (Q8, True), (Q8W, True), (Q8W, False)]
-LAYOUT_IDS = [f"{f}{'h' if h else ''}" for f, h in LAYOUTS]
+# Every kernel variant (qmatmul.c's tq_<layout>_<mode>_mm). The f32/f16 variants are built from
+# Q4_1 / Q5_0 / Q8_0 blocks by re-expressing their (exact) scales, so any input size works; the
+# K-quant modes come from Q4_K / Q5_K / Q6_K blocks (inputs a multiple of 256: K_SHAPES).
+LAYOUTS = [(Q4, "f16"), (Q4, "f32"), (Q5, "f16"), (Q5, "f32"), (Q8, "f32"), (Q8, "f16"), (Q8W, "f16"), (Q8W, "f32")]
+K_LAYOUTS = [(Q4, "k"), (Q5, "k"), (Q8, "k6")]
+K_SHAPES = [(960, 512), (3072, 1536), (256, 4864)]
+CASES = [(lay, shape) for lay in LAYOUTS for shape in SHAPES] + [(lay, shape) for lay in K_LAYOUTS for shape in K_SHAPES]
+CASE_IDS = [f"{f}_{m}-{o}x{i}" for (f, m), (o, i) in CASES]
 
 
-def _weights(layout: tuple[str, bool], out: int, inp: int) -> QWeight:
-    fmt, half = layout
+def _weights(layout: tuple[str, str], out: int, inp: int) -> QWeight:
+    fmt, mode = layout
+    if mode in ("k", "k6"):
+        qtype = {Q4: QT.Q4_K, Q5: QT.Q5_K, Q8: QT.Q6_K}[fmt]
+        q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
+        assert (q.fmt, q.mode) == layout
+        return q
     qtype = {Q4: QT.Q4_1, Q5: QT.Q5_0, Q8: QT.Q8_0, Q8W: QT.Q8_0}[fmt]
     q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
     scale, bias = q.scale, q.bias
     if fmt == Q8:                    # the same values in groups of 16
         scale, bias = scale.repeat_interleave(2, dim=1).contiguous(), bias.repeat_interleave(2, dim=1).contiguous()
-    dtype = torch.float16 if half else torch.float32
+    dtype = torch.float16 if mode == "f16" else torch.float32
     return QWeight(fmt, q.codes, scale.to(dtype), bias.to(dtype), q.high)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("layout,shape", CASES, ids=CASE_IDS)
 def test_kernel_equals_float64_matmul(layout, shape):
     q = _weights(layout, *shape)
     x = torch.randn(37, shape[1])
@@ -110,8 +118,7 @@ def test_kernel_equals_float64_matmul(layout, shape):
     assert (y.double() - ref).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("layout,shape", CASES, ids=CASE_IDS)
 def test_kernel_rows_are_batch_invariant(layout, shape):
     """[BATCH-INVARIANT] a row's bits do not depend on the rows beside it (M = 1..512) nor on threads."""
     lin = QLinear([_weights(layout, *shape)], None, kernels())
@@ -130,7 +137,7 @@ def test_kernel_rows_are_batch_invariant(layout, shape):
 
 def test_mixed_layouts_in_one_projection():
     """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by side."""
-    a, b = _weights((Q4, True), 64, 576), _weights((Q8, False), 32, 576)
+    a, b = _weights((Q4, "f16"), 64, 576), _weights((Q8, "f32"), 32, 576)
     bias = torch.randn(96)
     x = torch.randn(5, 576)
     k = kernels()
@@ -143,10 +150,10 @@ _ISA_SCRIPT = textwrap.dedent("""
     import torch
     from ternlm.kernels.build import load
     from ternlm.models.qlinear import QLinear
-    from test_qweight import _weights, LAYOUTS
+    from test_qweight import _weights, LAYOUTS, K_LAYOUTS
     k = load()
     print(k.isa)
-    for fmt in LAYOUTS:
+    for fmt in LAYOUTS + K_LAYOUTS:
         lin = QLinear([_weights(fmt, 576, 1536)], None, k)
         x = torch.randn(40, 1536)
         full = lin(x)

@@ -31,7 +31,9 @@ HEADERS = [Path(__file__).with_name("vec.h")]          # in the digest, not on t
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
-MM_LAYOUTS = ("q4g32", "q5g32", "q8g16", "q8g32")    # qmatmul.c's layouts (models/qweight.py)
+# qmatmul.c's (layout, scale mode) variants (models/qweight.py)
+MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"),
+               ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"), ("q8g32", "f32"), ("q8g32", "f16"))
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 
 
@@ -55,12 +57,11 @@ class Kernels:
         if self.lib.tq_attention_segments(segs, nseg, layer, q, M, H, KV, D, out, threads) != 0:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M})")
 
-    def mm(self, fmt: str, half: bool, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
-           N: int, y: int, ldy: int, threads: int) -> None:
-        """Raw pointers: see qmatmul.c. fmt: one of MM_LAYOUTS; half: fp16 scale/bias (else fp32);
-        high: the q5g32 high bits (0 otherwise). Releases the GIL while it runs."""
-        getattr(self.lib, f"tq_{fmt}{'h' if half else ''}_mm")(x, M, K, codes, high, scale, bias, N, y, ldy,
-                                                                 threads)
+    def mm(self, fmt: str, mode: str, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
+           sup: int, N: int, y: int, ldy: int, threads: int) -> None:
+        """Raw pointers: see qmatmul.c. (fmt, mode): one of MM_VARIANTS; high: the q5g32 high bits, sup:
+        the K-quant super-block scales (0 where unused). Releases the GIL while it runs."""
+        getattr(self.lib, f"tq_{fmt}_{mode}_mm")(x, M, K, codes, high, scale, bias, sup, N, y, ldy, threads)
 
 
 @dataclass(frozen=True)
@@ -128,9 +129,9 @@ def load() -> Kernels | Unavailable:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return Unavailable(f"building the native kernels failed: {e}")
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for name in (f"tq_{fmt}{h}_mm" for fmt in MM_LAYOUTS for h in ("", "h")):
+    for name in (f"tq_{fmt}_{mode}_mm" for fmt, mode in MM_VARIANTS):
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [p, i, i, p, p, p, p, i, p, i, ctypes.c_int], None
+        fn.argtypes, fn.restype = [p, i, i, p, p, p, p, p, i, p, i, ctypes.c_int], None
     lib.tq_attention.argtypes = [p, i, i, i, i, p, p, i, i, p, i, ctypes.c_int]
     lib.tq_attention_segments.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int]
     lib.tq_attention_segments.restype = ctypes.c_int

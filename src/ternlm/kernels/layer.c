@@ -19,29 +19,32 @@
 #include "vec.h"
 
 typedef void (*mm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
-                      const void *scale, const void *bias, int64_t N, float *y, int64_t ldy, int nthreads);
-void tq_q4g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q4g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q5g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q5g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q8g16_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q8g16h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q8g32_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
-void tq_q8g32h_mm(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, const void *, int64_t, float *, int64_t, int);
+                      const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy,
+                      int nthreads);
+#define MM_DECL(NAME) void NAME(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, \
+                                const void *, const uint16_t *, int64_t, float *, int64_t, int);
+MM_DECL(tq_q4g32_f32_mm) MM_DECL(tq_q4g32_f16_mm) MM_DECL(tq_q4g32_k_mm)
+MM_DECL(tq_q5g32_f32_mm) MM_DECL(tq_q5g32_f16_mm) MM_DECL(tq_q5g32_k_mm)
+MM_DECL(tq_q8g16_f32_mm) MM_DECL(tq_q8g16_f16_mm) MM_DECL(tq_q8g16_k6_mm)
+MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm)
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                           int64_t H, int64_t KV, int64_t D, float *out, int nthreads);
 
-/* indexed by layout (0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32: kernels/layer.py LAYOUT_CODE) and fp16 scales */
-static const mm_fn MM[4][2] = {
-    {tq_q4g32_mm, tq_q4g32h_mm}, {tq_q5g32_mm, tq_q5g32h_mm},
-    {tq_q8g16_mm, tq_q8g16h_mm}, {tq_q8g32_mm, tq_q8g32h_mm},
+/* [layout][scale mode]: layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32; modes 0 f32, 1 f16, 2 k, 3 k6
+ * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
+static const mm_fn MM[4][4] = {
+    {tq_q4g32_f32_mm, tq_q4g32_f16_mm, tq_q4g32_k_mm, NULL},
+    {tq_q5g32_f32_mm, tq_q5g32_f16_mm, tq_q5g32_k_mm, NULL},
+    {tq_q8g16_f32_mm, tq_q8g16_f16_mm, NULL, tq_q8g16_k6_mm},
+    {tq_q8g32_f32_mm, tq_q8g32_f16_mm, NULL, NULL},
 };
 
 /* Mirrored by ctypes Structures in kernels/layer.py: every field 8 bytes, no padding. */
 typedef struct {
-    int64_t layout, half, n;              /* n: output features of this part */
+    int64_t layout, mode, n;              /* n: output features of this part */
     const uint8_t *codes, *high;
     const void *scale, *bias;
+    const uint16_t *sup;
 } TqPart;
 
 #define MAXPARTS 4
@@ -65,8 +68,8 @@ static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float
     int64_t off = 0;
     for (int64_t i = 0; i < p->nparts; i++) {
         const TqPart *t = &p->parts[i];
-        MM[t->layout][t->half ? 1 : 0](x, M, K, t->codes, t->high, t->scale, t->bias, t->n, y + off, p->n_out,
-                                        nthreads);
+        MM[t->layout][t->mode](x, M, K, t->codes, t->high, t->scale, t->bias, t->sup, t->n, y + off, p->n_out,
+                               nthreads);
         off += t->n;
     }
     if (p->bias)

@@ -11,16 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Kernels
+from .build import MM_VARIANTS, Kernels
 
-LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3}   # layer.c's MM table
+LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3}   # layer.c's MM table: [layout][mode]
+MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3}
 MAXPARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("layout", _i64), ("half", _i64), ("n", _i64), ("codes", _ptr), ("high", _ptr),
-                ("scale", _ptr), ("bias", _ptr)]
+    _fields_ = [("layout", _i64), ("mode", _i64), ("n", _i64), ("codes", _ptr), ("high", _ptr),
+                ("scale", _ptr), ("bias", _ptr), ("sup", _ptr)]
 
 
 class _Proj(ctypes.Structure):
@@ -54,8 +55,10 @@ def _proj(q, keep: list) -> _Proj | str:
     p = _Proj(nparts=len(q.parts), n_out=q.out_features, bias=_ptr_of(q.bias))
     keep.append(q)                     # its tensors stay alive as long as this layer
     for i, w in enumerate(q.parts):
-        p.parts[i] = _Part(LAYOUT_CODE[w.fmt], int(w.half_scales), w.shape[0], w.codes.data_ptr(),
-                           _ptr_of(w.high), w.scale.data_ptr(), w.bias.data_ptr())
+        if (w.fmt, w.mode) not in MM_VARIANTS:
+            return f"no kernel for layout {w.fmt} with {w.mode} scales"
+        p.parts[i] = _Part(LAYOUT_CODE[w.fmt], MODE_CODE[w.mode], w.shape[0], w.codes.data_ptr(),
+                           _ptr_of(w.high), w.scale.data_ptr(), _ptr_of(w.bias), _ptr_of(w.sup))
     return p
 
 

@@ -10,8 +10,8 @@
  *          fifth bit (value 16) of element j; scale/bias (N, K/32).
  *   q8g16: codes (N, K) bytes 0..255; scale/bias (N, K/16).
  *   q8g32: codes (N, K) bytes 0..255; scale/bias (N, K/32).
- * Scale and bias are fp32, or fp16 ("h" variants) where every value of the weight is exactly an fp16
- * (GGML's own d and m fields): the conversion is exact either way, the bytes read per weight fewer.
+ * Scale and bias: see the scale modes below (fp32, fp16, or GGML's K-quant sub-scales with a fp16
+ * super-block scale): every mode gives the exact GGML value; the smaller ones read fewer bytes.
  * Decode is bound by memory bandwidth, so bytes per weight is what sets its speed.
  *
  * [BATCH-INVARIANT] A row's result must not depend on how many rows are multiplied with it, nor on
@@ -54,22 +54,47 @@ INLINE float half_to_float(uint16_t h) {
 #endif
 }
 
-/* element i of a scale/bias array; `half` is a compile-time constant in every instantiation */
-INLINE float ld(const void *p, int64_t i, int half) {
-    return half ? half_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* Group index of element e (0..31) of chunk g: groups of 16 (q8g16) or 32 (all others). */
 INLINE int64_t grp(int kind, int g16, int64_t g, int e) { return (kind == Q8 && g16) ? 2 * g + e / 16 : g; }
 
-/* Pointers to one weight row: codes, high bits (q5g32), scales, biases (offsets in elements). */
+/* Pointers to one weight row: codes, high bits (q5g32), scales, biases, K-quant super-block scales
+ * (offsets in elements). */
 typedef struct {
     const uint8_t *c;
     const uint8_t *h;
     const void *s;
     const void *b;
+    const uint16_t *sup;
     int64_t g0;       /* this row's first group in s/b */
 } Row;
+
+/* Scale modes: how a group's scale and bias are stored (`sm` is a compile-time constant in every
+ * instantiation). Every mode yields exactly the fp32 value GGML's dequantizer computes.
+ *   SM_F32: fp32 scale and bias per group.
+ *   SM_F16: fp16 scale and bias per group (GGML's own fp16 d and m).
+ *   SM_K:   Q4_K / Q5_K: uint8 sc and m per group of 32, fp16 (d, dmin) per 256 in sup:
+ *           scale d*sc, bias -(dmin*m) (both products exact in fp32).
+ *   SM_K6:  Q6_K: int8 sc per group of 16, fp16 d per 256 in sup: scale d*sc, bias -32*scale. */
+enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3 };
+
+/* group a's scale / bias (a counts groups from the matrix start: a / 8 or a / 16 is its super-block) */
+INLINE float lds(const Row *r, int64_t a, int sm) {
+    switch (sm) {
+    case SM_F32: return ((const float *)r->s)[a];
+    case SM_F16: return half_to_float(((const uint16_t *)r->s)[a]);
+    case SM_K:   return half_to_float(r->sup[2 * (a / 8)]) * (float)((const uint8_t *)r->s)[a];
+    default:     return half_to_float(r->sup[a / 16]) * (float)((const int8_t *)r->s)[a];
+    }
+}
+
+INLINE float ldb(const Row *r, int64_t a, int sm) {
+    switch (sm) {
+    case SM_F32: return ((const float *)r->b)[a];
+    case SM_F16: return half_to_float(((const uint16_t *)r->b)[a]);
+    case SM_K:   return -(half_to_float(r->sup[2 * (a / 8) + 1]) * (float)((const uint8_t *)r->b)[a]);
+    default:     return lds(r, a, sm) * -32.0f;
+    }
+}
 
 /* Software prefetch of a row's codes PF bytes ahead, once per 64-byte line: with three weight rows
  * streamed at once the hardware prefetcher alone left the 8-bit layouts at ~12 GB/s where the 4-bit
@@ -96,7 +121,7 @@ INLINE uint32_t high_bits(const Row *r, int64_t g) {
 const char *tq_isa(void) { return "avx512"; }
 
 /* Chunk g (32 inputs) of a weight row -> w0 (elements 0-15), w1 (16-31), fp32. */
-INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m512 *w0, __m512 *w1) {
+INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, __m512 *w0, __m512 *w1) {
     __m512i i0, i1;
     prefetch_codes(kind, r, g);
     if (kind == Q8) {
@@ -114,21 +139,21 @@ INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m512 *
         }
     }
     int64_t a = r->g0 + grp(kind, g16, g, 0), b = r->g0 + grp(kind, g16, g, 16);
-    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(ld(r->s, a, half)), _mm512_set1_ps(ld(r->b, a, half)));
-    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(ld(r->s, b, half)), _mm512_set1_ps(ld(r->b, b, half)));
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(lds(r, a, sm)), _mm512_set1_ps(ldb(r, a, sm)));
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(lds(r, b, sm)), _mm512_set1_ps(ldb(r, b, sm)));
 }
 
 /* R rows x C weight rows. Each (row, weight row) pair has accumulators a0 (elements 0-15 of every
  * chunk of 32) and a1 (16-31), fed chunk by chunk and summed as reduce(a0 + a1): the same sequence
  * whatever R and C are. */
-INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, int C, int64_t K,
                  const Row *rows, float *y, int64_t ldy) {
     __m512 a0[TILE][COLS], a1[TILE][COLS];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) { a0[r][j] = _mm512_setzero_ps(); a1[r][j] = _mm512_setzero_ps(); }
     for (int64_t g = 0; g < K / 32; g++) {
         __m512 w0[COLS], w1[COLS];
-        for (int j = 0; j < C; j++) deq32(kind, g16, half, &rows[j], g, &w0[j], &w1[j]);
+        for (int j = 0; j < C; j++) deq32(kind, g16, sm, &rows[j], g, &w0[j], &w1[j]);
         for (int r = 0; r < R; r++) {
             __m512 x0 = _mm512_loadu_ps(x + r * ldx + 32 * g), x1 = _mm512_loadu_ps(x + r * ldx + 32 * g + 16);
             for (int j = 0; j < C; j++) {
@@ -161,7 +186,7 @@ INLINE __m256i high8(uint32_t bits) {
 }
 
 /* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32. */
-INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m256 w[4]) {
+INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, __m256 w[4]) {
     __m256i i[4];
     prefetch_codes(kind, r, g);
     if (kind == Q8) {
@@ -182,19 +207,19 @@ INLINE void deq32(int kind, int g16, int half, const Row *r, int64_t g, __m256 w
     }
     for (int t = 0; t < 4; t++) {
         int64_t a = r->g0 + grp(kind, g16, g, 8 * t);
-        w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(ld(r->s, a, half)), _mm256_set1_ps(ld(r->b, a, half)));
+        w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)), _mm256_set1_ps(ldb(r, a, sm)));
     }
 }
 
 /* R rows x one weight row: accumulators a0 (elements 0-7 and 16-23 of each chunk) and a1 (8-15, 24-31). */
-INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, int C, int64_t K,
                  const Row *rows, float *y, int64_t ldy) {
     (void)C;
     __m256 a0[TILE], a1[TILE];
     for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
     for (int64_t g = 0; g < K / 32; g++) {
         __m256 w[4];
-        deq32(kind, g16, half, &rows[0], g, w);
+        deq32(kind, g16, sm, &rows[0], g, w);
         for (int r = 0; r < R; r++) {
             const float *xr = x + r * ldx + 32 * g;
             a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
@@ -218,7 +243,7 @@ INLINE int code(int kind, const Row *r, int64_t g, int e) {
     return kind == Q5 ? v | (int)((high_bits(r, g) >> e) & 1) << 4 : v;
 }
 
-INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R, int C, int64_t K,
+INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, int C, int64_t K,
                  const Row *rows, float *y, int64_t ldy) {
     (void)C;
     for (int r = 0; r < R; r++) {
@@ -226,7 +251,7 @@ INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R
         for (int64_t g = 0; g < K / 32; g++)
             for (int e = 0; e < 32; e++) {
                 int64_t a = rows[0].g0 + grp(kind, g16, g, e);
-                float w = __builtin_fmaf(ld(rows[0].s, a, half), (float)code(kind, &rows[0], g, e), ld(rows[0].b, a, half));
+                float w = __builtin_fmaf(lds(&rows[0], a, sm), (float)code(kind, &rows[0], g, e), ldb(&rows[0], a, sm));
                 acc = __builtin_fmaf(w, x[r * ldx + 32 * g + e], acc);
             }
         y[r * ldy] = acc;
@@ -238,16 +263,17 @@ INLINE void tile(int kind, int g16, int half, const float *x, int64_t ldx, int R
 #define NCHUNK 48
 
 /* Dispatch a tile to constant (R, C), so that the compiler keeps the accumulators in registers. */
-#define CASE(KIND, G16, HALF, R_, C_) \
-    case (R_) * 8 + (C_): tile(KIND, G16, HALF, xm, K, R_, C_, K, rows, ym, ldy); break;
-#define CASES_R(KIND, G16, HALF, R_) CASE(KIND, G16, HALF, R_, 1) CASE(KIND, G16, HALF, R_, 2) CASE(KIND, G16, HALF, R_, 3)
+#define CASE(KIND, G16, SM, R_, C_) \
+    case (R_) * 8 + (C_): tile(KIND, G16, SM, xm, K, R_, C_, K, rows, ym, ldy); break;
+#define CASES_R(KIND, G16, SM, R_) CASE(KIND, G16, SM, R_, 1) CASE(KIND, G16, SM, R_, 2) CASE(KIND, G16, SM, R_, 3)
 
 /* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine);
- * high: the q5g32 high bits, else unused. nthreads: passed in, not taken from OpenMP's per-thread
+ * high: the q5g32 high bits, sup: the K-quant super-block scales, else unused. nthreads: passed in, not taken from OpenMP's per-thread
  * default: the caller is often not the thread torch.set_num_threads ran on. */
-#define DEFINE_MM(NAME, KIND, G16, HALF)                                                    \
+#define DEFINE_MM(NAME, KIND, G16, SM)                                                      \
 void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,  \
-          const void *scale, const void *bias, int64_t N, float *y, int64_t ldy, int nthreads) { \
+          const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y,    \
+          int64_t ldy, int nthreads) {                                                      \
     int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
     int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                      \
@@ -261,13 +287,14 @@ void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint
                 for (int j = 0; j < C; j++) {                                               \
                     rows[j].c = codes + (n + j) * ldc;                                      \
                     rows[j].h = (KIND) == Q5 ? high + (n + j) * (K / 8) : NULL;             \
-                    rows[j].s = scale; rows[j].b = bias; rows[j].g0 = (n + j) * ldg;        \
+                    rows[j].s = scale; rows[j].b = bias; rows[j].sup = sup;                 \
+                    rows[j].g0 = (n + j) * ldg;                                             \
                 }                                                                           \
                 const float *xm = x + m * K;                                                \
                 float *ym = y + m * ldy + n;                                                \
                 switch (R * 8 + C) {                                                        \
-                    CASES_R(KIND, G16, HALF, 1) CASES_R(KIND, G16, HALF, 2)                 \
-                    CASES_R(KIND, G16, HALF, 3) CASES_R(KIND, G16, HALF, 4)                 \
+                    CASES_R(KIND, G16, SM, 1) CASES_R(KIND, G16, SM, 2)                 \
+                    CASES_R(KIND, G16, SM, 3) CASES_R(KIND, G16, SM, 4)                 \
                     default: break;                                                         \
                 }                                                                           \
             }                                                                               \
@@ -275,11 +302,15 @@ void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint
     }                                                                                       \
 }
 
-DEFINE_MM(tq_q4g32_mm, Q4, 0, 0)
-DEFINE_MM(tq_q4g32h_mm, Q4, 0, 1)
-DEFINE_MM(tq_q5g32_mm, Q5, 0, 0)
-DEFINE_MM(tq_q5g32h_mm, Q5, 0, 1)
-DEFINE_MM(tq_q8g16_mm, Q8, 1, 0)
-DEFINE_MM(tq_q8g16h_mm, Q8, 1, 1)
-DEFINE_MM(tq_q8g32_mm, Q8, 0, 0)
-DEFINE_MM(tq_q8g32h_mm, Q8, 0, 1)
+/* tq_<layout>_<scale mode>_mm: the combinations GGML's types need (models/qweight.py) */
+DEFINE_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
+DEFINE_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
+DEFINE_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
+DEFINE_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
+DEFINE_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
+DEFINE_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
+DEFINE_MM(tq_q8g16_f32_mm, Q8, 1, SM_F32)
+DEFINE_MM(tq_q8g16_f16_mm, Q8, 1, SM_F16)
+DEFINE_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
+DEFINE_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
+DEFINE_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)

@@ -43,11 +43,15 @@ class QLinear:
         off = 0
         for p in self.parts:   # each part writes its own column slice of y (row stride out_features)
             n = p.shape[0]
-            self.kernels.mm(p.fmt, p.half_scales, x.data_ptr(), M, K, p.codes.data_ptr(),
-                            0 if p.high is None else p.high.data_ptr(), p.scale.data_ptr(), p.bias.data_ptr(),
-                            n, y.data_ptr() + 4 * off, self.out_features, threads)
+            self.kernels.mm(p.fmt, p.mode, x.data_ptr(), M, K, p.codes.data_ptr(), _ptr(p.high),
+                            p.scale.data_ptr(), _ptr(p.bias), _ptr(p.sup), n, y.data_ptr() + 4 * off,
+                            self.out_features, threads)
             off += n
         return y if self.bias is None else y.add_(self.bias)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def projection(parts: list, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool,

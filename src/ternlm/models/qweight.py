@@ -7,10 +7,12 @@
   q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16).
   q8g32: the same with groups of 32.
 
-Scale and bias are fp16 when every one of them is exactly an fp16 (GGML's own d and m: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0), else fp32 (K-quants, whose d*sc products need more bits): decode reads every
-weight byte once per token, so the bytes per weight set its speed (Q8_0: 1.125 instead of 1.5; Q5_0
-0.75 instead of 1.5; Q4_1 0.625 instead of 0.75).
+Scales and biases come in modes (kernels/qmatmul.c's SM_*): "f16" when every one is exactly an fp16
+(GGML's own d and m: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); "k" (Q4_K, Q5_K) and "k6" (Q6_K): GGML's own
+sub-block scales (uint8 sc and m, int8 sc for Q6_K) with the fp16 super-block d (and dmin) in `sup`,
+multiplied out in the kernel (exact products); "f32" otherwise. Decode reads every weight byte once per
+token, so the bytes per weight set its speed (Q8_0: 1.125 instead of 1.5; Q5_0 0.75 instead of 1.5;
+Q4_1 0.625 instead of 0.75; Q6_K 1.07 instead of 1.5; Q4_K 0.58 instead of 0.75).
 
 A weight is w = fma(scale, code, bias). Every GGML type below maps onto one layout with that value
 *exactly* equal to the fp32 GGML dequantization (gguf.quants.dequantize): the products d*sc, d*q and
@@ -43,9 +45,10 @@ class QWeight:
     """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
     fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32"
     codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts
-    scale: torch.Tensor        # fp32 or fp16 (out, in/group)
-    bias: torch.Tensor         # same dtype and shape as scale
+    scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6")
+    bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); None for "k6" (-32 * scale)
     high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32, else None
+    sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -53,11 +56,28 @@ class QWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.bias.nbytes + (0 if self.high is None else self.high.nbytes)
+        return sum(t.nbytes for t in (self.codes, self.scale, self.bias, self.high, self.sup) if t is not None)
 
     @property
-    def half_scales(self) -> bool:
-        return self.scale.dtype == torch.float16
+    def mode(self) -> str:
+        """The scale mode: "f32" | "f16" | "k" | "k6" (see the module docstring)."""
+        if self.sup is not None:
+            return "k6" if self.bias is None else "k"
+        return "f16" if self.scale.dtype == torch.float16 else "f32"
+
+    def scale_bias(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 (len(rows), groups) scale and bias of every group: exact (the products below are
+        exact in float64, and equal the kernel's fp32 ones, which are exact too)."""
+        mode = self.mode
+        sc = self.scale[rows].double()
+        if mode in ("f32", "f16"):
+            return sc, self.bias[rows].double()
+        sup = self.sup[rows].double()
+        if mode == "k":                                  # (n, in/256, 2) -> per group of 32: 8 a block
+            d, dmin = sup[..., 0].repeat_interleave(8, dim=1), sup[..., 1].repeat_interleave(8, dim=1)
+            return d * sc, -(dmin * self.bias[rows].double())
+        s = sup.repeat_interleave(16, dim=1) * sc        # "k6": groups of 16, 16 a block
+        return s, s * -32.0
 
     def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Each weight's code, (len(rows), in) uint8, in input order."""
@@ -78,13 +98,15 @@ class QWeight:
         q = self.codes_of_rows(rows).double()
         n = q.shape[0]
         q = q.view(n, -1, GROUP[self.fmt])
-        w = q * self.scale[rows].double().unsqueeze(-1) + self.bias[rows].double().unsqueeze(-1)
+        scale, bias = self.scale_bias(rows)
+        w = q * scale.unsqueeze(-1) + bias.unsqueeze(-1)
         return w.float().reshape(n, -1)
 
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
         """Rows reordered (output features): new row i is old row order[i]."""
-        return QWeight(self.fmt, self.codes[order].contiguous(), self.scale[order].contiguous(),
-                       self.bias[order].contiguous(), None if self.high is None else self.high[order].contiguous())
+        def take(t):
+            return None if t is None else t[order].contiguous()
+        return QWeight(self.fmt, take(self.codes), take(self.scale), take(self.bias), take(self.high), take(self.sup))
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
@@ -164,6 +186,21 @@ _CONVERT = {
 QUANTIZED_TYPES = frozenset(_CONVERT)
 
 
+def _k_sub(b):
+    """Q4_K / Q5_K: GGML's own sub-block scales: sc, m (n, 8) uint8 and sup (n, 2) fp16 d, dmin."""
+    sc, mn = _k_scales_mins(b[:, 4:16])
+    return sc, mn, b[:, 0:4].contiguous().view(torch.float16)
+
+
+def _k6_sub(b):
+    """Q6_K: sc (n, 16) int8, no bias array, sup (n, 1) fp16 d."""
+    return b[:, 192:208].contiguous().view(torch.int8), None, b[:, 208:210].contiguous().view(torch.float16)
+
+
+# the K-quants keep GGML's sub-scales (modes "k", "k6") instead of fp32 products
+_SUB_SCALES = {QT.Q4_K: _k_sub, QT.Q5_K: _k_sub, QT.Q6_K: _k6_sub}
+
+
 def _compact(t: torch.Tensor) -> torch.Tensor:
     """t (fp32) as fp16 when that is exact for every value (GGML's own fp16 fields), else t."""
     h = t.half()
@@ -181,9 +218,16 @@ def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int)
     if fmt == Q5:
         codes, high = _pack_q5(codes.reshape(out_features, -1))
         high = high.contiguous()
+    codes = codes.reshape(out_features, -1).contiguous()
+    if qtype in _SUB_SCALES:
+        sc, mn, sup = _SUB_SCALES[qtype](raw.view(-1, size))
+        blocks = in_features // block
+        sup = sup.reshape(out_features, blocks, -1).squeeze(-1).contiguous()
+        return QWeight(fmt, codes, sc.reshape(out_features, -1).contiguous(),
+                       None if mn is None else mn.reshape(out_features, -1).contiguous(), high, sup)
     scale = scale.float().reshape(out_features, -1).contiguous()
     bias = bias.float().reshape(out_features, -1).contiguous()
     s16, b16 = _compact(scale), _compact(bias)
     if s16.dtype == b16.dtype == torch.float16:       # one dtype for both: one kernel variant reads them
         scale, bias = s16, b16
-    return QWeight(fmt, codes.reshape(out_features, -1).contiguous(), scale, bias, high)
+    return QWeight(fmt, codes, scale, bias, high)
