@@ -24,43 +24,101 @@
 #define BLOCK 256
 #define MAXD 256
 
-static void row(const float *q, const float *k, const float *v, int64_t n, int64_t D, float *out) {
+#define RMAX 4      /* query rows of one head that share each key and value load */
+
+/* R query rows of one head (R <= RMAX), row r reading keys [0, n[r]): every row runs exactly the
+ * single-row algorithm (its own online softmax, blocks in order, the same operations on the same
+ * values); the rows only share the loads of K and V, which at a long prompt come from L3, not L2.
+ * So a row's bits are the same whatever R and whichever rows it shares with [BATCH-INVARIANT]. */
+static inline __attribute__((always_inline)) void rows(int R, const float *const *q, const float *k,
+                                                       const float *v, const int64_t *n, int64_t D,
+                                                       float *const *out) {
     const int64_t nv = D / 16;
-    v16 qv[MAXD / 16], acc[MAXD / 16];
-    for (int64_t c = 0; c < nv; c++) { qv[c] = load16(q + 16 * c); acc[c] = splat(0.0f); }
-    float m = -INFINITY, l = 0.0f;
-    float s[BLOCK] __attribute__((aligned(64)));
-    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
-        int64_t nb = n - b0 < BLOCK ? n - b0 : BLOCK;
-        for (int64_t j = 0; j < nb; j++) {                /* scores of this block's keys */
-            const float *kj = k + (b0 + j) * D;
-            v16 d = qv[0] * load16(kj);
-            for (int64_t c = 1; c < nv; c++) d += qv[c] * load16(kj + 16 * c);
-            s[j] = hsum(d);
-        }
-        int64_t nb16 = (nb + 15) & ~(int64_t)15;
-        for (int64_t j = nb; j < nb16; j++) s[j] = -INFINITY;   /* lanes past the row's last key */
-        v16 mv = load16(s);
-        for (int64_t j = 16; j < nb16; j += 16) { v16 t = load16(s + j); mv = select16(mv > t, mv, t); }
-        float mb = hmax(mv), mn = mb > m ? mb : m;
-        float alpha = exp16(splat(m - mn))[0];            /* rescales what earlier blocks summed */
-        v16 lsum = splat(0.0f);
-        for (int64_t j = 0; j < nb16; j += 16) {
-            v16 p = exp16(load16(s + j) - splat(mn));
-            memcpy(s + j, &p, sizeof p);
-            lsum += p;
-        }
-        l = l * alpha + hsum(lsum);
-        for (int64_t c = 0; c < nv; c++) acc[c] *= splat(alpha);
-        for (int64_t j = 0; j < nb; j++) {                /* p @ V, keys in order */
-            const float *vj = v + (b0 + j) * D;
-            v16 pj = splat(s[j]);
-            for (int64_t c = 0; c < nv; c++) acc[c] += pj * load16(vj + 16 * c);
-        }
-        m = mn;
+    v16 qv[RMAX][MAXD / 16], acc[RMAX][MAXD / 16];
+    float m[RMAX], l[RMAX];
+    float s[RMAX][BLOCK] __attribute__((aligned(64)));
+    int64_t nmax = 0;
+    for (int r = 0; r < R; r++) {
+        for (int64_t c = 0; c < nv; c++) { qv[r][c] = load16(q[r] + 16 * c); acc[r][c] = splat(0.0f); }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        nmax = n[r] > nmax ? n[r] : nmax;
     }
-    v16 inv = splat(1.0f / l);
-    for (int64_t c = 0; c < nv; c++) { v16 o = acc[c] * inv; memcpy(out + 16 * c, &o, sizeof o); }
+    for (int64_t b0 = 0; b0 < nmax; b0 += BLOCK) {
+        int64_t nb[RMAX], nbmax = 0;
+        for (int r = 0; r < R; r++) {
+            nb[r] = n[r] - b0 <= 0 ? 0 : n[r] - b0 < BLOCK ? n[r] - b0 : BLOCK;
+            nbmax = nb[r] > nbmax ? nb[r] : nbmax;
+        }
+        for (int64_t j = 0; j < nbmax; j++) {             /* scores of this block's keys */
+            const float *kj = k + (b0 + j) * D;
+            v16 d[RMAX];
+            v16 kc = load16(kj);
+            for (int r = 0; r < R; r++) d[r] = qv[r][0] * kc;
+            for (int64_t c = 1; c < nv; c++) {
+                kc = load16(kj + 16 * c);
+                for (int r = 0; r < R; r++) d[r] += qv[r][c] * kc;
+            }
+            for (int r = 0; r < R; r++)
+                if (j < nb[r]) s[r][j] = hsum(d[r]);
+        }
+        for (int r = 0; r < R; r++) {
+            if (nb[r] == 0) continue;                     /* this row ended before the block */
+            float *sr = s[r];
+            int64_t nb16 = (nb[r] + 15) & ~(int64_t)15;
+            for (int64_t j = nb[r]; j < nb16; j++) sr[j] = -INFINITY;   /* lanes past the row's last key */
+            v16 mv = load16(sr);
+            for (int64_t j = 16; j < nb16; j += 16) { v16 t = load16(sr + j); mv = select16(mv > t, mv, t); }
+            float mb = hmax(mv), mn = mb > m[r] ? mb : m[r];
+            float alpha = exp16(splat(m[r] - mn))[0];    /* rescales what earlier blocks summed */
+            v16 lsum = splat(0.0f);
+            for (int64_t j = 0; j < nb16; j += 16) {
+                v16 p = exp16(load16(sr + j) - splat(mn));
+                memcpy(sr + j, &p, sizeof p);
+                lsum += p;
+            }
+            l[r] = l[r] * alpha + hsum(lsum);
+            for (int64_t c = 0; c < nv; c++) acc[r][c] *= splat(alpha);
+            m[r] = mn;
+        }
+        for (int64_t j = 0; j < nbmax; j++) {             /* p @ V, keys in order */
+            const float *vj = v + (b0 + j) * D;
+            for (int64_t c = 0; c < nv; c++) {
+                v16 vc = load16(vj + 16 * c);
+                for (int r = 0; r < R; r++)
+                    if (j < nb[r]) acc[r][c] += splat(s[r][j]) * vc;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        v16 inv = splat(1.0f / l[r]);
+        for (int64_t c = 0; c < nv; c++) { v16 o = acc[r][c] * inv; memcpy(out[r] + 16 * c, &o, sizeof o); }
+    }
+}
+
+/* rows() with R a compile-time constant (registers for the accumulators). */
+static void rows_any(int R, const float *const *q, const float *k, const float *v, const int64_t *n, int64_t D,
+                     float *const *out) {
+    switch (R) {
+    case 1: rows(1, q, k, v, n, D, out); break;
+    case 2: rows(2, q, k, v, n, D, out); break;
+    case 3: rows(3, q, k, v, n, D, out); break;
+    default: rows(4, q, k, v, n, D, out); break;
+    }
+}
+
+/* Query rows [t0, t0 + R) of head h (positions start + t), one call of rows(). */
+static void head_rows(const float *q, int64_t T, int64_t h, int64_t t0, int R, const float *k, const float *v,
+                      int64_t start, int64_t D, float *out, int64_t ldo) {
+    const float *qp[RMAX];
+    float *op[RMAX];
+    int64_t n[RMAX];
+    for (int r = 0; r < R; r++) {
+        qp[r] = q + (h * T + t0 + r) * D;
+        op[r] = out + (t0 + r) * ldo + h * D;
+        n[r] = start + t0 + r + 1;
+    }
+    rows_any(R, qp, k, v, n, D, op);
 }
 
 const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
@@ -77,43 +135,56 @@ const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
 int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, const float *k, const float *v,
                  int64_t cap, int64_t start, float *out, int64_t ldo, int nthreads) {
     if (D % 16 || D > MAXD || H % KV) return -1;
-    const int64_t G = H / KV;
-    /* the G query heads of one kv head and position run back to back: its keys stay in cache */
+    const int64_t G = H / KV, ngroups = (T + RMAX - 1) / RMAX;
+    /* the G query heads of one kv head and RMAX positions run back to back: its keys stay in cache */
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t kvh = 0; kvh < KV; kvh++)
-        for (int64_t t = 0; t < T; t++)
+        for (int64_t gi = 0; gi < ngroups; gi++) {
+            int64_t t0 = gi * RMAX;
+            int R = (int)(T - t0 < RMAX ? T - t0 : RMAX);
             for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                row(q + (h * T + t) * D, k + kvh * cap * D, v + kvh * cap * D, start + t + 1, D,
-                    out + t * ldo + h * D);
+                head_rows(q, T, h, t0, R, k + kvh * cap * D, v + kvh * cap * D, start, D, out, ldo);
+        }
     return 0;
 }
 
 /* Many sequences' rows in one call (continuous batching): one parallel region per layer instead of one
  * per sequence. segs: nseg rows of 6 int64 (first row in q/out, rows, start position, cache capacity,
  * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) fp32 contiguous).
- * q: (H, M, D) scaled; out: (M, H * D). Each row runs `row` exactly as tq_attention would run it, so a
+ * q: (H, M, D) scaled; out: (M, H * D). Each row runs `rows` exactly as tq_attention would run it, so a
  * sequence's bits are the same alone or in company. Returns -1 on a shape it does not take. */
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                           int64_t H, int64_t KV, int64_t D, float *out, int nthreads) {
     if (D % 16 || D > MAXD || H % KV || M <= 0) return -1;
     const int64_t G = H / KV;
-    int64_t *seg_of = malloc(M * sizeof *seg_of);        /* row -> segment */
-    if (!seg_of) return -1;
-    for (int64_t s = 0; s < nseg; s++)
-        for (int64_t r = segs[6 * s]; r < segs[6 * s] + segs[6 * s + 1]; r++) {
-            if (r < 0 || r >= M) { free(seg_of); return -1; }
-            seg_of[r] = s;
-        }
+    /* tasks: up to RMAX consecutive rows of one segment (segment, first row) */
+    int64_t ntask = 0, *task = malloc(2 * (M + nseg) * sizeof *task);
+    if (!task) return -1;
+    for (int64_t sg = 0; sg < nseg; sg++) {
+        int64_t r0 = segs[6 * sg], len = segs[6 * sg + 1];
+        if (r0 < 0 || len < 0 || r0 + len > M) { free(task); return -1; }
+        for (int64_t t = 0; t < len; t += RMAX) { task[2 * ntask] = sg; task[2 * ntask + 1] = t; ntask++; }
+    }
     #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t ti = 0; ti < ntask; ti++)
         for (int64_t kvh = 0; kvh < KV; kvh++) {
-            const int64_t *sg = segs + 6 * seg_of[r];
-            const int64_t cap = sg[3], t = r - sg[0];
+            const int64_t *sg = segs + 6 * task[2 * ti];
+            const int64_t r0 = sg[0], len = sg[1], cap = sg[3], t0 = task[2 * ti + 1];
+            const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
             const float *k = (const float *)(intptr_t)sg[4] + ((layer * KV + kvh) * cap) * D;
             const float *v = (const float *)(intptr_t)sg[5] + ((layer * KV + kvh) * cap) * D;
-            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                row(q + (h * M + r) * D, k, v, sg[2] + t + 1, D, out + r * H * D + h * D);
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
+                const float *qp[RMAX];
+                float *op[RMAX];
+                int64_t n[RMAX];
+                for (int r = 0; r < R; r++) {
+                    qp[r] = q + (h * M + r0 + t0 + r) * D;
+                    op[r] = out + (r0 + t0 + r) * H * D + h * D;
+                    n[r] = sg[2] + t0 + r + 1;
+                }
+                rows_any(R, qp, k, v, n, D, op);
+            }
         }
-    free(seg_of);
+    free(task);
     return 0;
 }
