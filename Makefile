@@ -28,9 +28,11 @@ pull: install
 # It runs several model processes on few cores: OpenMP threads that spin-wait collapse when they
 # share cores (measured: decode 3 tok/s spinning vs 31 passive), so the suite makes them sleep.
 # tests/test_ui.py drives Debian's Chromium: installed here when missing (root or sudo), or one line
-# says what to install before anything runs.
+# says what to install before anything runs. The Redis tier's tests run Debian's redis-server on free
+# loopback ports (scripts/ensure-redis installs it the same way).
 test: install-test
 	scripts/ensure-chromium
+	scripts/ensure-redis
 	$(BIN)/ternlm pull smollm2-135m
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
