@@ -18,7 +18,8 @@ exponential backoff, 0.5 s doubling to 30 s). Redis evicting a key between the w
 plain miss at that block: the caller recomputes from there.
 
 Round trips: a prefix walk is one pipelined EXISTS over every candidate key (`present`), a load one
-pipelined GET (`fetch`); writes (SET with optional EX) happen on a Spiller thread, off the worker.
+pipelined GET (`fetch`); a publish asks which blocks are missing in one pipelined EXISTS (`missing`),
+and the SETs (with optional EX) happen on a Spiller thread, off the worker.
 Tails (a conversation's last partial block) stay in the local tiers: a replica that takes a
 conversation over recomputes at most 63 tokens.
 """
@@ -29,7 +30,6 @@ import logging
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -40,7 +40,6 @@ log = logging.getLogger("ternlm.cache")
 SCHEMES = ("redis", "rediss", "unix")
 PREFIX = "ternlm:kv:"
 _BACKOFF = (0.5, 30.0)           # first and largest wait between reconnect attempts (seconds)
-_PUBLISHED_MAX = 1 << 16         # block names remembered as written (one key each, ~100 bytes)
 
 
 def redact(url: str) -> str:
@@ -94,10 +93,11 @@ class RedisTier:
         self.up = False
         self.down_reason: str | None = "not connected yet"
         self._errors = (redis.RedisError, OSError)
-        # No client-side retries: one failed call turns the tier off; the probe thread reconnects.
+        # One retry, on a broken connection only (a pooled socket to a Redis that restarted); a timeout
+        # is not retried: one failed call turns the tier off and the probe thread reconnects.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        self._published: OrderedDict[bytes, float] = OrderedDict()   # name -> when written (monotonic)
+                                            retry=retry, health_check_interval=0)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -123,7 +123,6 @@ class RedisTier:
     def _set_up(self) -> None:
         with self._lock:
             self.up, self.down_reason = True, None
-            self._published.clear()          # a restarted server may have lost every key: write again
         log.info("redis KV cache: connected to %s", self.url)
 
     def _fail(self, e: BaseException, during: str) -> None:
@@ -219,7 +218,6 @@ class RedisTier:
                 break
             out.append(block)
             self.stats.bytes_read += len(value)
-            self._remember(expect.name)        # loaded from here: no need to write it back
         self.stats.hits += len(out)
         self.stats.load_s += time.perf_counter() - t0
         return out
@@ -233,25 +231,25 @@ class RedisTier:
         except self._errors as e:
             self._fail(e, "deleting a bad value")
 
-    # ---- writes (spill thread) -----------------------------------------------------------------
-    def published(self, name: bytes) -> bool:
-        """Whether this process wrote (or read) block `name` while the tier was up, recently enough
-        that a TTL cannot have expired it. Worker thread: decides whether to copy a block at all."""
-        with self._lock:
-            t = self._published.get(name)
-            if t is None:
-                return False
-            if self.ttl_s and time.monotonic() - t > self.ttl_s / 2:
-                del self._published[name]
-                return False
-            return True
-
-    def _remember(self, name: bytes) -> None:
-        with self._lock:
-            self._published[name] = time.monotonic()
-            self._published.move_to_end(name)
-            while len(self._published) > _PUBLISHED_MAX:
-                self._published.popitem(last=False)
+    # ---- writes -------------------------------------------------------------------------------
+    def missing(self, namespace: bytes, names: list[bytes]) -> list[bool]:
+        """Which of `names` Redis lacks, in one pipelined round trip (worker thread, before copying a
+        block to publish it): EXISTS, or with a TTL EXPIRE, which also keeps a conversation in use
+        alive. Asked every time, never remembered: Redis evicts, restarts and expires on its own.
+        All False (nothing to write) while the tier is off or on an error."""
+        if not self.up or not names:
+            return [False] * len(names)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                if self.ttl_s:
+                    pipe.expire(key_of(namespace, name), self.ttl_s)
+                else:
+                    pipe.exists(key_of(namespace, name))
+            return [not x for x in pipe.execute()]
+        except self._errors as e:
+            self._fail(e, "a publish lookup")
+            return [False] * len(names)
 
     def put(self, block: BlockKV) -> bool:
         """SET one block (EX ttl when set). Returns whether it was written; never raises."""
@@ -266,7 +264,6 @@ class RedisTier:
             self.stats.write_errors += 1
             self._fail(e, "a block write")
             return False
-        self._remember(block.meta.name)
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
         self.stats.write_s += time.perf_counter() - t0

@@ -183,15 +183,16 @@ class TieredStore:
                 self.spill.submit(old, wait)   # without wait a full queue drops it: a cache may forget
 
     def publish(self, slot: Slot) -> int:
-        """Copy the slot's recorded whole blocks that this process has not written to Redis yet onto
+        """Copy the slot's recorded whole blocks that Redis lacks (one pipelined EXISTS) onto
         the Redis writer's queue (a full queue drops them: a cache may forget). Reads the slot, does not
         modify it. Returns how many were queued. Worker thread, after a request finished."""
         rec, redis = slot.record, self.redis
         if redis is None or not redis.up or not rec.namespace:
             return 0
         queued = 0
-        for ref in block_refs(rec.fed, rec.namespace, storable(slot)):
-            if redis.published(ref.key) or ref.key in self.redis_spill:
+        refs = [r for r in block_refs(rec.fed, rec.namespace, storable(slot)) if r.key not in self.redis_spill]
+        for ref, missing in zip(refs, redis.missing(rec.namespace, [r.key for r in refs])):
+            if not missing:
                 continue
             # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
             k = slot.k[:, :, ref.start:ref.end].clone()
