@@ -16,33 +16,11 @@ import pytest
 from openai import OpenAI
 
 from server_proc import _LIVE
+from ternlm.cluster import free_ports
 from test_kv_tiers_server import QUESTIONS, system_prompt
 
 MODEL = "smollm2-135m"
 REPLICAS = 2
-
-
-def free_run(n: int) -> int:
-    """A port p with p .. p + n - 1 all free on loopback (the cluster numbers its parts from its port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no run of free ports")
 
 
 def listening(port: int) -> bool:
@@ -57,7 +35,7 @@ class Cluster:
     """`ternlm cluster` as a context manager: started on entry, SIGINT (then SIGKILL) on the way out."""
 
     def __init__(self):
-        self.port = free_run(REPLICAS + 2)
+        self.port = free_ports(REPLICAS + 2)
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="ternlm-cluster-", suffix=".log")
         self.proc: subprocess.Popen | None = None
 

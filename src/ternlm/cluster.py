@@ -113,6 +113,28 @@ def _spawn(stack: contextlib.ExitStack, name: str, cmd: list[str], logdir: Path,
     return child
 
 
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 all free on loopback now (a cluster numbers its parts from its port)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def _die_with_parent() -> None:
     """In the child: SIGTERM when `ternlm cluster` itself dies (even by SIGKILL), so nothing outlives it."""
     try:
@@ -174,11 +196,77 @@ def _need(binary: str) -> str:
     return path
 
 
+@dataclass
+class Running:
+    """A started cluster: where its parts listen, and the Redis it started (None: an external one)."""
+    router: str                        # http://127.0.0.1:port (HAProxy)
+    replicas: list[str]                # http://127.0.0.1:port of each replica
+    redis_url: str
+    children: list[Child]
+    redis: Child | None
+    _start_redis: object = None
+
+    def kill_redis(self) -> None:
+        """SIGKILL the Redis this cluster started (a crash, as the replicas see it)."""
+        if self.redis is not None and self.redis.proc.poll() is None:
+            self.redis.proc.kill()
+            self.redis.proc.wait()
+
+    def restart_redis(self) -> None:
+        """Start it again on the same port, empty, owned by the same stack; wait until it answers."""
+        self.kill_redis()
+        self.children.remove(self.redis)
+        self.redis = self._start_redis()
+        self.children.append(self.redis)
+
+
+@contextlib.contextmanager
+def started(*, model: str, replicas: int, port: int, serve_args: list[str], logdir: Path, host: str = "127.0.0.1",
+            redis_url: str | None = None, redis_maxmemory: str = "2gb", stopping=lambda: False):
+    """Start Redis (unless redis_url), the replicas (ports port + 1 ..) and HAProxy (port); yield a Running
+    once HAProxy sees every replica up. On the way out, whatever happened, stop all (HAProxy first, then
+    the replicas, which drain, then Redis). Raises RuntimeError/TimeoutError when a part fails to start."""
+    haproxy = _need("haproxy")
+    with contextlib.ExitStack() as stack:
+        children: list[Child] = []
+        redis_child, start_redis = None, None
+        if redis_url is None:
+            rport = port + 1 + replicas
+            server = _need("redis-server")
+
+            def start_redis() -> Child:
+                c = _spawn(stack, "redis", [
+                    server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                    "--dir", str(logdir), "--maxmemory", redis_maxmemory, "--maxmemory-policy", "allkeys-lru"],
+                    logdir, grace=5)
+                _wait([c], lambda: _redis_ready(rport), "redis", 30)
+                return c
+            redis_child = start_redis()
+            children.append(redis_child)
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+        reps = [(f"replica{i}", port + 1 + i) for i in range(replicas)]
+        for name, p in reps:
+            children.append(_spawn(stack, name, [
+                sys.executable, "-m", "ternlm.cli", "serve", "-m", model, "--port", str(p),
+                "--cache-redis", redis_url, *serve_args], logdir))
+        cfg = logdir / "haproxy.cfg"
+        sock = logdir / "haproxy.sock"
+        cfg.write_text(haproxy_config(host, port, reps, sock))
+        children.append(_spawn(stack, "haproxy", [haproxy, "-db", "-f", str(cfg)], logdir, grace=5))
+        print(f"ternlm cluster: starting {replicas} replicas of {model}, Redis {redis_url}, "
+              f"HAProxy on {host}:{port}; logs in {logdir}", file=sys.stderr, flush=True)
+        for name, p in reps:
+            _wait(children, lambda: stopping() or _healthy(f"http://127.0.0.1:{p}/health"), name, 900)
+        _wait(children, lambda: stopping() or _all_up(sock, len(reps)), "haproxy's view of the replicas", 60)
+        yield Running(f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{p}" for _, p in reps], redis_url,
+                      children, redis_child, start_redis)
+
+
 def cmd_cluster(args) -> int:
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
     serve_args = [a for a in args.serve_args if a != "--"]
-    haproxy = _need("haproxy")
+    _need("haproxy")
     logdir = Path(tempfile.mkdtemp(prefix="ternlm-cluster-"))
     stopping = False
 
@@ -188,8 +276,23 @@ def cmd_cluster(args) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     rc = 1
     try:
-        rc = _run(args, serve_args, haproxy, logdir, lambda: stopping)
-        return rc
+        with started(model=args.model, replicas=args.replicas, port=args.port, serve_args=serve_args,
+                     logdir=logdir, host=args.host, redis_url=args.redis, redis_maxmemory=args.redis_maxmemory,
+                     stopping=lambda: stopping) as run:
+            if not stopping:
+                print(f"ternlm cluster: ready at http://{args.host}:{args.port}/v1 (send X-Session-ID or "
+                      f"`user` to keep a conversation on one replica); Ctrl-C stops all", file=sys.stderr,
+                      flush=True)
+            while not stopping:
+                dead = [c for c in run.children if c.proc.poll() is not None]
+                if dead:
+                    print(f"ternlm cluster: {dead[0].name} exited with {dead[0].proc.returncode} "
+                          f"(log: {dead[0].log}); stopping all", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            print("ternlm cluster: stopping", file=sys.stderr, flush=True)
+            rc = 0
+            return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"ternlm cluster: {e}; stopped all (logs kept in {logdir})", file=sys.stderr)
         return 1
@@ -198,46 +301,3 @@ def cmd_cluster(args) -> int:
             signal.signal(s, h)
         if rc == 0:
             shutil.rmtree(logdir, ignore_errors=True)      # a failure keeps its logs
-
-
-def _run(args, serve_args: list[str], haproxy: str, logdir: Path, stopping) -> int:
-    """Start everything, wait until `stopping()` or a child dies; the ExitStack stops all on the way out
-    (HAProxy first, then the replicas, which drain, then Redis)."""
-    with contextlib.ExitStack() as stack:
-        children = []
-        url = args.redis
-        if url is None:
-            rport = args.port + 1 + args.replicas
-            children.append(_spawn(stack, "redis", [
-                _need("redis-server"), "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(logdir), "--maxmemory", args.redis_maxmemory,
-                "--maxmemory-policy", "allkeys-lru"], logdir, grace=5))
-            _wait(children, lambda: _redis_ready(rport), "redis", 30)
-            url = f"redis://127.0.0.1:{rport}/0"
-        reps = [(f"replica{i}", args.port + 1 + i) for i in range(args.replicas)]
-        for name, port in reps:
-            children.append(_spawn(stack, name, [
-                sys.executable, "-m", "ternlm.cli", "serve", "-m", args.model, "--port", str(port),
-                "--cache-redis", url, *serve_args], logdir))
-        cfg = logdir / "haproxy.cfg"
-        sock = logdir / "haproxy.sock"
-        cfg.write_text(haproxy_config(args.host, args.port, reps, sock))
-        children.append(_spawn(stack, "haproxy", [haproxy, "-db", "-f", str(cfg)], logdir, grace=5))
-        print(f"ternlm cluster: starting {args.replicas} replicas of {args.model}, Redis {url}, "
-              f"HAProxy on {args.host}:{args.port}; logs in {logdir}", file=sys.stderr, flush=True)
-        for name, port in reps:
-            _wait(children, lambda: stopping() or _healthy(f"http://127.0.0.1:{port}/health"), name, 900)
-        _wait(children, lambda: stopping() or _all_up(sock, len(reps)), "haproxy's view of the replicas", 60)
-        if not stopping():
-            print(f"ternlm cluster: ready at http://{args.host}:{args.port}/v1 (send X-Session-ID or "
-                  f"`user` to keep a conversation on one replica); Ctrl-C stops all", file=sys.stderr,
-                  flush=True)
-        while not stopping():
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"ternlm cluster: {dead[0].name} exited with {dead[0].proc.returncode} "
-                      f"(log: {dead[0].log}); stopping all", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        print("ternlm cluster: stopping", file=sys.stderr, flush=True)
-        return 0
