@@ -166,7 +166,7 @@ def replay(args, serve: list[str], logdir: Path, replicas: int, kill: bool) -> d
             time.sleep(args.redis_down)
             run.restart_redis()
             up = time.monotonic()
-            print(f"replay: redis killed at {down:.1f} s, restarted {args.redis_down:.0f} s later", flush=True)
+            print(f"replay: redis killed at {down - t0:.1f} s, restarted {args.redis_down:.0f} s later", flush=True)
         for t in threads:
             t.join()
         wall = time.monotonic() - t0
