@@ -6,6 +6,7 @@ start, killed mid-run, out of memory) that never raise and heal by themselves.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import pytest
@@ -223,3 +224,45 @@ def test_password_url_connects():
             assert tier.up and "s3cret" not in tier.url
         finally:
             tier.close()
+
+
+def test_a_hung_redis_costs_one_timeout_then_the_tier_is_off_until_it_answers(caplog):
+    """SIGSTOP freezes the server (a slow or hung Redis): the first call waits one timeout, later calls
+    none; SIGCONT and the probe brings the tier back."""
+    with RedisProc() as r:
+        store = TieredStore(IDENT, 1 << 20, redis=RedisTier(r.url, timeout_s=0.3))
+        try:
+            ids = rand_ids(2 * B, 10)
+            r.proc.send_signal(signal.SIGSTOP)
+            try:
+                with caplog.at_level(logging.WARNING, "ternlm.cache"):
+                    t0 = time.perf_counter()
+                    assert store.match(ids + [1], NS, len(ids)) == []
+                    first = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    assert store.match(ids + [1], NS, len(ids)) == [] and store.publish(fake_slot(ids)) == 0
+                    later = time.perf_counter() - t0
+                assert 0.25 < first < 2.0 and later < 0.05, (first, later)
+                assert not store.redis.up and "TimeoutError" in caplog.text
+            finally:
+                r.proc.send_signal(signal.SIGCONT)
+            assert wait_for(lambda: store.redis.up, 40)
+            assert store.publish(fake_slot(ids)) == 2 and store.flush(10)
+        finally:
+            store.close(5)
+
+
+def test_a_ttl_expires_blocks_and_a_conversation_in_use_is_kept_alive(redis_server):
+    tier = RedisTier(redis_server.url, ttl_s=100)
+    store = TieredStore(IDENT, 1 << 20, redis=tier)
+    try:
+        ids = rand_ids(2 * B, 11)
+        assert store.publish(fake_slot(ids)) == 2 and store.flush(10)
+        r = redis_server.client()
+        key = key_of(NS, block_refs(ids, NS)[0].key)
+        assert 90 < r.ttl(key) <= 100
+        r.expire(key, 5)
+        assert store.publish(fake_slot(ids)) == 0          # EXPIRE found both: nothing copied...
+        assert r.ttl(key) > 90                             # ...and the one in use lives on
+    finally:
+        store.close(5)

@@ -216,7 +216,10 @@ class TieredStore:
     def persist(self, slots: list[Slot], timeout: float | None = None) -> int:
         """Shutdown: write the RAM tier (oldest first) and then every slot's blocks (most recent last,
         so they are the last the disk's LRU would drop) to disk, and wait for the writes.
-        Returns how many of those blocks are on disk afterwards."""
+        Returns how many of those blocks are on disk afterwards. Also waits for blocks on their way to
+        Redis (published, so another replica can take the conversations over)."""
+        if self.redis_spill is not None:
+            self.redis_spill.flush(10.0 if timeout is None else timeout)   # a cache: never hang the exit
         if self.spill is None or self.disk is None:
             return 0
         for s in slots:
