@@ -26,5 +26,6 @@ def test_tiny_run_moves_a_conversation_and_survives_redis_dying(tmp_path):
     one, two = res["replay"]["one"], res["replay"]["two"]
     assert one["failed"] == two["failed"] == 0 and one["requests"] == two["requests"] == 4
     assert res["replay"]["identical_conversations"] == 2
+    assert res["replay"]["round_robin"]["failed"] == 0
     assert all(len(v) == 1 for v in two["replica_of"].values())       # each conversation on one replica
     assert two["redis_killed_at_s"] is not None

@@ -6,7 +6,8 @@
    loaded / its GET + verify seconds) against `redis-benchmark` GET of the same value size.
 2. replay: N concurrent multi-turn conversations through HAProxy (X-Session-ID per conversation) on one
    replica, then on two with Redis killed (SIGKILL) for `--redis-down` seconds mid-run: reused fraction of
-   prompt tokens, failed requests, and whether every answer is identical between the two runs (greedy).
+   prompt tokens, failed requests, and whether every answer is identical between the runs (greedy); then
+   on two without session keys (HAProxy round robin: turns hop between replicas, Redis carries them).
 Client-side TTFT: from sending the request to the first streamed content chunk, through HAProxy.
 """
 from __future__ import annotations
@@ -134,8 +135,9 @@ def moved(args, serve: list[str], logdir: Path) -> dict:
             "redis_benchmark_get_rps": get_rps, "identical": all(x["identical"] for x in rows)}
 
 
-def replay(args, serve: list[str], logdir: Path, replicas: int, kill: bool) -> dict:
-    """Run args.conversations conversations concurrently, turn by turn, through HAProxy."""
+def replay(args, serve: list[str], logdir: Path, replicas: int, kill: bool, sessions: bool = True) -> dict:
+    """Run args.conversations conversations concurrently, turn by turn, through HAProxy; with `sessions`
+    each sends its X-Session-ID, without it HAProxy spreads the turns round robin."""
     rng = random.Random(args.seed + 1)
     convs = [synthetic_conversation(rng, args.turns, args.system_words, args.user_words, 0)
              for _ in range(args.conversations)]
@@ -148,7 +150,7 @@ def replay(args, serve: list[str], logdir: Path, replicas: int, kill: bool) -> d
             for turn in range(args.turns):
                 msgs.append(convs[i][1 + 2 * turn])
                 try:
-                    out = _chat(run.router, args.model, msgs, args.max_tokens, session=f"conversation-{i}")
+                    out = _chat(run.router, args.model, msgs, args.max_tokens, session=f"conversation-{i}" if sessions else None)
                 except Exception as e:       # noqa: BLE001 - counted, the replay goes on
                     failures.append(f"conversation {i} turn {turn}: {e!r}")
                     return
@@ -201,8 +203,9 @@ def run(args) -> int:
         if "replay" in args.parts:
             one = replay(args, serve, logdir, 1, kill=False)
             two = replay(args, serve, logdir, 2, kill=True)
-            same = sum(one["answers"][i] == two["answers"][i] for i in one["answers"])
-            out["replay"] = {"one": one, "two": two, "identical_conversations": same,
+            rr = replay(args, serve, logdir, 2, kill=False, sessions=False)
+            same = sum(one["answers"][i] == two["answers"][i] == rr["answers"][i] for i in one["answers"])
+            out["replay"] = {"one": one, "two": two, "round_robin": rr, "identical_conversations": same,
                              "reuse_ratio": two["reused_fraction"] / one["reused_fraction"]}
             print(f"replay: {args.conversations} conversations x {args.turns} turns; one replica reused "
                   f"{one['reused_fraction']:.1%}, two behind HAProxy {two['reused_fraction']:.1%} "
@@ -211,13 +214,16 @@ def run(args) -> int:
                   f"({two['requests_during_outage']} requests ran during the outage); "
                   f"conversations answered identically {same}/{args.conversations}; replicas per conversation "
                   f"{two['replica_of']}")
+            print(f"replay without session keys (HAProxy round robin): reused {rr['reused_fraction']:.1%}, "
+                  f"{rr['redis_tokens']} tokens from Redis, failed {rr['failed']}; replicas per conversation "
+                  f"{rr['replica_of']}")
         path = write_json(Path(args.out), "cluster.json", out)
         print(f"wrote {path}")
         ok = True
         if "moved" in out:
             ok &= out["moved"]["identical"]
         if "replay" in out:
-            ok &= out["replay"]["two"]["failed"] == 0 and out["replay"]["one"]["failed"] == 0
+            ok &= all(out["replay"][k]["failed"] == 0 for k in ("one", "two", "round_robin"))
         return 0 if ok else 1
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
