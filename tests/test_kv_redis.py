@@ -217,13 +217,18 @@ def test_urls_are_checked_and_passwords_never_logged():
     assert "s3cret" not in redact("redis://user:s3cret@h:6379/0")
 
 
-def test_password_url_connects():
+def test_password_from_the_url_or_the_environment_connects(monkeypatch):
     with RedisProc("--requirepass", "s3cret") as r:
-        tier = RedisTier(f"redis://:s3cret@127.0.0.1:{r.port}/1")
-        try:
-            assert tier.up and "s3cret" not in tier.url
-        finally:
-            tier.close()
+        for url, env in ((f"redis://:s3cret@127.0.0.1:{r.port}/1", None), (r.url, "s3cret"), (r.url, None)):
+            if env:
+                monkeypatch.setenv("TERNLM_REDIS_PASSWORD", env)
+            else:
+                monkeypatch.delenv("TERNLM_REDIS_PASSWORD", raising=False)
+            tier = RedisTier(url, timeout_s=0.3)
+            try:
+                assert tier.up == (url != r.url or env is not None) and "s3cret" not in tier.url
+            finally:
+                tier.close()
 
 
 def test_a_hung_redis_costs_one_timeout_then_the_tier_is_off_until_it_answers(caplog):

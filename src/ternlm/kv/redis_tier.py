@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 import warnings
@@ -39,6 +40,7 @@ log = logging.getLogger("ternlm.cache")
 
 SCHEMES = ("redis", "rediss", "unix")
 PREFIX = "ternlm:kv:"
+PASSWORD_ENV = "TERNLM_REDIS_PASSWORD"    # used when the URL carries no password
 _BACKOFF = (0.5, 30.0)           # first and largest wait between reconnect attempts (seconds)
 
 
@@ -96,8 +98,11 @@ class RedisTier:
         # One retry, on a broken connection only (a pooled socket to a Redis that restarted); a timeout
         # is not retried: one failed call turns the tier off and the probe thread reconnects.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        # A password in the URL shows in `ps`; $TERNLM_REDIS_PASSWORD keeps it out of the command line.
+        env_pw = os.environ.get(PASSWORD_ENV) if urlsplit(url).password is None else None
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                            retry=retry, health_check_interval=0)
+                                            retry=retry, health_check_interval=0,
+                                            **({"password": env_pw} if env_pw else {}))
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = False

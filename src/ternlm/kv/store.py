@@ -190,14 +190,17 @@ class TieredStore:
         if redis is None or not redis.up or not rec.namespace:
             return 0
         queued = 0
-        refs = [r for r in block_refs(rec.fed, rec.namespace, storable(slot)) if r.key not in self.redis_spill]
-        for ref, missing in zip(refs, redis.missing(rec.namespace, [r.key for r in refs])):
-            if not missing:
-                continue
-            # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
-            k = slot.k[:, :, ref.start:ref.end].clone()
-            v = slot.v[:, :, ref.start:ref.end].clone()
-            queued += self.redis_spill.submit(BlockKV(self.meta(ref, rec.namespace), k, v))
+        try:
+            refs = [r for r in block_refs(rec.fed, rec.namespace, storable(slot)) if r.key not in self.redis_spill]
+            for ref, missing in zip(refs, redis.missing(rec.namespace, [r.key for r in refs])):
+                if not missing:
+                    continue
+                # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
+                k = slot.k[:, :, ref.start:ref.end].clone()
+                v = slot.v[:, :, ref.start:ref.end].clone()
+                queued += self.redis_spill.submit(BlockKV(self.meta(ref, rec.namespace), k, v))
+        except Exception:       # a bug here must not fail the step it runs after: log, publish less
+            log.exception("redis KV cache: publishing a slot's blocks failed")
         return queued
 
     def flush(self, timeout: float | None = None) -> bool:
