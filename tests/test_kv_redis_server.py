@@ -2,7 +2,7 @@
 client. The oracle for every answer is a server with prefix reuse off: greedy outputs must be
 identical whatever the shared tier did. A conversation moves between replicas (its next turn loads the
 prefix from Redis), Redis dies between turns (the turn still answers, the tier reports down and comes
-back), and two tenants' conversations never share a block.
+back), two tenants' conversations never share a block, and a replica whose Redis is down at start serves.
 """
 from __future__ import annotations
 
@@ -137,3 +137,14 @@ def test_two_tenants_never_share_blocks(replicas, cold, redis_server):
     assert t["cache_redis_n"] == 0 and t["cache_n"] == 0
     _, t = turn(b, cold, [system], QUESTIONS[0], key="tenant-1")   # tenant 1 on B: its own blocks
     assert t["cache_redis_n"] >= 2 * B
+
+
+def test_redis_down_at_start_the_replica_serves_and_says_so(cold):
+    from server_proc import free_port
+    with ServerProc(*COMMON, "--cache-redis", f"redis://127.0.0.1:{free_port()}/0") as s:
+        msgs = [{"role": "system", "content": system_prompt(4)}]
+        turn(s, cold, msgs, QUESTIONS[1])
+        _, t = turn(s, cold, msgs, QUESTIONS[2])
+        assert t["cache_n"] >= 2 * B                            # its own slot still reuses
+        assert redis_metric(s, "ternlm_kv_tier_up") == 0
+        assert "unreachable at start" in s.log() and "Traceback" not in s.log()
