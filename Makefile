@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: install install-test test serve pull bench bench-peers soak info clean
+.PHONY: install install-test test serve pull bench bench-peers soak info clean cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,14 +28,23 @@ pull: install
 # It runs several model processes on few cores: OpenMP threads that spin-wait collapse when they
 # share cores (measured: decode 3 tok/s spinning vs 31 passive), so the suite makes them sleep.
 # tests/test_ui.py drives Debian's Chromium: installed here when missing (root or sudo), or one line
-# says what to install before anything runs.
+# says what to install before anything runs. The Redis tier's tests run Debian's redis-server on free
+# loopback ports, tests/test_cluster.py HAProxy too (scripts/ensure-redis installs both the same way).
 test: install-test
 	scripts/ensure-chromium
+	scripts/ensure-redis
 	$(BIN)/ternlm pull smollm2-135m
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q
 
 serve: install
 	$(BIN)/ternlm serve -m $(MODEL)
+
+# Redis + $(REPLICAS) replicas sharing it as a KV tier + HAProxy routing each conversation to one replica,
+# on 127.0.0.1:8000 (replicas on 8001.., Redis after them). Ctrl-C stops all. README: Scale-out.
+REPLICAS ?= 2
+cluster: install
+	scripts/ensure-redis
+	$(BIN)/ternlm cluster --replicas $(REPLICAS) -m $(MODEL)
 
 info: install
 	$(BIN)/ternlm info

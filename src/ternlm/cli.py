@@ -1,4 +1,4 @@
-"""Command line: ternlm pull | generate | serve | chat | bench | cache | info."""
+"""Command line: ternlm pull | generate | serve | chat | bench | cache | info | cluster."""
 from __future__ import annotations
 
 import argparse
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     add_cache_parser(sub)
     from .info_cli import add_info_parser
     add_info_parser(sub)
+    from .cluster import add_cluster_parser
+    add_cluster_parser(sub)
 
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -128,7 +128,7 @@ class Engine:
         if cache is not None and prefix_reuse:
             ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   str(KV_DTYPE).removeprefix("torch."))
-            self.store = TieredStore(ident, cache.ram_bytes, cache.disk_dir, cache.disk_bytes)
+            self.store = TieredStore.from_config(ident, cache)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -336,6 +336,8 @@ class Engine:
                     outcomes[i] = self._fail(seq, e)
                 if was_prefilling and not seq.prefilling:
                     log.info("%s", reuse_line(seq.reuse, seq.n, seq.timings, seq.restored))
+                if seq.done and self.store is not None:
+                    self.store.publish(seq.slot)   # shared tier: another replica may take the next turn
         return outcomes
 
     @staticmethod
@@ -400,11 +402,11 @@ class Engine:
         load_s = got.load_s + time.perf_counter() - t0 + (tail_s if p.tail else 0.0)
         rec.truncate(p.loaded)                 # the last entry may be cut: [FRESH-LOGITS], a divergence
         ends = [p.keep + BLOCK_TOKENS * (i + 1) for i in range(p.blocks)] + ([p.loaded] if p.tail else [])
-        per, at = {"ram": 0, "disk": 0}, p.keep
+        per, at = {"ram": 0, "disk": 0, "redis": 0}, p.keep
         for tier, end in zip(tiers, ends):
             per[tier] += min(end, p.loaded) - at
             at = min(end, p.loaded)
-        return Restored(p.keep, per["ram"], per["disk"], load_s)
+        return Restored(p.keep, per["ram"], per["disk"], load_s, redis=per["redis"])
 
     @staticmethod
     def _keep(slot: Slot, keep: int, ns: bytes) -> None:
@@ -433,8 +435,9 @@ class Engine:
 def reuse_line(reuse: Reuse, n: int, t: Timings, r: Restored = Restored()) -> str:
     """The one log line per request: what was reused and from which tier, or why not."""
     prefill = f"prefill {t.prefill_tokens} tokens in {t.prefill_s:.2f} s"
-    if r.ram or r.disk:
-        parts = ", ".join(f"{name} {c}" for name, c in (("slot", r.slot), ("ram", r.ram), ("disk", r.disk)) if c)
+    if r.ram or r.disk or r.redis:
+        parts = ", ".join(f"{name} {c}" for name, c in (("slot", r.slot), ("ram", r.ram), ("disk", r.disk),
+                                                         ("redis", r.redis)) if c)
         return (f"reuse {r.tokens}-token KV prefix (of {n}) from {r.tier} tier ({parts}; "
                 f"load {r.load_s * 1e3:.1f} ms), {prefill}")
     if r.slot:

@@ -38,22 +38,24 @@ class Timings:
 @dataclass(frozen=True)
 class Restored:
     """Where a request's reused prefix [0, tokens) came from: first the slot's own KV, then blocks
-    loaded from the tiers below it (RAM, then disk), then positions copied from a sibling choice's
-    live slot (n > 1: one prompt prefilled once), in position order."""
+    loaded from the tiers below it (RAM, then disk, then Redis), then positions copied from a sibling
+    choice's live slot (n > 1: one prompt prefilled once), in position order."""
     slot: int = 0
     ram: int = 0
     disk: int = 0
     load_s: float = 0.0          # reading + verifying + copying tier blocks
     sibling: int = 0             # copied from the slot of choice 0 of the same request
+    redis: int = 0               # loaded from the shared Redis tier (another replica may have written it)
 
     @property
     def tokens(self) -> int:
-        return self.slot + self.ram + self.disk + self.sibling
+        return self.slot + self.ram + self.disk + self.redis + self.sibling
 
     @property
     def tier(self) -> str:
-        """The slowest tier that contributed: "disk" | "ram" | "slot" (own or sibling's) | "none"."""
-        return "disk" if self.disk else "ram" if self.ram else "slot" if self.slot or self.sibling else "none"
+        """The slowest tier that contributed: "redis" | "disk" | "ram" | "slot" (own or sibling's) | "none"."""
+        return "redis" if self.redis else "disk" if self.disk else "ram" if self.ram else \
+            "slot" if self.slot or self.sibling else "none"
 
 
 @dataclass

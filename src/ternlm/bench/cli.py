@@ -1,4 +1,4 @@
-"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak` argument parsing."""
+"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak|cluster` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -107,8 +107,40 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--out", default="benchmarks/results/multiturn")
     p.set_defaults(func=lambda a: _multiturn(a, default_model))
 
+    p = which.add_parser("cluster", help="replicas sharing Redis behind HAProxy: a moved conversation's TTFT, "
+                                         "reuse of 8 concurrent conversations, Redis killed mid-run",
+                         description="Starts Redis, replicas and HAProxy (ternlm cluster) on free loopback ports. "
+                                     "moved: a long conversation's next turn on the other replica vs cold, and "
+                                     "Redis load bandwidth vs redis-benchmark GET; replay: concurrent conversations "
+                                     "on one replica vs two behind HAProxy with Redis killed mid-run (exit 1 on a "
+                                     "failed request or a moved answer that differs from cold).")
+    p.add_argument("-m", "--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--slots", type=int, default=8, help="slots per replica")
+    p.add_argument("--parts", default="moved,replay", help="comma list: moved,replay")
+    p.add_argument("--history-tokens", type=int, default=4000)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--bench-gets", type=int, default=2000, help="redis-benchmark requests")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--user-words", type=int, default=40)
+    p.add_argument("--kill-after", type=float, default=5.0, help="seconds into the two-replica replay")
+    p.add_argument("--redis-down", type=float, default=10.0, help="seconds Redis stays dead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=_cluster)
+
     from .soak_cli import add_soak_parser
     add_soak_parser(which, engine_args)
+
+
+def _cluster(args) -> int:
+    from .cluster import run
+    return run(args)
 
 
 def _quality(args) -> int:

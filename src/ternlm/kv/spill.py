@@ -1,4 +1,5 @@
-"""Background writes from the RAM tier to the disk tier.
+"""Background writes from the RAM tier to the disk tier (and, with a second Spiller, of published
+blocks to the Redis tier: any sink with `put(block) -> bool` that never raises for I/O trouble).
 
 Why a thread: writing one smollm2 block (11.8 MB, hashed, fsynced) takes ~30 ms here, and a slot
 reset can push a dozen blocks out of a full RAM tier. Done on the engine's worker thread that would
@@ -13,17 +14,22 @@ import logging
 import threading
 from collections import OrderedDict
 
+from typing import Protocol
+
 from .blockfile import BlockKV
-from .disk import DiskTier
 
 log = logging.getLogger("ternlm.cache")
 
 
-class Spiller:
-    """Thread-safe. `submit`/`get`/`flush` from any thread; one daemon writer thread does disk.put."""
+class Sink(Protocol):
+    def put(self, block: BlockKV) -> bool: ...
 
-    def __init__(self, disk: DiskTier, max_pending_bytes: int = 512 << 20):
-        self.disk = disk
+
+class Spiller:
+    """Thread-safe. `submit`/`get`/`flush` from any thread; one daemon writer thread does sink.put."""
+
+    def __init__(self, sink: Sink, max_pending_bytes: int = 512 << 20, name: str = "ternlm-kv-spill"):
+        self.sink = sink
         self.max_pending_bytes = max_pending_bytes
         self.dropped = 0                      # blocks not written because the queue was full
         self._pending: OrderedDict[bytes, BlockKV] = OrderedDict()   # waiting or being written
@@ -31,7 +37,7 @@ class Spiller:
         self._busy = 0                        # blocks taken by the writer, not yet finished
         self._closing = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="ternlm-kv-spill", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def __contains__(self, key: bytes) -> bool:
@@ -96,9 +102,9 @@ class Spiller:
                 key, block = next(iter(self._pending.items()))
                 self._busy = 1
             try:
-                self.disk.put(block)        # never raises for I/O trouble; logs it
+                self.sink.put(block)        # never raises for I/O trouble; logs it
             except Exception:               # a bug: log, drop the block, keep the writer alive
-                log.exception("disk KV cache: writing a block failed")
+                log.exception("KV cache: writing a block failed (%s)", self._thread.name)
             with self._cv:
                 self._pending.pop(key, None)
                 self._bytes -= block.nbytes

@@ -1,8 +1,15 @@
-"""Tiers below the slots: host RAM, then disk. Blocks go down as they age; lookups walk both.
+"""Tiers below the slots: host RAM, then disk, then (optionally) Redis shared by replicas. Blocks go
+down as they age; lookups walk them in that order.
 
     slot KV --save (on discard)--> RAM tier --LRU spill (background thread)--> disk tier --LRU--> deleted
     prompt --match (walk chained keys)--> refs found in RAM or disk --fetch--> verified BlockKV
            --find_tail (after the last ref)--> the tail entry sharing most ids with the rest
+    finished request --publish--> its slot's whole blocks not yet written --Redis spill thread--> Redis
+
+Why publish on finish, not on eviction: another replica may take the conversation's next turn at
+once, while this one still holds it in a slot; a block reaches Redis only if it is there by then.
+The Redis walk starts where the local walk missed and is one pipelined EXISTS; its load one pipelined
+GET (kv/redis_tier.py).
 
 What is saved is only what the slot's record vouches for: full blocks of record.fed before any
 taint or caller-supplied embedding (their ids do not describe their KV), and the partial block after
@@ -26,6 +33,7 @@ from .blocks import BLOCK_TOKENS, BlockRef, block_refs, tail_key, tail_locator, 
 from .record import lcp
 from .disk import DiskTier
 from .ram import RamTier
+from .redis_tier import RedisTier, check_url
 from .spill import Spiller
 from .slots import Slot
 
@@ -53,7 +61,7 @@ class StoreIdentity:
 
 @dataclass(frozen=True)
 class Fetched:
-    """Blocks read for a prompt, in order from its start; `tiers[i]` is "ram" or "disk"."""
+    """Blocks read for a prompt, in order from its start; `tiers[i]` is "ram", "disk" or "redis"."""
     blocks: list[BlockKV] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
     load_s: float = 0.0
@@ -97,12 +105,21 @@ class TieredStore:
     happen on the Spiller's thread; blocks waiting for it count as RAM (they are in memory)."""
 
     def __init__(self, ident: StoreIdentity, ram_bytes: int, disk_dir: Path | None = None,
-                 disk_bytes: int = 0):
+                 disk_bytes: int = 0, redis: RedisTier | None = None):
         self.ident = ident
         self.ram = RamTier(ram_bytes)
         self.disk = DiskTier(Path(disk_dir), disk_bytes, TAILS_PER_PARENT) \
             if disk_dir is not None and disk_bytes > 0 else None
         self.spill = Spiller(self.disk) if self.disk is not None else None
+        self.redis = redis
+        # Published blocks wait here for their SET; past 256 MiB a publish drops them (counted).
+        self.redis_spill = Spiller(redis, 256 << 20, name="ternlm-kv-redis") if redis is not None else None
+
+    @classmethod
+    def from_config(cls, ident: StoreIdentity, cache: "CacheConfig") -> "TieredStore":
+        """The tiers a CacheConfig describes. Connects to Redis (short timeouts; down is not an error)."""
+        redis = RedisTier(cache.redis_url, cache.redis_ttl, cache.redis_timeout) if cache.redis_url else None
+        return cls(ident, cache.ram_bytes, cache.disk_dir, cache.disk_bytes, redis)
 
     def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
         i = self.ident
@@ -165,18 +182,47 @@ class TieredStore:
             if self.spill is not None:
                 self.spill.submit(old, wait)   # without wait a full queue drops it: a cache may forget
 
+    def publish(self, slot: Slot) -> int:
+        """Copy the slot's recorded whole blocks that Redis lacks (one pipelined EXISTS) onto
+        the Redis writer's queue (a full queue drops them: a cache may forget). Reads the slot, does not
+        modify it. Returns how many were queued. Worker thread, after a request finished."""
+        rec, redis = slot.record, self.redis
+        if redis is None or not redis.up or not rec.namespace:
+            return 0
+        queued = 0
+        try:
+            refs = [r for r in block_refs(rec.fed, rec.namespace, storable(slot)) if r.key not in self.redis_spill]
+            for ref, missing in zip(refs, redis.missing(rec.namespace, [r.key for r in refs])):
+                if not missing:
+                    continue
+                # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
+                k = slot.k[:, :, ref.start:ref.end].clone()
+                v = slot.v[:, :, ref.start:ref.end].clone()
+                queued += self.redis_spill.submit(BlockKV(self.meta(ref, rec.namespace), k, v))
+        except Exception:       # a bug here must not fail the step it runs after: log, publish less
+            log.exception("redis KV cache: publishing a slot's blocks failed")
+        return queued
+
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until blocks on their way to disk are written. Returns False on timeout."""
-        return self.spill.flush(timeout) if self.spill is not None else True
+        """Wait until blocks on their way to disk (and Redis) are written. Returns False on timeout."""
+        ok = self.spill.flush(timeout) if self.spill is not None else True
+        return (self.redis_spill.flush(timeout) if self.redis_spill is not None else True) and ok
 
     def close(self, timeout: float | None = None) -> bool:
-        """Finish pending disk writes and stop the writer thread. The tiers stay readable."""
-        return self.spill.close(timeout) if self.spill is not None else True
+        """Finish pending disk and Redis writes and stop the writer threads. The tiers stay readable."""
+        ok = self.spill.close(timeout) if self.spill is not None else True
+        if self.redis_spill is not None:
+            ok = self.redis_spill.close(timeout) and ok
+            self.redis.close()
+        return ok
 
     def persist(self, slots: list[Slot], timeout: float | None = None) -> int:
         """Shutdown: write the RAM tier (oldest first) and then every slot's blocks (most recent last,
         so they are the last the disk's LRU would drop) to disk, and wait for the writes.
-        Returns how many of those blocks are on disk afterwards."""
+        Returns how many of those blocks are on disk afterwards. Also waits for blocks on their way to
+        Redis (published, so another replica can take the conversations over)."""
+        if self.redis_spill is not None:
+            self.redis_spill.flush(10.0 if timeout is None else timeout)   # a cache: never hang the exit
         if self.spill is None or self.disk is None:
             return 0
         for s in slots:
@@ -191,18 +237,21 @@ class TieredStore:
     def match(self, prompt: list[int], namespace: bytes, limit: int) -> list[BlockRef]:
         """The prompt's leading blocks that some tier holds, walking chained keys from position 0 and
         stopping at the first miss or at `limit` tokens. Reads no payload; changes only counters and
-        the disk index (a file another server wrote is indexed when found)."""
+        the disk index (a file another server wrote is indexed when found). Where the local tiers
+        miss, one pipelined EXISTS asks Redis for the rest."""
         found = []
-        for ref in block_refs(prompt, namespace, len(prompt)):
-            if ref.start >= limit:
-                break
+        refs = [r for r in block_refs(prompt, namespace, len(prompt)) if r.start < limit]
+        for ref in refs:
             if ref.key not in self.ram and not self._pending(ref.key) and \
                     (self.disk is None or not self.disk.has(ref.key)):
-                self.ram.stats.misses += 1      # the walk ends at a block no tier holds
+                self.ram.stats.misses += 1      # the local walk ends at a block no local tier holds
                 if self.disk is not None:
                     self.disk.stats.misses += 1
                 break
             found.append(ref)
+        if self.redis is not None and len(found) < len(refs):
+            rest = refs[len(found):]
+            found += rest[:self.redis.present(namespace, [r.key for r in rest])]
         return found
 
     def find_tail(self, prompt: list[int], namespace: bytes, refs: list[BlockRef], limit: int,
@@ -263,6 +312,10 @@ class TieredStore:
                 self.ram.stats.misses += 1
                 b, tier = self.disk.get(self.meta(ref, namespace)), "disk"   # times itself
             if b is None:
+                if self.redis is not None:         # the rest, in one pipelined GET, verified
+                    got = self.redis.fetch([self.meta(r, namespace) for r in refs[len(blocks):]])
+                    blocks += got
+                    tiers += ["redis"] * len(got)
                 break
             blocks.append(b)
             tiers.append(tier)
@@ -288,6 +341,13 @@ class TieredStore:
                            "write_seconds": d.stats.write_s,
                            "write_disabled": 0 if d.write_disabled is None else 1,
                            "pending_bytes": self.spill.pending_bytes, "write_dropped": self.spill.dropped}
+        if self.redis is not None:
+            s = self.redis.stats
+            out["redis"] = {"hits": s.hits, "misses": s.misses, "damaged": s.damaged, "writes": s.writes,
+                            "write_errors": s.write_errors, "load_seconds": s.load_s, "write_seconds": s.write_s,
+                            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written, "outages": s.outages,
+                            "up": 1 if self.redis.up else 0, "pending_bytes": self.redis_spill.pending_bytes,
+                            "write_dropped": self.redis_spill.dropped}
         return out
 
 
@@ -295,11 +355,19 @@ class TieredStore:
 @dataclass(frozen=True)
 class CacheConfig:
     """Budgets of the tiers below the slots. ram_bytes = 0 sends blocks straight to disk;
-    disk_dir None or disk_bytes = 0: no disk tier."""
+    disk_dir None or disk_bytes = 0: no disk tier. redis_url None: no Redis tier; redis_ttl 0: keys
+    without expiry (Redis's maxmemory policy evicts them); redis_timeout: per connect/read, seconds."""
     ram_bytes: int = 2 << 30
     disk_dir: Path | None = None
     disk_bytes: int = 20 << 30
+    redis_url: str | None = None
+    redis_ttl: int = 0
+    redis_timeout: float = 0.5
 
     def __post_init__(self) -> None:
         if self.ram_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("cache budgets must be >= 0 bytes")
+        if self.redis_url is not None:
+            check_url(self.redis_url)
+        if self.redis_ttl < 0 or self.redis_timeout <= 0:
+            raise ValueError("redis TTL must be >= 0 and its timeout > 0 seconds")

@@ -75,6 +75,9 @@ class ServeConfig:
     cache_ram: int = 2 << 30          # bytes of KV blocks kept in host RAM after their slot is reused
     cache_dir: str | None = None      # disk tier directory (None: no disk tier)
     cache_disk: int = 20 << 30        # bytes of KV block files in cache_dir (0: no disk tier)
+    cache_redis: str | None = None    # shared Redis/Valkey tier URL (None: none); kv/redis_tier.py
+    cache_redis_ttl: int = 0          # seconds a block lives in Redis (0: until its maxmemory policy evicts it)
+    cache_redis_timeout: float = 0.5  # Redis connect/read timeout (seconds)
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -92,6 +95,11 @@ class ServeConfig:
         for ok, why in checks:
             if not ok:
                 raise ValueError(why)
+        if self.cache_redis is not None:
+            from ..kv.redis_tier import check_url
+            check_url(self.cache_redis)          # one clear line at startup, not a failed load later
+        if self.cache_redis_ttl < 0 or self.cache_redis_timeout <= 0:
+            raise ValueError("--cache-redis-ttl must be >= 0 and --cache-redis-timeout > 0")
 
 
 class ClientGone(Exception):
@@ -284,12 +292,14 @@ def cache_line(engine: Engine) -> str:
         return "no KV tiers"
     from ..sizes import format_size
     ram = f"RAM tier {format_size(store.ram.budget)}"
+    r = store.redis
+    shared = "" if r is None else f", redis tier {r.url} ({'up' if r.up else 'down: ' + str(r.down_reason)})"
     d = store.disk
     if d is None:
-        return ram + ", no disk tier"
+        return ram + ", no disk tier" + shared
     state = f" (writes off: {d.write_disabled})" if d.write_disabled else ""
     return (f"{ram}, disk tier {d.root} {format_size(d.used_bytes)} of {format_size(d.budget)} "
-            f"in {d.blocks} blocks{state}")
+            f"in {d.blocks} blocks{state}{shared}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -437,7 +447,7 @@ def choice_seed(seed: int | None, j: int) -> int | None:
 def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
     def load() -> Engine:
         cache = CacheConfig(config.cache_ram, Path(config.cache_dir) if config.cache_dir else None,
-                            config.cache_disk)
+                            config.cache_disk, config.cache_redis, config.cache_redis_ttl, config.cache_redis_timeout)
         return Engine.load(config.model, dtype=config.dtype, weights=config.weights, prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
                            chunk_size=config.chunk_size, cache=cache)

@@ -43,6 +43,13 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
                         "is off unless a directory is given here)")
     p.add_argument("--cache-disk", type=_size, default="20GiB", metavar="SIZE",
                    help="disk budget for KV blocks (default 20GiB; 0: no disk tier)")
+    p.add_argument("--cache-redis", default=None, metavar="URL",
+                   help="shared KV tier in Redis/Valkey below RAM and disk, for replicas behind a router: "
+                        "redis://[:password@]host:port/db, rediss://... or unix:///path.sock (README: Scale-out)")
+    p.add_argument("--cache-redis-ttl", type=int, default=0, metavar="SECONDS",
+                   help="expire KV blocks in Redis after this long (default 0: never; Redis's maxmemory policy evicts)")
+    p.add_argument("--cache-redis-timeout", type=float, default=0.5, metavar="SECONDS",
+                   help="Redis connect/read timeout; on any error the tier turns off and reconnects (default 0.5)")
     p.set_defaults(func=cmd_serve, ctx=8192)   # serve's default context (the model's max still caps it)
     return p
 
@@ -87,7 +94,8 @@ def cmd_serve(args) -> int:
                          cors_origins=tuple(args.cors_origins), step_tokens=args.step_tokens,
                          max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
-                         cache_dir=disk_dir(args), cache_disk=args.cache_disk)
+                         cache_dir=disk_dir(args), cache_disk=args.cache_disk, cache_redis=args.cache_redis,
+                         cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 

@@ -7,7 +7,7 @@ What is measured and where:
 - tokens, reuse, timings, slot resets, cancellations: the scheduler's terminal events, observed on
   the worker thread (prometheus_client is thread-safe), so a request counts even if its client left;
 - queue length and busy/idle slots: gauges that read the scheduler's state at scrape time;
-- KV tiers (RAM, disk): hits, misses, bytes, evictions, load seconds, damaged files: a collector that
+- KV tiers (RAM, disk, Redis): hits, misses, bytes, evictions, load seconds, damaged files: a collector that
   reads the store's counters at scrape time (the store counts on the worker thread; a scrape may see
   a value one block old, never a torn one: each is one int/float attribute).
 """
@@ -38,7 +38,10 @@ _TIER_FIELDS = [("hits", "hits", "blocks found in the tier", True),
                 ("budget_bytes", "budget_bytes", "byte budget of the tier", False),
                 ("blocks", "blocks", "KV blocks held now (tail entries included)", False),
                 ("tails", "tail_entries", "tail entries (a conversation's last partial block) held now", False),
-                ("write_disabled", "writes_disabled", "1 when writes are off (e.g. disk full)", False)]
+                ("write_disabled", "writes_disabled", "1 when writes are off (e.g. disk full)", False),
+                ("outages", "outages", "times the tier turned itself off after an error (redis)", True),
+                ("write_dropped", "write_dropped", "blocks not written because the write queue was full", True),
+                ("up", "up", "1 while the tier is reachable and used, 0 while off and reconnecting (redis)", False)]
 
 
 class TierCollector:
@@ -53,7 +56,7 @@ class TierCollector:
             name = f"ternlm_kv_tier_{suffix}"
             fam = CounterMetricFamily(name, doc, labels=["tier"]) if counter else \
                 GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier in ("ram", "disk"):
+            for tier in ("ram", "disk", "redis"):
                 if field in snap.get(tier, {}):
                     fam.add_metric([tier], float(snap[tier][field]))
             yield fam
@@ -68,7 +71,7 @@ class Metrics:
         r.register(TierCollector(cache))
         self.reused_by_tier = Counter("ternlm_reused_tokens_by_tier",
                                       "prompt tokens reused, by where they came from", ["tier"], registry=r)
-        for tier in ("slot", "ram", "disk"):
+        for tier in ("slot", "ram", "disk", "redis"):
             self.reused_by_tier.labels(tier)
         self.requests = Counter("ternlm_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -114,7 +117,7 @@ class Metrics:
             t = c.timings
             self.prompt_tokens.inc(c.prompt_tokens)
             self.reused_tokens.inc(c.cached_tokens)
-            for tier in ("slot", "ram", "disk"):
+            for tier in ("slot", "ram", "disk", "redis"):
                 n = getattr(c.restored, tier)
                 if n:
                     self.reused_by_tier.labels(tier).inc(n)

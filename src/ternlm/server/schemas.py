@@ -406,7 +406,8 @@ def timings(c: Completion) -> dict:
             "predicted_per_second": per_s(n_pred, t.decode_s),
             # ternlm: where cache_n came from (slot KV, RAM tier, disk tier) and what loading cost
             "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
-            "cache_disk_n": c.restored.disk, "cache_sibling_n": c.restored.sibling,
+            "cache_disk_n": c.restored.disk, "cache_redis_n": c.restored.redis,
+            "cache_sibling_n": c.restored.sibling,
             "cache_load_ms": c.restored.load_s * 1e3}
 
 
