@@ -29,7 +29,7 @@ _F16_AT = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q8_0: [0], QT.Q5_0
 
 _LAYOUT_OF = {QT.Q4_0: Q4, QT.Q4_1: Q4, QT.Q4_K: Q4, QT.Q5_0: Q5, QT.Q5_1: Q5, QT.Q5_K: Q5, QT.Q6_K: Q8,
               QT.Q8_0: Q8W}
-_MODE_OF = {QT.Q4_0: "f16", QT.Q4_1: "f16", QT.Q5_0: "f16", QT.Q5_1: "f16", QT.Q8_0: "f16", QT.Q4_K: "k",
+_MODE_OF = {QT.Q4_0: "f16s", QT.Q4_1: "f16", QT.Q5_0: "f16s", QT.Q5_1: "f16", QT.Q8_0: "f16s", QT.Q4_K: "k",
             QT.Q5_K: "k", QT.Q6_K: "k6"}
 
 
@@ -86,7 +86,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864)]   # smo
 # Q4_1 / Q5_0 / Q8_0 blocks by re-expressing their (exact) scales, so any input size works; the
 # K-quant modes come from Q4_K / Q5_K / Q6_K blocks (inputs a multiple of 256: K_SHAPES).
 LAYOUTS = [(Q4, "f16"), (Q4, "f32"), (Q5, "f16"), (Q5, "f32"), (Q8, "f32"), (Q8, "f16"), (Q8W, "f16"), (Q8W, "f32")]
-K_LAYOUTS = [(Q4, "k"), (Q5, "k"), (Q8, "k6")]
+K_LAYOUTS = [(Q4, "k"), (Q5, "k"), (Q8, "k6"), (Q4, "f16s"), (Q5, "f16s"), (Q8W, "f16s")]   # straight from GGML types
 K_SHAPES = [(960, 512), (3072, 1536), (256, 4864)]
 CASES = [(lay, shape) for lay in LAYOUTS for shape in SHAPES] + [(lay, shape) for lay in K_LAYOUTS for shape in K_SHAPES]
 CASE_IDS = [f"{f}_{m}-{o}x{i}" for (f, m), (o, i) in CASES]
@@ -94,14 +94,16 @@ CASE_IDS = [f"{f}_{m}-{o}x{i}" for (f, m), (o, i) in CASES]
 
 def _weights(layout: tuple[str, str], out: int, inp: int) -> QWeight:
     fmt, mode = layout
-    if mode in ("k", "k6"):
-        qtype = {Q4: QT.Q4_K, Q5: QT.Q5_K, Q8: QT.Q6_K}[fmt]
+    if mode in ("k", "k6", "f16s"):
+        qtype = ({Q4: QT.Q4_K, Q5: QT.Q5_K, Q8: QT.Q6_K} if mode != "f16s" else
+                 {Q4: QT.Q4_0, Q5: QT.Q5_0, Q8W: QT.Q8_0})[fmt]
         q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
         assert (q.fmt, q.mode) == layout
         return q
-    qtype = {Q4: QT.Q4_1, Q5: QT.Q5_0, Q8: QT.Q8_0, Q8W: QT.Q8_0}[fmt]
+    qtype = {Q4: QT.Q4_1, Q5: QT.Q5_1, Q8: QT.Q8_0, Q8W: QT.Q8_0}[fmt]
     q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
-    scale, bias = q.scale, q.bias
+    scale, bias = q.scale_bias()     # exact values; re-expressed below in the variant's dtype
+    scale, bias = scale.float(), bias.float()
     if fmt == Q8:                    # the same values in groups of 16
         scale, bias = scale.repeat_interleave(2, dim=1).contiguous(), bias.repeat_interleave(2, dim=1).contiguous()
     dtype = torch.float16 if mode == "f16" else torch.float32

@@ -32,8 +32,10 @@ HEADERS = [Path(__file__).with_name("vec.h")]          # in the digest, not on t
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
 # qmatmul.c's (layout, scale mode) variants (models/qweight.py)
-MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"),
-               ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"), ("q8g32", "f32"), ("q8g32", "f16"))
+MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
+               ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
+               ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"),
+               ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
 FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 
 

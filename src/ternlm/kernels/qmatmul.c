@@ -74,14 +74,17 @@ typedef struct {
  *   SM_F16: fp16 scale and bias per group (GGML's own fp16 d and m).
  *   SM_K:   Q4_K / Q5_K: uint8 sc and m per group of 32, fp16 (d, dmin) per 256 in sup:
  *           scale d*sc, bias -(dmin*m) (both products exact in fp32).
- *   SM_K6:  Q6_K: int8 sc per group of 16, fp16 d per 256 in sup: scale d*sc, bias -32*scale. */
-enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3 };
+ *   SM_K6:  Q6_K: int8 sc per group of 16, fp16 d per 256 in sup: scale d*sc, bias -32*scale.
+ *   SM_F16S: fp16 scale per group, bias = scale * bias[0], one fp32 constant for the matrix (Q4_0 -8,
+ *           Q5_0 -16, Q8_0 -128: GGML derives the offset from d; a power of two times d is exact). */
+enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3, SM_F16S = 4 };
 
 /* group a's scale / bias (a counts groups from the matrix start: a / 8 or a / 16 is its super-block) */
 INLINE float lds(const Row *r, int64_t a, int sm) {
     switch (sm) {
     case SM_F32: return ((const float *)r->s)[a];
-    case SM_F16: return half_to_float(((const uint16_t *)r->s)[a]);
+    case SM_F16:
+    case SM_F16S: return half_to_float(((const uint16_t *)r->s)[a]);
     case SM_K:   return half_to_float(r->sup[2 * (a / 8)]) * (float)((const uint8_t *)r->s)[a];
     default:     return half_to_float(r->sup[a / 16]) * (float)((const int8_t *)r->s)[a];
     }
@@ -92,6 +95,7 @@ INLINE float ldb(const Row *r, int64_t a, int sm) {
     case SM_F32: return ((const float *)r->b)[a];
     case SM_F16: return half_to_float(((const uint16_t *)r->b)[a]);
     case SM_K:   return -(half_to_float(r->sup[2 * (a / 8) + 1]) * (float)((const uint8_t *)r->b)[a]);
+    case SM_F16S: return lds(r, a, sm) * ((const float *)r->b)[0];
     default:     return lds(r, a, sm) * -32.0f;
     }
 }
@@ -306,11 +310,14 @@ void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint
 DEFINE_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
 DEFINE_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
 DEFINE_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
+DEFINE_MM(tq_q4g32_f16s_mm, Q4, 0, SM_F16S)
 DEFINE_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
 DEFINE_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
 DEFINE_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
+DEFINE_MM(tq_q5g32_f16s_mm, Q5, 0, SM_F16S)
 DEFINE_MM(tq_q8g16_f32_mm, Q8, 1, SM_F32)
 DEFINE_MM(tq_q8g16_f16_mm, Q8, 1, SM_F16)
 DEFINE_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
 DEFINE_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
 DEFINE_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)
+DEFINE_MM(tq_q8g32_f16s_mm, Q8, 0, SM_F16S)

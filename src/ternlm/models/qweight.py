@@ -7,12 +7,14 @@
   q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16).
   q8g32: the same with groups of 32.
 
-Scales and biases come in modes (kernels/qmatmul.c's SM_*): "f16" when every one is exactly an fp16
-(GGML's own d and m: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); "k" (Q4_K, Q5_K) and "k6" (Q6_K): GGML's own
+Scales and biases come in modes (kernels/qmatmul.c's SM_*): "f16s" where GGML derives the offset from
+d (Q4_0 -8d, Q5_0 -16d, Q8_0 -128d): fp16 scales and one fp32 constant for the matrix; "f16" when every
+scale and offset is exactly an fp16 (GGML's own d and m: Q4_1, Q5_1); "k" (Q4_K, Q5_K) and "k6" (Q6_K): GGML's own
 sub-block scales (uint8 sc and m, int8 sc for Q6_K) with the fp16 super-block d (and dmin) in `sup`,
 multiplied out in the kernel (exact products); "f32" otherwise. Decode reads every weight byte once per
-token, so the bytes per weight set its speed (Q8_0: 1.125 instead of 1.5; Q5_0 0.75 instead of 1.5;
-Q4_1 0.625 instead of 0.75; Q6_K 1.07 instead of 1.5; Q4_K 0.58 instead of 0.75).
+token, so the bytes per weight set its speed (Q8_0: 1.0625 instead of 1.5; Q5_0 0.6875 instead of 1.5;
+Q4_1 0.625 instead of 0.75; Q6_K 1.07 instead of 1.5; Q4_K 0.58 instead of 0.75: GGML's own sizes but
+Q6_K's).
 
 A weight is w = fma(scale, code, bias). Every GGML type below maps onto one layout with that value
 *exactly* equal to the fp32 GGML dequantization (gguf.quants.dequantize): the products d*sc, d*q and
@@ -46,7 +48,8 @@ class QWeight:
     fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32"
     codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts
     scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6")
-    bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); None for "k6" (-32 * scale)
+    bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); (1,) fp32 constant c ("f16s":
+                               # bias = c * scale); None for "k6" (-32 * scale)
     high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32, else None
     sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6")
 
@@ -63,6 +66,8 @@ class QWeight:
         """The scale mode: "f32" | "f16" | "k" | "k6" (see the module docstring)."""
         if self.sup is not None:
             return "k6" if self.bias is None else "k"
+        if self.bias is not None and self.bias.dim() == 1:
+            return "f16s"
         return "f16" if self.scale.dtype == torch.float16 else "f32"
 
     def scale_bias(self, rows: torch.Tensor | slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +77,8 @@ class QWeight:
         sc = self.scale[rows].double()
         if mode in ("f32", "f16"):
             return sc, self.bias[rows].double()
+        if mode == "f16s":
+            return sc, sc * float(self.bias[0])
         sup = self.sup[rows].double()
         if mode == "k":                                  # (n, in/256, 2) -> per group of 32: 8 a block
             d, dmin = sup[..., 0].repeat_interleave(8, dim=1), sup[..., 1].repeat_interleave(8, dim=1)
@@ -106,7 +113,8 @@ class QWeight:
         """Rows reordered (output features): new row i is old row order[i]."""
         def take(t):
             return None if t is None else t[order].contiguous()
-        return QWeight(self.fmt, take(self.codes), take(self.scale), take(self.bias), take(self.high), take(self.sup))
+        bias = self.bias if self.mode == "f16s" else take(self.bias)   # one constant: not per row
+        return QWeight(self.fmt, take(self.codes), take(self.scale), bias, take(self.high), take(self.sup))
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
@@ -199,6 +207,8 @@ def _k6_sub(b):
 
 # the K-quants keep GGML's sub-scales (modes "k", "k6") instead of fp32 products
 _SUB_SCALES = {QT.Q4_K: _k_sub, QT.Q5_K: _k_sub, QT.Q6_K: _k6_sub}
+# the types whose offset GGML derives from d: offset = constant * d (mode "f16s")
+_DERIVED_OFFSET = {QT.Q4_0: -8.0, QT.Q5_0: -16.0, QT.Q8_0: -128.0}
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -228,6 +238,9 @@ def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int)
     scale = scale.float().reshape(out_features, -1).contiguous()
     bias = bias.float().reshape(out_features, -1).contiguous()
     s16, b16 = _compact(scale), _compact(bias)
+    c = _DERIVED_OFFSET.get(qtype)
+    if c is not None and s16.dtype == torch.float16 and torch.equal(scale * c, bias):
+        return QWeight(fmt, codes, s16, torch.tensor([c], dtype=torch.float32), high)
     if s16.dtype == b16.dtype == torch.float16:       # one dtype for both: one kernel variant reads them
         scale, bias = s16, b16
     return QWeight(fmt, codes, scale, bias, high)
