@@ -13,6 +13,7 @@ import torch
 
 from ternlm.kernels.build import Kernels, Unavailable, load
 from ternlm.models.llama import KV_DTYPE, native_attention
+from lesser_isa import LESSER, run_built_for
 
 
 def kernels() -> Kernels:
@@ -105,14 +106,10 @@ _ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+@LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
     """The kernels as an AVX2-only (or a baseline x86-64) CPU builds them: exact and invariant too."""
-    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [isa, "ok"]
+    assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
 
 
 def test_engine_without_native_kernels_falls_back(tmp_path):

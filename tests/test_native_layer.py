@@ -6,9 +6,6 @@ runs split differently (batch invariance, bit for bit). Synthetic models cover w
 lacks: qwen2's q/k/v bias, qwen3's per-head q/k norms, mixed layouts in one projection."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +17,7 @@ from ternlm.kernels.build import Unavailable, load
 from ternlm.models.llama import Segment, Transformer
 from ternlm.models.qweight import from_gguf
 from test_qweight import random_blocks
+from lesser_isa import LESSER, run_built_for
 
 
 def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False,
@@ -166,11 +164,7 @@ _ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+@LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
     """layer.c as an AVX2-only (or baseline x86-64) CPU builds it: agrees with torch, invariant."""
-    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [isa, "ok"]
+    assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

@@ -4,9 +4,6 @@ Oracles: the gguf package's own dequantizer (weights), a float64 matmul of those
 transformers' fp32 forward on the same GGUF (model), a cold prefill (reuse)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -21,6 +18,7 @@ from ternlm.models.qlinear import QLinear
 from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf
 from ternlm.weights import WeightsUnavailable, choose_weights
 from test_model import CHATS, LOGIT_ATOL, TEXTS, hf_greedy, hf_logits
+from lesser_isa import LESSER, run_built_for
 
 # byte offsets of each type's fp16 fields (random bytes there would give inf/nan scales)
 _F16_AT = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2], QT.Q8_0: [0], QT.Q5_0: [0], QT.Q5_1: [0, 2],
@@ -167,15 +165,11 @@ _ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("march,isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+@LESSER
 def test_lesser_isa_paths(march, isa, tmp_path):
     """The AVX2 and scalar paths, built on this host by capping -march: exact and batch-invariant too
     (an AVX2-only CPU runs the first; this is how it is tested where the host has more)."""
-    env = dict(os.environ, TERNLM_KERNEL_MARCH=march, XDG_CACHE_HOME=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [isa, "ok"]
+    assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
 
 
 def test_weights_choice():
