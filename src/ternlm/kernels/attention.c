@@ -1,4 +1,5 @@
-/* Causal attention for one sequence, one query row at a time, online softmax over 256-key blocks.
+/* Causal attention: each query row over its own keys, online softmax over 256-key blocks; up to 4
+ * rows of one head share each K/V load (rows() below) without changing any row's arithmetic.
  *
  *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
  *   k,v: (KV, cap, D) fp32 (one layer of a slot's cache); head h reads kv head h / (H / KV)

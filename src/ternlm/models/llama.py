@@ -337,15 +337,15 @@ class Transformer(nn.Module):
             for i, layer_parts in enumerate(parts):
                 layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
             r0 += s.length
-        cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                      # (M, head_dim)
-        sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
         table = segment_table(segments, self.cfg) if self.kernels is not None else None
-        if self.native is not None:                 # whole layers in C, x updated in place
+        if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
             x = x.to(torch.float32).clone()
-            scratch = torch.empty(x.shape[0] * max(n.per_row for n in self.native))
+            scratch = torch.empty(x.shape[0] * self.native[0].per_row)   # the same shapes every layer
             for native in self.native:
                 native(x, table, scratch)
         else:
+            cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                  # (M, head_dim)
+            sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
             for layer, layer_parts in zip(self.layers, parts):
                 x = layer(x, cos_m, sin_m, layer_parts, table)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
