@@ -68,3 +68,10 @@ def smollm2_q():
     for this CPU with the system C compiler on first use; a missing compiler fails here, loudly)."""
     from ternlm import Engine
     return Engine.load("smollm2-135m", weights="gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q32():
+    """smollm2_q with an fp32 KV cache (`--kv-dtype float32`; the default is fp16 with these weights)."""
+    from ternlm import Engine
+    return Engine.load("smollm2-135m", weights="gguf", kv_dtype="float32")

@@ -159,3 +159,49 @@ def test_many_sequences_in_one_call_equal_each_alone():
     with pytest.raises(Exception, match="caches do not fit"):
         segment_table([Segment(0, 1, torch.randn(2, 3, 256, 64).bfloat16(), torch.randn(2, 3, 256, 64).bfloat16())],
                       cfg)
+
+
+def fp16_segments_check(kn) -> None:
+    """An fp16 cache gives exactly the bits of an fp32 cache holding the same (widened) values: the
+    kernel widens each element exactly, the arithmetic is the fp32 one."""
+    from types import SimpleNamespace
+
+    from ternlm.models.llama import Segment, segment_table
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64)
+    g = torch.Generator().manual_seed(11)
+    caches = [(start, n, torch.randn(2, 3, cap, 64, generator=g).half(), torch.randn(2, 3, cap, 64, generator=g).half())
+              for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512)]]
+    M = sum(n for _, n, _, _ in caches)
+    qs = (torch.randn(9, M, 64, generator=g) * 64 ** -0.5).contiguous()
+    for layer in range(2):
+        outs = []
+        for dtype in (torch.float16, torch.float32):
+            segs = [Segment(s, n, k.to(dtype), v.to(dtype)) for s, n, k, v in caches]
+            out = torch.empty(M, 9 * 64)
+            table = segment_table(segs, cfg, dtype)
+            kn.attention_segments(table.data_ptr(), len(segs), layer, qs.data_ptr(), M, 9, 3, 64, out.data_ptr(),
+                                  torch.get_num_threads(), kv_half=dtype == torch.float16)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+    with pytest.raises(Exception, match="caches do not fit"):   # the table's dtype is checked, not trusted
+        segment_table([Segment(0, 1, caches[0][2], caches[0][3])], cfg, torch.float32)
+
+
+def test_fp16_cache_reads_as_its_fp32_values():
+    fp16_segments_check(kernels())
+
+
+_ISA_SCRIPT_F16 = textwrap.dedent("""
+    import pytest  # noqa: F401  (the check raises through pytest.raises)
+    from ternlm.kernels.build import load
+    from test_native_attention import fp16_segments_check
+    kn = load()
+    fp16_segments_check(kn)
+    print(kn.isa, "ok")
+""")
+
+
+@LESSER
+def test_lesser_isa_fp16_cache(march, isa, tmp_path):
+    """The fp16 cache read by the AVX2 (F16C) and baseline (software) builds: the same exact widening."""
+    assert run_built_for(march, _ISA_SCRIPT_F16, tmp_path) == [isa, "ok"]

@@ -21,7 +21,7 @@ from lesser_isa import LESSER, run_built_for
 
 
 def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False,
-               kquants: bool = False) -> Transformer:
+               kquants: bool = False, kv_dtype: str = "float32") -> Transformer:
     """2 layers, 4 heads over 2 kv heads, random GGML blocks of several types: hidden 64 (head_dim 16)
     with the 32-blocks types, or hidden 256 (head_dim 64) with the K-quants, whose blocks are 256."""
     h, hd, inter = (256, 64, 512) if kquants else (64, 32, 160)
@@ -60,12 +60,12 @@ def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = Fal
     k = load()
     if isinstance(k, Unavailable):
         pytest.fail(f"the native kernels are part of the product and must build here: {k.reason}")
-    return Transformer(cfg, w, torch.float32, pack=False, kernels=k, keep_quantized=True)
+    return Transformer(cfg, w, torch.float32, pack=False, kernels=k, keep_quantized=True, kv_dtype=kv_dtype)
 
 
 def caches(m: Transformer, cap: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (m.cfg.num_layers, m.cfg.num_kv_heads, cap, m.cfg.head_dim)
-    return torch.zeros(shape), torch.zeros(shape)
+    return torch.zeros(shape, dtype=m.kv_dtype), torch.zeros(shape, dtype=m.kv_dtype)
 
 
 VARIANTS = [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]
@@ -92,11 +92,12 @@ def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm, kquants):
     assert k1[:, :, 300:].abs().max() == 0, "nothing written past the positions fed"
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
-def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants):
+def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants, kv_dtype):
     """[BATCH-INVARIANT] a sequence's logits and KV bits are the same whole, in chunks, token by token,
-    and batched with other sequences."""
-    m = tiny_model(qkv_bias, qk_norm, seed=2, kquants=kquants)
+    and batched with other sequences, with an fp32 or an fp16 cache."""
+    m = tiny_model(qkv_bias, qk_norm, seed=2, kquants=kquants, kv_dtype=kv_dtype)
     ids = torch.randint(0, 96, (70,), generator=torch.Generator().manual_seed(4))
     kw, vw = caches(m)
     whole = m.forward(m.embed_ids(ids), 0, kw, vw, all_logits=True)
@@ -143,9 +144,40 @@ def test_layers_stay_in_torch_when_a_projection_is_dense():
     assert tiny_model(False, False, dense_o=True).native is None
 
 
+def test_kv_dtype_choice():
+    """auto: fp16 where the layers run fused, fp32 where they cannot; fp16 is refused where no fused
+    layer could write it."""
+    assert tiny_model(False, False, kv_dtype="auto").kv_dtype == torch.float16
+    assert tiny_model(False, False, dense_o=True, kv_dtype="auto").kv_dtype == torch.float32
+    with pytest.raises(ValueError, match="needs every layer fused"):
+        tiny_model(False, False, dense_o=True, kv_dtype="float16")
+    with pytest.raises(ValueError, match="unknown KV dtype"):
+        tiny_model(False, False, kv_dtype="int8")
+
+
+def fp16_cache_check(qkv_bias: bool, qk_norm: bool, kquants: bool) -> None:
+    """The fp16 cache holds exactly the fp32 layer's K/V rounded to nearest even (torch's .half()), and
+    the model's answers stay those of the fp32 cache to fp16's precision."""
+    m16 = tiny_model(qkv_bias, qk_norm, kquants=kquants, kv_dtype="float16")
+    m32 = tiny_model(qkv_bias, qk_norm, kquants=kquants)
+    ids = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(7))
+    k16, v16 = caches(m16)
+    k32, v32 = caches(m32)
+    a16 = m16.forward(m16.embed_ids(ids), 0, k16, v16, all_logits=True)
+    a32 = m32.forward(m32.embed_ids(ids), 0, k32, v32, all_logits=True)
+    # layer 0 sees the same input in both: its cache entries are the fp32 ones, rounded
+    assert torch.equal(k16[0], k32[0].half()) and torch.equal(v16[0], v32[0].half())
+    assert (a16 - a32).abs().max() <= 1e-2 * a32.abs().max()
+
+
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
+def test_fp16_cache_is_the_rounded_fp32_cache(qkv_bias, qk_norm, kquants):
+    fp16_cache_check(qkv_bias, qk_norm, kquants)
+
+
 _ISA_SCRIPT = textwrap.dedent("""
     import torch
-    from test_native_layer import tiny_model, caches
+    from test_native_layer import tiny_model, caches, fp16_cache_check
     for bias, norm, kq in [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]:
         m = tiny_model(bias, norm, kquants=kq)
         assert m.native is not None
@@ -160,6 +192,7 @@ _ISA_SCRIPT = textwrap.dedent("""
         ref = m.forward(m.embed_ids(ids), 0, k3, v3, all_logits=True)
         m.native = native
         assert (whole - ref).abs().max() <= 1e-4 * ref.abs().max()
+        fp16_cache_check(bias, norm, kq)      # F16C (AVX2) / libgcc (baseline) rounding = torch's
     print(m.kernels.isa, "ok")
 """)
 

@@ -17,6 +17,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="gguf: keep a GGUF's quantized blocks and multiply them with a native kernel built for "
                         "this CPU (fp32 activations; fastest decode); bf16/fp32: dense weights in that dtype; "
                         "auto (default): dense in the --dtype choice")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
+                   help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
+                        "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "
+                        "float32 | float16 (needs the fused layers)")
     p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
     p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
@@ -29,7 +33,8 @@ def _load(args, slots: int = 1):
     from .engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, prefix_reuse=not args.no_prefix_kv,
+    engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+                         prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine

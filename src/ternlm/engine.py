@@ -36,7 +36,7 @@ from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
 from .kv.slots import KVShape, Slot
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
-from .models.llama import ATTN_BLOCK, KV_DTYPE, Transformer
+from .models.llama import ATTN_BLOCK, Transformer
 from .models.loaded import LoadedModel
 from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Sampler, SamplingParams
@@ -81,11 +81,13 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
-                 weights: WeightsChoice | None = None):
+                 weights: WeightsChoice | None = None, kv_dtype: str = "auto"):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
-        with a gguf choice. Raises UnsupportedDtypeError for a dtype with no exact kernel here."""
+        with a gguf choice. `kv_dtype`: the KV cache's dtype, auto | float32 | float16 (Transformer:
+        auto is float16 where every layer runs fused in C, else float32). Raises UnsupportedDtypeError
+        for a dtype with no exact kernel here, ValueError for a KV dtype that cannot run."""
         cfg = loaded.config
         self.config = cfg
         self.loaded = loaded
@@ -109,25 +111,27 @@ class Engine:
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
                                               pack=self.dtype_choice.kernel == "onednn-packed",
                                               kernels=self.kernels,
-                                              keep_quantized=self.weights_choice.mode == "gguf")
+                                              keep_quantized=self.weights_choice.mode == "gguf",
+                                              kv_dtype=kv_dtype)
+        self.kv_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
         self.runner = Runner(self.model, chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
-        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPE, self.ctx, ATTN_BLOCK)
+        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
         self.slots = [Slot(i, shape) for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
         attn = f"native:{self.kernels.isa}:{self.kernels.digest}" if self.kernels else "torch"
         self.kernel_fingerprint = (f"{kernel_fingerprint(self.dtype_choice, self.cpu)};"
-                                   f"{self.weights_choice.fingerprint};attention={attn}")
+                                   f"{self.weights_choice.fingerprint};attention={attn};kv={self.kv_dtype}")
         config_digest = hashlib.sha256(f"{cfg!r}:{loaded.extra_sha256}".encode()).hexdigest()[:32]
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
         if cache is not None and prefix_reuse:
             ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                  str(KV_DTYPE).removeprefix("torch."))
+                                  self.kv_dtype)
             self.store = TieredStore.from_config(ident, cache)
 
     # ---- loading -------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from .invariants import check
 from .kv.blockfile import BlockKV
 from .kv.slots import Slot
-from .models.llama import ATTN_BLOCK, KV_DTYPE, Segment, Transformer
+from .models.llama import ATTN_BLOCK, Segment, Transformer
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,6 @@ class Runner:
         m = self.model
         cfg = m.cfg
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=KV_DTYPE)
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
         v = torch.zeros_like(k)
         return m(m.embed_ids(torch.tensor(ids, dtype=torch.long)), 0, k, v, all_logits=True)

@@ -243,6 +243,7 @@ def serve_args(args, cache_dir: Path, *, reuse: bool = True) -> list[str]:
     """`ternlm serve` flags: the soak server's (tiers on, sized by --cache-ram/--cache-disk) or, with
     reuse=False, the cold server's (prefix reuse and both tiers off)."""
     out = ["-m", args.model, "--dtype", args.dtype, "--weights", getattr(args, "weights", "auto"),
+           "--kv-dtype", getattr(args, "kv_dtype", "auto"),
            "--min-reuse", str(args.min_reuse), "--chunk", str(args.chunk),
            "--slots", str(args.slots), "--cache-dir", str(cache_dir)]
     if args.ctx:

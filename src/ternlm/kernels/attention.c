@@ -2,7 +2,8 @@
  * rows of one head share each K/V load (rows() below) without changing any row's arithmetic.
  *
  *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
- *   k,v: (KV, cap, D) fp32 (one layer of a slot's cache); head h reads kv head h / (H / KV)
+ *   k,v: (KV, cap, D) fp32, or fp16 where `half` is set (one layer of a slot's cache); head h reads kv
+ *        head h / (H / KV). fp16 values are widened exactly, so a row's arithmetic is the same in both.
  *   out: row (t, h) written at out + t * ldo + h * D  (the (T, H * D) layout the o projection reads)
  *
  * [BATCH-INVARIANT] A query row at position p reads exactly keys [0, p], in blocks [0, 256),
@@ -31,8 +32,8 @@
  * single-row algorithm (its own online softmax, blocks in order, the same operations on the same
  * values); the rows only share the loads of K and V, which at a long prompt come from L3, not L2.
  * So a row's bits are the same whatever R and whichever rows it shares with [BATCH-INVARIANT]. */
-static inline __attribute__((always_inline)) void rows(int R, const float *const *q, const float *k,
-                                                       const float *v, const int64_t *n, int64_t D,
+static inline __attribute__((always_inline)) void rows(int R, int half, const float *const *q, const void *k,
+                                                       const void *v, const int64_t *n, int64_t D,
                                                        float *const *out) {
     const int64_t nv = D / 16;
     v16 qv[RMAX][MAXD / 16], acc[RMAX][MAXD / 16];
@@ -52,12 +53,12 @@ static inline __attribute__((always_inline)) void rows(int R, const float *const
             nbmax = nb[r] > nbmax ? nb[r] : nbmax;
         }
         for (int64_t j = 0; j < nbmax; j++) {             /* scores of this block's keys */
-            const float *kj = k + (b0 + j) * D;
+            const int64_t kj = (b0 + j) * D;
             v16 d[RMAX];
-            v16 kc = load16(kj);
+            v16 kc = load_kv(k, kj, half);
             for (int r = 0; r < R; r++) d[r] = qv[r][0] * kc;
             for (int64_t c = 1; c < nv; c++) {
-                kc = load16(kj + 16 * c);
+                kc = load_kv(k, kj + 16 * c, half);
                 for (int r = 0; r < R; r++) d[r] += qv[r][c] * kc;
             }
             for (int r = 0; r < R; r++)
@@ -83,9 +84,9 @@ static inline __attribute__((always_inline)) void rows(int R, const float *const
             m[r] = mn;
         }
         for (int64_t j = 0; j < nbmax; j++) {             /* p @ V, keys in order */
-            const float *vj = v + (b0 + j) * D;
+            const int64_t vj = (b0 + j) * D;
             for (int64_t c = 0; c < nv; c++) {
-                v16 vc = load16(vj + 16 * c);
+                v16 vc = load_kv(v, vj + 16 * c, half);
                 for (int r = 0; r < R; r++)
                     if (j < nb[r]) acc[r][c] += splat(s[r][j]) * vc;
             }
@@ -97,14 +98,18 @@ static inline __attribute__((always_inline)) void rows(int R, const float *const
     }
 }
 
-/* rows() with R a compile-time constant (registers for the accumulators). */
-static void rows_any(int R, const float *const *q, const float *k, const float *v, const int64_t *n, int64_t D,
-                     float *const *out) {
-    switch (R) {
-    case 1: rows(1, q, k, v, n, D, out); break;
-    case 2: rows(2, q, k, v, n, D, out); break;
-    case 3: rows(3, q, k, v, n, D, out); break;
-    default: rows(4, q, k, v, n, D, out); break;
+/* rows() with R and the KV dtype compile-time constants (registers for the accumulators). */
+static void rows_any(int R, int half, const float *const *q, const void *k, const void *v, const int64_t *n,
+                     int64_t D, float *const *out) {
+    switch (R * 2 + (half != 0)) {
+    case 2: rows(1, 0, q, k, v, n, D, out); break;
+    case 3: rows(1, 1, q, k, v, n, D, out); break;
+    case 4: rows(2, 0, q, k, v, n, D, out); break;
+    case 5: rows(2, 1, q, k, v, n, D, out); break;
+    case 6: rows(3, 0, q, k, v, n, D, out); break;
+    case 7: rows(3, 1, q, k, v, n, D, out); break;
+    case 8: rows(4, 0, q, k, v, n, D, out); break;
+    default: rows(4, 1, q, k, v, n, D, out); break;
     }
 }
 
@@ -119,7 +124,7 @@ static void head_rows(const float *q, int64_t T, int64_t h, int64_t t0, int R, c
         op[r] = out + (t0 + r) * ldo + h * D;
         n[r] = start + t0 + r + 1;
     }
-    rows_any(R, qp, k, v, n, D, op);
+    rows_any(R, 0, qp, k, v, n, D, op);
 }
 
 const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
@@ -151,11 +156,12 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
 
 /* Many sequences' rows in one call (continuous batching): one parallel region per layer instead of one
  * per sequence. segs: nseg rows of 6 int64 (first row in q/out, rows, start position, cache capacity,
- * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) fp32 contiguous).
+ * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) contiguous, fp16 where
+ * kv_half is set, else fp32).
  * q: (H, M, D) scaled; out: (M, H * D). Each row runs `rows` exactly as tq_attention would run it, so a
  * sequence's bits are the same alone or in company. Returns -1 on a shape it does not take. */
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads) {
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half) {
     if (D % 16 || D > MAXD || H % KV || M <= 0) return -1;
     const int64_t G = H / KV;
     /* tasks: up to RMAX consecutive rows of one segment (segment, first row) */
@@ -172,8 +178,8 @@ int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, cons
             const int64_t *sg = segs + 6 * task[2 * ti];
             const int64_t r0 = sg[0], len = sg[1], cap = sg[3], t0 = task[2 * ti + 1];
             const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
-            const float *k = (const float *)(intptr_t)sg[4] + ((layer * KV + kvh) * cap) * D;
-            const float *v = (const float *)(intptr_t)sg[5] + ((layer * KV + kvh) * cap) * D;
+            const int64_t at = ((layer * KV + kvh) * cap) * D * (kv_half ? 2 : 4);   /* bytes */
+            const void *k = (const char *)(intptr_t)sg[4] + at, *v = (const char *)(intptr_t)sg[5] + at;
             for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
                 const float *qp[RMAX];
                 float *op[RMAX];
@@ -183,7 +189,7 @@ int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, cons
                     op[r] = out + (r0 + t0 + r) * H * D + h * D;
                     n[r] = sg[2] + t0 + r + 1;
                 }
-                rows_any(R, qp, k, v, n, D, op);
+                rows_any(R, kv_half, qp, k, v, n, D, op);
             }
         }
     free(task);

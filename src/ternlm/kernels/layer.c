@@ -28,7 +28,7 @@ MM_DECL(tq_q5g32_f32_mm) MM_DECL(tq_q5g32_f16_mm) MM_DECL(tq_q5g32_k_mm) MM_DECL
 MM_DECL(tq_q8g16_f32_mm) MM_DECL(tq_q8g16_f16_mm) MM_DECL(tq_q8g16_k6_mm)
 MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads);
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half);
 
 /* [layout][scale mode]: layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
  * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
@@ -61,6 +61,7 @@ typedef struct {
     const float *q_norm, *k_norm;               /* (D,) or NULL (qwen3's per-head norms) */
     const float *cos, *sin;                     /* (max_pos, D) rotate-half tables */
     TqProj qkv, o, gate_up, down;
+    int64_t kv_half;                            /* the caches hold fp16 (rounded to nearest even), else fp32 */
 } TqLayer;
 
 /* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices. */
@@ -149,16 +150,22 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
         }
         for (int64_t hh = 0; hh < H; hh++)
             for (int64_t i = 0; i < D; i++) qs[(hh * M + r) * D + i] = row[hh * D + i] * qscale;
-        float *kc = (float *)(intptr_t)sg[4], *vc = (float *)(intptr_t)sg[5];
         for (int64_t kv = 0; kv < KV; kv++) {
             int64_t at = ((L->index * KV + kv) * cap + p) * D;
-            memcpy(kc + at, row + (H + kv) * D, D * sizeof(float));
-            memcpy(vc + at, row + (H + KV + kv) * D, D * sizeof(float));
+            const float *kr = row + (H + kv) * D, *vr = row + (H + KV + kv) * D;
+            if (L->kv_half) {
+                _Float16 *kc = (_Float16 *)(intptr_t)sg[4] + at, *vc = (_Float16 *)(intptr_t)sg[5] + at;
+                for (int64_t i = 0; i < D; i += 16) { store16h(kc + i, load16(kr + i)); store16h(vc + i, load16(vr + i)); }
+            } else {
+                memcpy((float *)(intptr_t)sg[4] + at, kr, D * sizeof(float));
+                memcpy((float *)(intptr_t)sg[5] + at, vr, D * sizeof(float));
+            }
         }
     }
     free(pos);
     free(seg);
-    if (tq_attention_segments(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads) != 0) return -1;
+    if (tq_attention_segments(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads, (int)L->kv_half) != 0)
+        return -1;
 
     project(&L->o, att, M, H * D, o, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)

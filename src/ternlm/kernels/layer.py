@@ -32,7 +32,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("inter", _i64), ("H", _i64), ("KV", _i64), ("D", _i64), ("index", _i64),
                 ("eps", ctypes.c_double), ("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr),
                 ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj)]
+                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_half", _i64)]
 
 
 def scratch_per_row(hidden: int, qkv_out: int, q_size: int, inter: int) -> int:

@@ -6,12 +6,54 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline __attribute__((unused)) v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
 static inline __attribute__((unused)) v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* fp16 <-> fp32 for the KV cache, 16 lanes (IEEE, round to nearest even both ways): AVX-512 or F16C
+ * instructions where the build has them, libgcc's exact software conversion on baseline x86-64, so every
+ * build stores and reads the same bits. (GCC turns a _Float16 vector conversion into 16 scalar ones,
+ * hence the intrinsics.) */
+static inline __attribute__((unused)) v16 load16h(const _Float16 *p) {
+    v16 o;
+#if defined(__AVX512F__)
+    __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&o, &r, sizeof o);
+#elif defined(__F16C__) && defined(__AVX__)
+    __m256 r[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
+                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+    memcpy(&o, r, sizeof o);
+#else
+    for (int i = 0; i < 16; i++) o[i] = (float)p[i];
+#endif
+    return o;
+}
+
+static inline __attribute__((unused)) void store16h(_Float16 *p, v16 x) {
+#if defined(__AVX512F__)
+    __m512 r;
+    memcpy(&r, &x, sizeof r);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__) && defined(__AVX__)
+    __m256 r[2];
+    memcpy(r, &x, sizeof r);
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(r[0], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(r[1], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int i = 0; i < 16; i++) p[i] = (_Float16)x[i];
+#endif
+}
+
+/* 16 lanes of a KV row at element i: fp16 (half != 0) or fp32. */
+static inline __attribute__((unused)) v16 load_kv(const void *base, int64_t i, int half) {
+    return half ? load16h((const _Float16 *)base + i) : load16((const float *)base + i);
+}
 
 /* Lanes of a where mask (all ones) is set, else of b (C has no vector ?:). */
 static inline __attribute__((unused)) v16 select16(v16i mask, v16 a, v16 b) {

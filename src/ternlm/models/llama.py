@@ -39,7 +39,8 @@ log = logging.getLogger("ternlm")
 
 # The KV cache and attention run in fp32 whatever the compute dtype: exact, and on this CPU faster than
 # bf16 (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms).
-KV_DTYPE = torch.float32
+KV_DTYPE = torch.float32          # the caches' default dtype; fp16 only with the fused native layers
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 ATTN_BLOCK = 256   # KV capacity and attended key count are multiples of this (see `attention`)
 
 
@@ -120,14 +121,14 @@ def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v
     return out
 
 
-def segment_table(segments: list["Segment"], cfg: ModelConfig) -> torch.Tensor:
+def segment_table(segments: list["Segment"], cfg: ModelConfig, kv_dtype: torch.dtype = KV_DTYPE) -> torch.Tensor:
     """(n, 6) int64 for kernels/attention.c's tq_attention_segments: per segment its first row, rows,
-    start position, cache capacity and the addresses of its K and V caches (layers, KV, cap, D).
-    Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
+    start position, cache capacity and the addresses of its K and V caches (layers, KV, cap, D) of
+    kv_dtype. Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
     rows, r0 = [], 0
     for s in segments:
         shape = (cfg.num_layers, cfg.num_kv_heads, s.k_cache.shape[2], cfg.head_dim)
-        check(s.k_cache.dtype == s.v_cache.dtype == KV_DTYPE and s.k_cache.is_contiguous()
+        check(s.k_cache.dtype == s.v_cache.dtype == kv_dtype and s.k_cache.is_contiguous()
               and s.v_cache.is_contiguous() and tuple(s.k_cache.shape) == tuple(s.v_cache.shape) == shape
               and s.start + s.length <= shape[2], "native attention: a segment's caches do not fit")
         rows.append((r0, s.length, s.start, s.k_cache.shape[2], s.k_cache.data_ptr(), s.v_cache.data_ptr()))
@@ -249,11 +250,14 @@ class Layer(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, "torch.Tensor | QWeight"],
                  dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: Kernels | None = None,
-                 keep_quantized: bool = False):
+                 keep_quantized: bool = False, kv_dtype: str = "float32"):
         """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`.
         kernels: the native kernels (attention, and with keep_quantized the quantized matmul: QWeights
         among the weights, from `--weights gguf`, stay quantized); without them QWeights are
-        dequantized exactly and cast like the rest, and attention is `attention` below."""
+        dequantized exactly and cast like the rest, and attention is `attention` below.
+        kv_dtype: the caches' dtype (`self.kv_dtype`): float32, float16 (only where every layer runs
+        fused in C: raises ValueError elsewhere), or auto (float16 where the layers run fused, as
+        llama.cpp's default f16 cache: half the bytes a decode step reads from the KV; else float32)."""
         super().__init__()
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         quantized = kernels is not None and keep_quantized
@@ -278,6 +282,19 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()   # (max_pos, head_dim)
         self.native = self._native_layers() if quantized else None
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype)
+        for native in self.native or []:
+            native.spec.kv_half = int(self.kv_dtype == torch.float16)
+
+    def _choose_kv_dtype(self, requested: str) -> torch.dtype:
+        if requested == "auto":
+            return torch.float16 if self.native is not None else KV_DTYPE
+        if requested not in KV_DTYPES:
+            raise ValueError(f"unknown KV dtype {requested!r}; choose auto, {', '.join(KV_DTYPES)}")
+        if requested == "float16" and self.native is None:
+            raise ValueError("--kv-dtype float16 needs every layer fused in C (--weights gguf, native kernels "
+                             "built, a model layer.c takes); use float32 or auto")
+        return KV_DTYPES[requested]
 
     def _native_layers(self) -> "list[NativeLayer] | None":
         """Every layer as one kernels/layer.c call, when all of them fit it (fp32 activations, every
@@ -294,8 +311,8 @@ class Transformer(nn.Module):
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                      pack: bool = True, kernels: Kernels | None = None,
-                     keep_quantized: bool = False) -> "Transformer":
-        return cls(cfg, weights, dtype, pack, kernels, keep_quantized)
+                     keep_quantized: bool = False, kv_dtype: str = "float32") -> "Transformer":
+        return cls(cfg, weights, dtype, pack, kernels, keep_quantized, kv_dtype)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype."""
@@ -337,7 +354,7 @@ class Transformer(nn.Module):
             for i, layer_parts in enumerate(parts):
                 layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
             r0 += s.length
-        table = segment_table(segments, self.cfg) if self.kernels is not None else None
+        table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
             x = x.to(torch.float32).clone()
             scratch = torch.empty(x.shape[0] * self.native[0].per_row)   # the same shapes every layer

@@ -59,6 +59,7 @@ class ServeConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"              # cpu.choose_dtype: resolved (and refused) at construction
     weights: str = "auto"            # weights.choose_weights: auto | gguf | bf16 | fp32
+    kv_dtype: str = "auto"           # the KV cache's: auto | float32 | float16 (models/llama.Transformer)
     prefix_reuse: bool = True
     min_reuse: int = 16
     slots: int = 4
@@ -83,6 +84,8 @@ class ServeConfig:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
+        if self.kv_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; choose auto, float32 or float16")
         checks = [(self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
                   (self.step_tokens >= 1, "step_tokens must be >= 1"),
                   (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
@@ -448,7 +451,8 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
     def load() -> Engine:
         cache = CacheConfig(config.cache_ram, Path(config.cache_dir) if config.cache_dir else None,
                             config.cache_disk, config.cache_redis, config.cache_redis_ttl, config.cache_redis_timeout)
-        return Engine.load(config.model, dtype=config.dtype, weights=config.weights, prefix_reuse=config.prefix_reuse,
+        return Engine.load(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
+                           prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
                            chunk_size=config.chunk_size, cache=cache)
     return load
@@ -574,6 +578,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         meta = {"dtype": eng.dtype_choice.dtype if eng is not None else cfg.dtype,
                 "kernel": eng.dtype_choice.kernel if eng is not None else None, "prefix_reuse": cfg.prefix_reuse,
                 "weights": eng.weights_choice.mode if eng is not None else cfg.weights,
+                "kv_dtype": eng.kv_dtype if eng is not None else cfg.kv_dtype,
                 "slots": cfg.slots,
                 "ctx": eng.ctx if eng is not None else cfg.ctx}
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}

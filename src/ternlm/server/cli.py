@@ -88,7 +88,8 @@ def cmd_serve(args) -> int:
 
     from .app import ServeConfig, create_app
 
-    config = ServeConfig(model=args.model, dtype=args.dtype, weights=args.weights, prefix_reuse=not args.no_prefix_kv,
+    config = ServeConfig(model=args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+                         prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, slots=args.slots, ctx=args.ctx, chunk_size=args.chunk,
                          threads=args.threads, api_keys=tuple(args.api_keys), admin_keys=tuple(args.admin_keys),
                          cors_origins=tuple(args.cors_origins), step_tokens=args.step_tokens,
