@@ -1,5 +1,6 @@
 /* Causal attention: each query row over its own keys, online softmax over 256-key blocks; up to 4
- * rows of one head share each K/V load (rows() below) without changing any row's arithmetic.
+ * query rows reading one kv head (several positions, or the query heads of a group) share each K/V load
+ * (rows() below) without changing any row's arithmetic.
  *
  *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
  *   k,v: (KV, cap, D) fp32, or fp16 where `half` is set (one layer of a slot's cache); head h reads kv
@@ -28,7 +29,7 @@
 
 #define RMAX 4      /* query rows of one head that share each key and value load */
 
-/* R query rows of one head (R <= RMAX), row r reading keys [0, n[r]): every row runs exactly the
+/* R query rows reading one kv head (R <= RMAX), row r reading keys [0, n[r]): every row runs exactly the
  * single-row algorithm (its own online softmax, blocks in order, the same operations on the same
  * values); the rows only share the loads of K and V, which at a long prompt come from L3, not L2.
  * So a row's bits are the same whatever R and whichever rows it shares with [BATCH-INVARIANT]. */
@@ -180,17 +181,21 @@ int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, cons
             const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
             const int64_t at = ((layer * KV + kvh) * cap) * D * (kv_half ? 2 : 4);   /* bytes */
             const void *k = (const char *)(intptr_t)sg[4] + at, *v = (const char *)(intptr_t)sg[5] + at;
-            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
-                const float *qp[RMAX];
-                float *op[RMAX];
-                int64_t n[RMAX];
+            /* The task's (head, row) pairs that read this kv head, up to RMAX per rows() call: they all
+             * share each K/V load. A decode row (R = 1) thus reads its K/V once for the G query heads
+             * of the group instead of G times; every pair still runs the single-row algorithm. */
+            const float *qp[RMAX];
+            float *op[RMAX];
+            int64_t n[RMAX];
+            int cnt = 0;
+            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
                 for (int r = 0; r < R; r++) {
-                    qp[r] = q + (h * M + r0 + t0 + r) * D;
-                    op[r] = out + (r0 + t0 + r) * H * D + h * D;
-                    n[r] = sg[2] + t0 + r + 1;
+                    qp[cnt] = q + (h * M + r0 + t0 + r) * D;
+                    op[cnt] = out + (r0 + t0 + r) * H * D + h * D;
+                    n[cnt] = sg[2] + t0 + r + 1;
+                    if (++cnt == RMAX) { rows_any(cnt, kv_half, qp, k, v, n, D, op); cnt = 0; }
                 }
-                rows_any(R, kv_half, qp, k, v, n, D, op);
-            }
+            if (cnt) rows_any(cnt, kv_half, qp, k, v, n, D, op);
         }
     free(task);
     return 0;
