@@ -130,10 +130,14 @@ def test_plan_step_rules(ws, budget, chunk):
         assert out[prefills[0]] >= 1                             # the oldest prefill is never starved
     cap = budget if decodes else max(budget, chunk)
     assert sum(out) <= max(cap, decodes + (1 if prefills else 0))
-    for j in prefills:                                           # FIFO among prefills
-        if out[j] > 0:
-            assert all(out[i] == min(ws[i].pending, chunk) for i in prefills if i < j)
-    if not decodes and prefills:
+    order = sorted(prefills, key=lambda i: (ws[i].pending, i))  # shortest remaining prefill first
+    for k, j in enumerate(order):
+        if out[j] > (1 if j == prefills[0] else 0):              # j got rows beyond the guaranteed one
+            assert all(out[i] == min(ws[i].pending, chunk) for i in order[:k])
+    if prefills:                                                 # rows left unused only when all are served
+        if sum(out) < cap:
+            assert all(out[i] == min(ws[i].pending, chunk) for i in prefills)
+    if not decodes and len(prefills) == 1:
         assert out[prefills[0]] == min(ws[prefills[0]].pending, chunk)   # alone: whole chunks
 
 
@@ -143,5 +147,9 @@ def test_plan_step_examples():
     assert plan_step(ws, 64, 256) == [1] * 7 + [57]
     # nothing decodes: the prompt takes a whole chunk
     assert plan_step([Want(4000, False)], 64, 256) == [256]
-    # two prefills share the budget in admission order
+    # two prefills of equal length share the budget in admission order
     assert plan_step([Want(1, True), Want(40, False), Want(40, False)], 64, 256) == [1, 40, 23]
+    # a follow-up turn (60 tokens left) admitted after a cold prompt goes first; the cold one keeps moving
+    assert plan_step([Want(1, True), Want(4000, False), Want(60, False)], 64, 256) == [1, 3, 60]
+    # decodes alone fill the budget: the oldest prefill still gets its row, the shorter one waits
+    assert plan_step([Want(1, True)] * 4 + [Want(500, False), Want(9, False)], 4, 256) == [1] * 4 + [1, 0]

@@ -175,7 +175,7 @@ class Scheduler:
     starting the thread)."""
 
     def __init__(self, engine: Engine, *, max_queue: int = 64, affinity_size: int = 4096,
-                 step_tokens: int = 64, on_done: Callable[[Ticket, Event], None] | None = None,
+                 step_tokens: int = 16, on_done: Callable[[Ticket, Event], None] | None = None,
                  clock: Callable[[], float] = time.monotonic):
         """step_tokens: rows one step may feed while some request decodes (decodes + prefill chunks);
         smaller keeps running streams smooth while a long prompt prefills, larger prefills faster."""

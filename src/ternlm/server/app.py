@@ -70,7 +70,7 @@ class ServeConfig:
     admin_keys: tuple[str, ...] = ()  # API keys that also see every tenant's slots in /slots
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_queue: int = 64
-    step_tokens: int = 64             # rows per batched step while some request decodes (scheduler)
+    step_tokens: int = 16             # rows per batched step while some request decodes (scheduler)
     max_body_bytes: int = 4 << 20
     shutdown_grace_s: float = 5.0     # on SIGTERM/Ctrl-C, running requests get this long to finish
     cache_ram: int = 2 << 30          # bytes of KV blocks kept in host RAM after their slot is reused
