@@ -266,6 +266,44 @@ def test_turn2_reuse_gives_the_cold_answer(smollm2_q):
     assert warm.token_ids == cold.token_ids
 
 
+def test_fp16_cache_round_trips_through_ram_and_disk_tiers(smollm2_q, tmp_path):
+    """Blocks of the fp16 cache (the --weights gguf default) go to the RAM and disk tiers and come back
+    bit for bit: a restored turn answers with the cold prefill's logits, also after a restart."""
+    import random
+
+    from ternlm import Engine
+    from ternlm.kv.store import CacheConfig
+
+    def warm() -> Engine:
+        return Engine.load("smollm2-135m", weights="gguf", slots=1, min_reuse=1,
+                           cache=CacheConfig(1 << 30, tmp_path, 1 << 30))
+
+    def cold(ids):
+        smollm2_q.prefix_reuse = False
+        try:
+            return smollm2_q.generate(ids, max_tokens=4, keep_logits=True, ignore_eos=True)
+        finally:
+            smollm2_q.prefix_reuse = True
+
+    r = random.Random(5)
+    a, b = [r.randrange(1000, 40000) for _ in range(300)], [r.randrange(1000, 40000) for _ in range(200)]
+    e = warm()
+    assert e.kv_dtype == "float16" and "kv=float16" in e.kernel_fingerprint
+    e.generate(a, max_tokens=4, ignore_eos=True)
+    e.generate(b, max_tokens=4, ignore_eos=True)            # b takes the only slot: a's blocks stay in RAM
+    a += [r.randrange(1000, 40000) for _ in range(20)]
+    out, ref = e.generate(a, max_tokens=4, keep_logits=True, ignore_eos=True), cold(a)
+    assert out.restored.tier == "ram" and out.cached_tokens >= 256
+    assert out.token_ids == ref.token_ids and torch.equal(out.logits, ref.logits)
+    assert e.store.flush(30)
+    e.persist_cache()
+    a += [r.randrange(1000, 40000) for _ in range(20)]
+    again = warm()
+    out, ref = again.generate(a, max_tokens=4, keep_logits=True, ignore_eos=True), cold(a)
+    assert out.restored.tier == "disk" and out.cached_tokens >= 256
+    assert out.token_ids == ref.token_ids and torch.equal(out.logits, ref.logits)
+
+
 def test_server_with_gguf_weights_reuses_and_answers_like_a_cold_one():
     """`ternlm serve --weights gguf` through the official client: turn 2 reuses turn 1's KV and the
     greedy answers equal a server with prefix reuse off (same weights)."""

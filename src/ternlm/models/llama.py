@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ternlm")
 
-# The KV cache and attention run in fp32 whatever the compute dtype: exact, and on this CPU faster than
-# bf16 (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms).
+# Attention computes in fp32 whatever the compute dtype: exact, and on this CPU faster than bf16
+# (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms). The
+# cache is fp32 too, except fp16 where every layer runs fused in C (`Transformer.kv_dtype`).
 KV_DTYPE = torch.float32          # the caches' default dtype; fp16 only with the fused native layers
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 ATTN_BLOCK = 256   # KV capacity and attended key count are multiples of this (see `attention`)
@@ -282,8 +283,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()   # (max_pos, head_dim)
         self.native = self._native_layers() if quantized else None
-        self.kv_dtype = self._choose_kv_dtype(kv_dtype)
-        for native in self.native or []:
+        self.kv_dtype = self._choose_kv_dtype(kv_dtype)     # needs self.native: fp16 only where layer.c runs
+        for native in self.native or []:                    # layer.c writes and attention.c reads this dtype
             native.spec.kv_half = int(self.kv_dtype == torch.float16)
 
     def _choose_kv_dtype(self, requested: str) -> torch.dtype:
