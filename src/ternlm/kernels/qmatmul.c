@@ -124,8 +124,8 @@ INLINE uint32_t high_bits(const Row *r, int64_t g) {
 #define COLS 3          /* most weight rows (output features) per tile */
 const char *tq_isa(void) { return "avx512"; }
 
-/* The tile shape for a product of M rows: up to 2 x 3 x 2 x ... accumulators, at most 24 of the 32
- * zmm. Any shape gives the same bits ([BATCH-INVARIANT]), so it is picked for speed alone (measured on
+/* The tile shape for a product of M rows: rows x cols x 2 accumulators, at most 24 of the 32 zmm.
+ * Any shape gives the same bits ([BATCH-INVARIANT]), so it is picked for speed alone (measured on
  * Zen 4, 2 threads, qwen2.5-0.5b's and smollm2's shapes): decode (M <= 4) reads each weight row once for
  * every row, three weight rows at a time; bigger M shares each dequantized chunk over 8 rows (one weight
  * row at a time: +10-25% at M >= 8 over 4 x 3), except the K-quant modes, whose per-group scale products
@@ -186,7 +186,6 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
 #define TILE 4
 #define COLS 1          /* 16 vector registers leave no room for more weight rows */
 const char *tq_isa(void) { return "avx2"; }
-INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) { (void)sm; (void)M; *rows = TILE; *cols = COLS; }
 
 INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -252,7 +251,6 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
 #define TILE 4
 #define COLS 1
 const char *tq_isa(void) { return "scalar"; }
-INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) { (void)sm; (void)M; *rows = TILE; *cols = COLS; }
 
 INLINE int code(int kind, const Row *r, int64_t g, int e) {
     if (kind == Q8) return r->c[32 * g + e];
@@ -275,6 +273,11 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
         y[r * ldy] = acc;
     }
 }
+#endif
+
+#if !defined(__AVX512F__)
+/* One tile shape for every M on the AVX2 and scalar paths (16 vector registers hold no bigger tile). */
+INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) { (void)sm; (void)M; *rows = TILE; *cols = COLS; }
 #endif
 
 /* Output features per parallel task: its weights stay in L2 while every row tile passes over them. */
