@@ -1,4 +1,5 @@
-"""malloc.keep_large_buffers: big buffers freed and allocated again stop page-faulting (glibc)."""
+"""malloc: big buffers freed and allocated again stop page-faulting once kept (glibc), and the engine
+keeps them only when the torch attention runs."""
 from __future__ import annotations
 
 import subprocess
@@ -29,3 +30,28 @@ def test_reallocating_big_buffers_stops_faulting():
     state, on = faults(True)
     # tuned: the heap keeps the buffer, though an occasional re-fault of one buffer (16k pages) was seen
     assert state == "True" and on <= off // 5
+
+
+ENGINE_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tiny import tiny_engine
+from ternlm import malloc
+_, e = tiny_engine()
+print(e.kernels is not None, malloc.large_buffers_kept())
+"""
+
+
+def engine_state(native: str) -> list[str]:
+    import os
+    from pathlib import Path
+    env = {**os.environ, "TERNLM_MALLOC_TUNE": "1", "TERNLM_NATIVE": native}
+    return subprocess.run([sys.executable, "-c", ENGINE_PROBE, str(Path(__file__).parent)], capture_output=True,
+                          text=True, env=env, check=True).stdout.split()
+
+
+def test_thresholds_raised_only_for_the_torch_attention():
+    # native attention: no (queries x keys) buffers, so the loader's temporaries need not stay resident
+    assert engine_state("1") == ["True", "False"]
+    # torch attention (no kernels): its score buffers would page-fault in every layer
+    assert engine_state("0") == ["False", "True"]

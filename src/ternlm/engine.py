@@ -108,6 +108,8 @@ class Engine:
         self.kernels = native if isinstance(native, Kernels) else None
         if self.kernels is None:
             log.warning("native kernels unavailable (%s): torch attention, slower decode", native.reason)
+            from .malloc import keep_large_buffers
+            keep_large_buffers()   # its (queries x keys) score buffers would page-fault in every layer
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
                                               pack=self.dtype_choice.kernel == "onednn-packed",
                                               kernels=self.kernels,
@@ -142,9 +144,10 @@ class Engine:
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         an unknown or unsupported choice raises ValueError before any weight is read.
-        Side effect: raises glibc's malloc thresholds for the process (malloc.py: ~1.6x faster long
-        prefills; TERNLM_MALLOC_TUNE=0 opts out)."""
-        from .malloc import keep_large_buffers
+        Side effect: caps glibc at one malloc arena for the process, and raises its malloc thresholds
+        when the torch attention runs; hands the loader's freed temporaries back to the kernel once
+        loaded (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all three)."""
+        from .malloc import one_arena, release_free_memory
         from .models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -155,7 +158,7 @@ class Engine:
         wchoice = choose_weights(weights, dtype, r.kind == "gguf")
         choice = choose_dtype(wchoice.dtype, cpu)
         log.info("%s; %s", choice.log_line, wchoice.log_line)
-        keep_large_buffers()
+        one_arena()
         tdtype = DTYPES[choice.dtype]
         if r.kind == "gguf":
             from .models.gguf import load_gguf
@@ -164,6 +167,8 @@ class Engine:
             from .models.hf import load_hf_folder
             loaded = load_hf_folder(r.path, tdtype)
         engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
+        del loaded
+        release_free_memory()    # the loader's freed temporaries (dequantization, layout conversion)
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 

@@ -1,16 +1,21 @@
-"""Keep large freed buffers in the process instead of handing them back to the kernel (glibc only).
+"""glibc allocator settings: one malloc arena for every thread; large freed buffers kept only where the
+torch attention still makes them.
 
-Why: attention at a 4k context builds score/probability buffers of 30+ MiB per layer and chunk.
-glibc serves blocks that large with a fresh mmap and unmaps them on free, so every layer of every
-chunk page-faults its buffers in again: measured 5-6 million faults and ~10 s of system time in a
-4,000-token smollm2 prefill (16-18 s in all) on this 2-core VM; with the thresholds raised, ~0
-faults and 10.5 s. Cost: up to 1 GiB of freed memory stays mapped in the process for reuse.
+One arena (`one_arena`, always): glibc gives threads their own arenas (up to 8 per core), and freed
+memory in one is not reused by another: under a 10-minute soak (32 chats, uvicorn's threads beside the
+engine's worker) the server's RSS crept +11-20% after warm-up, +2.5-4.2% with a single arena, at the
+same throughput (benchmarks/RESULTS.md, Soak). Call it before the server starts its threads: arenas
+already made stay.
 
-One arena: glibc gives threads their own arenas (up to 8 per core), and freed memory in one is not
-reused by another: under a 10-minute soak (32 chats, uvicorn's threads beside the engine's worker)
-the server's RSS crept +11-20% after warm-up, +2.5-4.2% with a single arena, at the same throughput
-(benchmarks/RESULTS.md, Soak). Call this before the server starts its threads: arenas already made
-stay.
+Large buffers kept (`keep_large_buffers`, only without the native kernels): the torch attention at a
+4k context builds score/probability buffers of 30+ MiB per layer and chunk; glibc serves blocks that
+large with a fresh mmap and unmaps them on free, so every layer of every chunk page-faults them in
+again (measured: 5-6 million faults, ~10 s of system time in a 16-18 s smollm2 4,000-token prefill;
+with 1 GiB thresholds ~0 faults and 10.5 s). The native attention (kernels/attention.c) never builds
+them: with it, raising the thresholds changed a 4,000-token prefill by <1% (gguf) / ~2% (dense) and
+only kept the loader's freed temporaries resident (qwen gguf: load adds 1,020 MiB with the thresholds,
+606 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
+TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.
 """
 from __future__ import annotations
 
@@ -25,27 +30,58 @@ _M_TRIM_THRESHOLD = -1     # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _LIMIT = 1 << 30
-_done = False
+_state = {"arena": False, "large": False}
 
 
-def keep_large_buffers() -> bool:
-    """Raise glibc's mmap and trim thresholds to 1 GiB and keep one malloc arena, once per process.
-    Side effect: process-wide allocator settings. No-op (returns False) off glibc or with
-    TERNLM_MALLOC_TUNE=0."""
-    global _done
-    if _done:
-        return True
+def _mallopt():
+    """glibc's mallopt, or None (not glibc: musl, macOS; or TERNLM_MALLOC_TUNE=0)."""
     if os.environ.get("TERNLM_MALLOC_TUNE", "1") == "0":
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        return False                          # not glibc (musl, macOS): nothing to tune
+        return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(_M_ARENA_MAX, 1)                  # best effort: RSS creep, not correctness
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, _LIMIT)) & bool(mallopt(_M_TRIM_THRESHOLD, _LIMIT))
-    if not _done:
-        log.debug("mallopt refused the thresholds; large buffers stay mmap'ed")
-    return _done
+    return mallopt
 
+
+def one_arena() -> bool:
+    """Cap glibc at one malloc arena, once per process. Side effect: process-wide allocator setting.
+    Returns whether it is in force (False off glibc or with TERNLM_MALLOC_TUNE=0)."""
+    if not _state["arena"]:
+        mallopt = _mallopt()
+        _state["arena"] = bool(mallopt and mallopt(_M_ARENA_MAX, 1))   # best effort: RSS creep, not correctness
+    return _state["arena"]
+
+
+def keep_large_buffers() -> bool:
+    """Raise glibc's mmap and trim thresholds to 1 GiB (freed large buffers stay for reuse), once per
+    process. Side effect: process-wide allocator settings; up to 1 GiB of freed memory stays mapped.
+    Returns whether they are in force (False off glibc or with TERNLM_MALLOC_TUNE=0)."""
+    if not _state["large"]:
+        mallopt = _mallopt()
+        _state["large"] = bool(mallopt and mallopt(_M_MMAP_THRESHOLD, _LIMIT) and mallopt(_M_TRIM_THRESHOLD, _LIMIT))
+        if mallopt and not _state["large"]:
+            log.debug("mallopt refused the thresholds; large buffers stay mmap'ed")
+    return _state["large"]
+
+
+def large_buffers_kept() -> bool:
+    """Whether keep_large_buffers is in force in this process (no side effect)."""
+    return _state["large"]
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc malloc_trim), e.g. the loader's freed
+    temporaries once a model is loaded (qwen gguf: ~190 MiB of them). Side effect: those pages fault
+    in again if the heap reuses them. Returns False off glibc or with TERNLM_MALLOC_TUNE=0."""
+    if _mallopt() is None:
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -82,8 +82,8 @@ def disk_dir(args) -> str | None:
 
 
 def cmd_serve(args) -> int:
-    from ..malloc import keep_large_buffers
-    keep_large_buffers()        # before uvicorn and the loader start threads (one malloc arena for all)
+    from ..malloc import one_arena
+    one_arena()                 # before uvicorn and the loader start threads (one malloc arena for all)
     import uvicorn
 
     from .app import ServeConfig, create_app
