@@ -107,6 +107,25 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--out", default="benchmarks/results/multiturn")
     p.set_defaults(func=lambda a: _multiturn(a, default_model))
 
+    p = which.add_parser("streams", help="steady decode tok/s of N concurrent streams over HTTP: ternlm and --url servers",
+                         description="N concurrent greedy streams released together, for each --concurrency; "
+                                     "aggregate decode tok/s while all N stream, inter-token latency; ternlm "
+                                     "(-m: one `ternlm serve`) beside any OpenAI-compatible --url, interleaved, "
+                                     "medians of --repeats.")
+    engine_args(p)
+    p.add_argument("--url", action="extend", nargs="+", metavar="URL", help="OpenAI-compatible /v1 base URL(s)")
+    p.add_argument("--label", action="extend", nargs="+", metavar="NAME", help="names for the --url contenders, in order")
+    p.add_argument("--api-key", help="bearer key for the --url contenders (default: $OPENAI_API_KEY)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="streams at once (default: 1 8)")
+    p.add_argument("--max-tokens", type=int, default=160, help="tokens each stream asks for")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--step-tokens", type=int, default=0, help="--step-tokens of the server -m starts (default: its own)")
+    p.add_argument("--no-ternlm", dest="model", action="store_const", const=None,
+                   help="only the --url contenders (no `ternlm serve`)")
+    p.add_argument("--out", default="benchmarks/results/streams")
+    p.set_defaults(func=lambda a: _streams(a))
+
     p = which.add_parser("cluster", help="replicas sharing Redis behind HAProxy: a moved conversation's TTFT, "
                                          "reuse of 8 concurrent conversations, Redis killed mid-run",
                          description="Starts Redis, replicas and HAProxy (ternlm cluster) on free loopback ports. "
@@ -161,6 +180,11 @@ def _multiturn(args, default_model: str) -> int:
     from .multiturn import run
     if args.model is None and not args.url:
         args.model = default_model
+    return run(args)
+
+
+def _streams(args) -> int:
+    from .streams import run
     return run(args)
 
 

@@ -54,3 +54,23 @@ def pcts(xs: list[float]) -> dict:
     if not xs:
         return {"p50": None, "p99": None, "n": 0}
     return {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99)), "n": len(xs)}
+
+
+def steady_window(answers: list[list[float]]) -> tuple[float, float] | None:
+    """The interval in which every answer was streaming: [the last first token, the first last token];
+    None if some answer has no token or the answers never all streamed at once."""
+    if not answers or any(not t for t in answers):
+        return None
+    start, end = max(t[0] for t in answers), min(t[-1] for t in answers)
+    return (start, end) if end > start else None
+
+
+def steady_decode_tok_s(answers: list[list[float]]) -> float | None:
+    """Aggregate decode tok/s while all N answers stream at once (steady_window): tokens that arrived
+    after the window's start and by its end, over its length. What N concurrent users get from a
+    server in steady state, without the prefills and the stragglers at either end."""
+    w = steady_window(answers)
+    if w is None:
+        return None
+    start, end = w
+    return sum(1 for t in answers for x in t if start < x <= end) / (end - start)
