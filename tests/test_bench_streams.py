@@ -41,11 +41,12 @@ def test_streams_end_to_end_on_two_fake_servers(tmp_path, capsys):
     med = res["median"]
     for lb in ("fast", "slow"):
         for n in ("1", "3"):
-            assert med[lb][n]["steady_tok_s"] > 0 and med[lb][n]["itl_p50_s"] > 0
+            assert med[lb][n]["steady_tok_s"] > 0 and med[lb][n]["itl_p50_s"] > 0 and med[lb][n]["ttft_p50_s"] > 0
     # a fake that sleeps between pieces of every stream independently: 3 streams ~3x one
     assert res["ratios"]["vs_lowest"]["fast"]["3"] > 1.5
     assert med["fast"]["1"]["steady_tok_s"] > med["slow"]["1"]["steady_tok_s"]
     assert all(r["pieces"] == r["concurrency"] * 30 for r in res["rounds"])
+    assert (out / "streams.png").stat().st_size > 0
     assert "steady decode of N concurrent streams" in capsys.readouterr().out
 
 

@@ -26,8 +26,10 @@ def rss():
 torch.set_num_threads(1)
 base = rss()     # Python + torch + ternlm imported, no model: what any process pays before loading
 e = Engine.load(sys.argv[1], weights=sys.argv[2], ctx=int(sys.argv[3]))
-kv = sum(s.k.nbytes + s.v.nbytes for s in e.slots)
-print(json.dumps({"rss": rss(), "rss_before_load": base, "kv": kv}))
+kv = sum(s.k.nbytes + s.v.nbytes for s in e.slots)      # allocated so far (slots grow on demand)
+c = e.config                                             # the KV budget: every slot at the full context
+budget = 2 * c.num_layers * c.num_kv_heads * c.head_dim * e.ctx * e.slots[0].k.element_size() * len(e.slots)
+print(json.dumps({"rss": rss(), "rss_before_load": base, "kv": kv, "kv_budget": budget}))
 """
 
 
@@ -90,8 +92,9 @@ def run(args) -> dict:
         else:
             added = m["rss"] - m["rss_before_load"]
             print(f"  --weights {w}: RSS after load {m['rss'] / 2**20:.0f} MiB, {added / 2**20:.0f} MiB of it added by "
-                  f"the load = {added / (size + m['kv']):.2f}x (GGUF {size / 2**20:.0f} MiB + KV "
-                  f"{m['kv'] / 2**20:.0f} MiB at ctx {args.ctx}); before loading: "
+                  f"the load = {added / (size + m['kv']):.2f}x (GGUF {size / 2**20:.0f} MiB + KV allocated "
+                  f"{m['kv'] / 2**20:.0f} MiB); {added / (size + m['kv_budget']):.2f}x GGUF + the KV budget "
+                  f"({m['kv_budget'] / 2**20:.0f} MiB: the slot at ctx {args.ctx}); before loading: "
                   f"{m['rss_before_load'] / 2**20:.0f} MiB")
     path = write_json(Path(args.out), f"quality-{Path(str(args.model)).name}.json", res)
     print(f"wrote {path}")

@@ -34,6 +34,7 @@ class Round:
     contender: str
     concurrency: int
     times: list[list[float]] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)            # when each request was sent
     completion_tokens: list[int | None] = field(default_factory=list)
 
     def figures(self) -> dict:
@@ -41,8 +42,9 @@ class Round:
         inside = [b - a for t in self.times for a, b in zip(t, t[1:]) if w and a >= w[0] and b <= w[1]]
         pieces = sum(len(t) for t in self.times)
         tokens = [c for c in self.completion_tokens if c is not None]
+        ttft = [t[0] - s0 for t, s0 in zip(self.times, self.sent) if t]
         return {"steady_tok_s": steady_decode_tok_s(self.times), "window_s": (w[1] - w[0]) if w else None,
-                "itl_s": pcts(inside), "pieces": pieces,
+                "itl_s": pcts(inside), "ttft_s": pcts(ttft), "pieces": pieces,
                 "tokens_per_piece": (sum(tokens) / pieces) if tokens and pieces and len(tokens) == len(self.times) else None}
 
 
@@ -55,13 +57,14 @@ def prompts(n: int, seed: int) -> list[list[dict]]:
 
 def one_round(backend: OpenAIBackend, label: str, n: int, max_tokens: int, seed: int) -> Round:
     """n concurrent greedy streams, released together; their arrival times."""
-    r = Round(label, n, [[] for _ in range(n)], [None] * n)
+    r = Round(label, n, [[] for _ in range(n)], [0.0] * n, [None] * n)
     go = threading.Barrier(n)
     errors: list[BaseException] = []
 
     def stream(i: int, messages: list[dict]) -> None:
         try:
             go.wait()
+            r.sent[i] = time.perf_counter()
             for piece in backend.stream(messages, max_tokens=max_tokens, temperature=0.0):
                 if isinstance(piece, str):
                     r.times[i].append(time.perf_counter())
@@ -128,7 +131,9 @@ def run(args) -> int:
                     "itl_p50_s": median([r.figures()["itl_s"]["p50"] or 0.0 for r in rounds
                                          if r.contender == lb and r.concurrency == n]),
                     "itl_p99_s": median([r.figures()["itl_s"]["p99"] or 0.0 for r in rounds
-                                         if r.contender == lb and r.concurrency == n])}
+                                         if r.contender == lb and r.concurrency == n]),
+                    "ttft_p50_s": median([r.figures()["ttft_s"]["p50"] or 0.0 for r in rounds
+                                          if r.contender == lb and r.concurrency == n])}
                 for n in levels} for lb in names}
     lo = levels[0]
     ratios = {"vs_lowest": {lb: {n: med[lb][n]["steady_tok_s"] / med[lb][lo]["steady_tok_s"]
@@ -142,19 +147,50 @@ def run(args) -> int:
               "rounds": [{"contender": r.contender, "concurrency": r.concurrency, **r.figures(),
                           "times": r.times} for r in rounds]}
     path = write_json(out_dir, "results.json", result)
+    png = plot(result, out_dir / "streams.png")
     table = Table(title=f"steady decode of N concurrent streams (median of {args.repeats}, "
                         f"{args.max_tokens} tokens each)")
-    for col in ("contender", "N", "aggregate tok/s", f"vs N={lo}", "ITL p50", "ITL p99"):
+    for col in ("contender", "N", "aggregate tok/s", f"vs N={lo}", "TTFT p50", "ITL p50", "ITL p99"):
         table.add_column(col, justify="right")
     for lb in names:
         for n in levels:
             m = med[lb][n]
             v = ratios["vs_lowest"][lb].get(n)
             table.add_row(lb, str(n), f"{m['steady_tok_s']:.1f}", f"x{v:.2f}" if v else "-",
-                          f"{1000 * m['itl_p50_s']:.1f} ms", f"{1000 * m['itl_p99_s']:.1f} ms")
+                          f"{1000 * m['ttft_p50_s']:.0f} ms", f"{1000 * m['itl_p50_s']:.1f} ms", f"{1000 * m['itl_p99_s']:.1f} ms")
     console = Console()
     console.print(table)
     for lb, per in ratios.get("ternlm_over", {}).items():
         console.print(f"ternlm ÷ {lb}: " + ", ".join(f"N={n} x{v:.2f}" for n, v in per.items()))
-    console.print(f"command: {result['command']}\nwrote {path}")
+    console.print(f"command: {result['command']}\nwrote {path}, {png}")
     return 0
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Against concurrency, per contender: median TTFT, ITL p50 and p99, and the steady aggregate tok/s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    for name, per in result["median"].items():
+        ns = sorted(per, key=int)
+        x = [int(n) for n in ns]
+        line, = lat.plot(x, [per[n]["itl_p50_s"] * 1e3 for n in ns], marker="o", label=f"{name} ITL p50")
+        lat.plot(x, [per[n]["itl_p99_s"] * 1e3 for n in ns], marker="^", ls="--", color=line.get_color(),
+                 label=f"{name} ITL p99")
+        lat.plot(x, [per[n]["ttft_p50_s"] * 1e3 for n in ns], marker="s", ls=":", color=line.get_color(),
+                 label=f"{name} TTFT p50")
+        thr.plot(x, [per[n]["steady_tok_s"] for n in ns], marker="o", color=line.get_color(), label=name)
+    lat.set(xlabel="concurrent streams", ylabel="ms", yscale="log", title="latency against concurrency")
+    thr.set(xlabel="concurrent streams", ylabel="aggregate decode tok/s (all streaming)",
+            title=f"steady decode, {result['max_tokens']} tokens a stream")
+    thr.set_ylim(bottom=0)
+    for ax in (lat, thr):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["concurrency"], [str(n) for n in result["concurrency"]])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
