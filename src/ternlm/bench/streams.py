@@ -126,14 +126,11 @@ def run(args) -> int:
             started.stop()
 
     names = list(backends)
-    med = {lb: {n: {"steady_tok_s": median([r.figures()["steady_tok_s"] or 0.0 for r in rounds
-                                            if r.contender == lb and r.concurrency == n]),
-                    "itl_p50_s": median([r.figures()["itl_s"]["p50"] or 0.0 for r in rounds
-                                         if r.contender == lb and r.concurrency == n]),
-                    "itl_p99_s": median([r.figures()["itl_s"]["p99"] or 0.0 for r in rounds
-                                         if r.contender == lb and r.concurrency == n]),
-                    "ttft_p50_s": median([r.figures()["ttft_s"]["p50"] or 0.0 for r in rounds
-                                          if r.contender == lb and r.concurrency == n])}
+    figs = [(r, r.figures()) for r in rounds]
+    pick = {"steady_tok_s": lambda f: f["steady_tok_s"], "itl_p50_s": lambda f: f["itl_s"]["p50"],
+            "itl_p99_s": lambda f: f["itl_s"]["p99"], "ttft_p50_s": lambda f: f["ttft_s"]["p50"]}
+    med = {lb: {n: {key: median([get(f) or 0.0 for r, f in figs if r.contender == lb and r.concurrency == n])
+                    for key, get in pick.items()}
                 for n in levels} for lb in names}
     lo = levels[0]
     ratios = {"vs_lowest": {lb: {n: med[lb][n]["steady_tok_s"] / med[lb][lo]["steady_tok_s"]
@@ -144,8 +141,8 @@ def run(args) -> int:
     result = {"command": command_line(), "model": args.model, "concurrency": levels, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "contenders": {lb: b.url for lb, b in backends.items()},
               "median": med, "ratios": ratios,
-              "rounds": [{"contender": r.contender, "concurrency": r.concurrency, **r.figures(),
-                          "times": r.times} for r in rounds]}
+              "rounds": [{"contender": r.contender, "concurrency": r.concurrency, **f, "times": r.times}
+                         for r, f in figs]}
     path = write_json(out_dir, "results.json", result)
     png = plot(result, out_dir / "streams.png")
     table = Table(title=f"steady decode of N concurrent streams (median of {args.repeats}, "
