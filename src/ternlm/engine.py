@@ -145,9 +145,8 @@ class Engine:
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         an unknown or unsupported choice raises ValueError before any weight is read.
         Side effect: caps glibc at one malloc arena for the process, and raises its malloc thresholds
-        when the torch attention runs; hands the loader's freed temporaries back to the kernel once
-        loaded (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all three)."""
-        from .malloc import one_arena, release_free_memory
+        when the torch attention runs (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of both)."""
+        from .malloc import one_arena
         from .models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -167,8 +166,6 @@ class Engine:
             from .models.hf import load_hf_folder
             loaded = load_hf_folder(r.path, tdtype)
         engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
-        del loaded
-        release_free_memory()    # the loader's freed temporaries (dequantization, layout conversion)
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 

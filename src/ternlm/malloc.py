@@ -71,17 +71,3 @@ def large_buffers_kept() -> bool:
     """Whether keep_large_buffers is in force in this process (no side effect)."""
     return _state["large"]
 
-
-def release_free_memory() -> bool:
-    """Hand the heap's free pages back to the kernel (glibc malloc_trim), e.g. the loader's freed
-    temporaries once a model is loaded (qwen gguf: ~190 MiB of them). Side effect: those pages fault
-    in again if the heap reuses them. Returns False off glibc or with TERNLM_MALLOC_TUNE=0."""
-    if _mallopt() is None:
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-    return True
