@@ -14,7 +14,7 @@ again (measured: 5-6 million faults, ~10 s of system time in a 16-18 s smollm2 4
 with 1 GiB thresholds ~0 faults and 10.5 s). The native attention (kernels/attention.c) never builds
 them: with it, raising the thresholds changed a 4,000-token prefill by <1% (gguf) / ~2% (dense) and
 only kept the loader's freed temporaries resident (qwen gguf: load adds 1,020 MiB with the thresholds,
-606 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
+606-725 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
 TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.
 """
 from __future__ import annotations

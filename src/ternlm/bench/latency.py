@@ -1,10 +1,12 @@
 """Streaming latency figures from client-side token arrival times (pure; numpy only).
 
-Used by `ternlm bench multiturn --concurrency N`: what users of N concurrent streams see.
+Used by `ternlm bench multiturn --concurrency N` and `ternlm bench streams`: what users of N concurrent
+streams see.
 - ITL (inter-token latency): gaps between consecutive content chunks of one answer.
 - Aggregate decode tok/s: tokens that arrived after each answer's first, over the time at least one
   answer was streaming (the union of [first token, last token] intervals), so idle gaps between
   turns and prefills before anyone streams do not count, and overlapping streams are not double-timed.
+- Steady decode tok/s (streams): tokens inside the window where all N answers stream at once.
 - A cold prompt's window: the ITL gaps of the other streams that overlap its prefill (sent -> its
   first token), against the others. Overlap, not "ended inside": a server that freezes every stream
   for the whole prefill shows one long gap that ends after the window.
