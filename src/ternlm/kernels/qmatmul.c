@@ -76,15 +76,21 @@ typedef struct {
  *           scale d*sc, bias -(dmin*m) (both products exact in fp32).
  *   SM_K6:  Q6_K: int8 sc per group of 16, fp16 d per 256 in sup: scale d*sc, bias -32*scale.
  *   SM_F16S: fp16 scale per group, bias = scale * bias[0], one fp32 constant for the matrix (Q4_0 -8,
- *           Q5_0 -16, Q8_0 -128: GGML derives the offset from d; a power of two times d is exact). */
-enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3, SM_F16S = 4 };
+ *           Q5_0 -16, Q8_0 -128: GGML derives the offset from d; a power of two times d is exact).
+ *   SM_F16I: SM_F16S whose constant is the layout's own code offset -k (Q4 -8, Q5 -16, Q8 -128, as
+ *           every Q4_0 / Q5_0 / Q8_0 matrix has; picked per call): the AVX-512 path dequantizes it as
+ *           d * (c - k), one product of d and an exact small integer, which equals fma(d, c, -k*d)
+ *           (the one rounding of the same exact value) and needs no bias: qwen's Q5_0 and Q8_0 GEMVs
+ *           -5..-9% at M = 1. The other paths read it as SM_F16S. */
+enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3, SM_F16S = 4, SM_F16I = 5 };
 
 /* group a's scale / bias (a counts groups from the matrix start: a / 8 or a / 16 is its super-block) */
 INLINE float lds(const Row *r, int64_t a, int sm) {
     switch (sm) {
     case SM_F32: return ((const float *)r->s)[a];
     case SM_F16:
-    case SM_F16S: return half_to_float(((const uint16_t *)r->s)[a]);
+    case SM_F16S:
+    case SM_F16I: return half_to_float(((const uint16_t *)r->s)[a]);
     case SM_K:   return half_to_float(r->sup[2 * (a / 8)]) * (float)((const uint8_t *)r->s)[a];
     default:     return half_to_float(r->sup[a / 16]) * (float)((const int8_t *)r->s)[a];
     }
@@ -95,7 +101,8 @@ INLINE float ldb(const Row *r, int64_t a, int sm) {
     case SM_F32: return ((const float *)r->b)[a];
     case SM_F16: return half_to_float(((const uint16_t *)r->b)[a]);
     case SM_K:   return -(half_to_float(r->sup[2 * (a / 8) + 1]) * (float)((const uint8_t *)r->b)[a]);
-    case SM_F16S: return lds(r, a, sm) * ((const float *)r->b)[0];
+    case SM_F16S:
+    case SM_F16I: return lds(r, a, sm) * ((const float *)r->b)[0];
     default:     return lds(r, a, sm) * -32.0f;
     }
 }
@@ -182,7 +189,10 @@ INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, const Scal
                   __m512 *w0, __m512 *w1) {
     __m512i i0, i1;
     prefetch_codes(kind, r, g);
-    if (kind == Q8) {
+    if (kind == Q8 && sm == SM_F16I) {      /* c - 128 as a signed byte: c ^ 0x80 */
+        i0 = _mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g)), _mm_set1_epi8((char)0x80)));
+        i1 = _mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16)), _mm_set1_epi8((char)0x80)));
+    } else if (kind == Q8) {
         i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->c + 32 * g)));
         i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16)));
     } else {
@@ -193,8 +203,20 @@ INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, const Scal
             lo = _mm_mask_add_epi8(lo, (__mmask16)(hb & 0xFFFF), lo, _mm_set1_epi8(16));
             hi = _mm_mask_add_epi8(hi, (__mmask16)(hb >> 16), hi, _mm_set1_epi8(16));
         }
-        i0 = _mm512_cvtepu8_epi32(lo);
-        i1 = _mm512_cvtepu8_epi32(hi);
+        if (sm == SM_F16I) {       /* c - 8 (Q4) or c - 16 (Q5), signed bytes */
+            __m128i k = _mm_set1_epi8(kind == Q5 ? 16 : 8);
+            i0 = _mm512_cvtepi8_epi32(_mm_sub_epi8(lo, k));
+            i1 = _mm512_cvtepi8_epi32(_mm_sub_epi8(hi, k));
+        } else {
+            i0 = _mm512_cvtepu8_epi32(lo);
+            i1 = _mm512_cvtepu8_epi32(hi);
+        }
+    }
+    if (sm == SM_F16I) {
+        int64_t a = r->g0 + g;
+        *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(lds(r, a, sm)));
+        *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(lds(r, a, sm)));
+        return;
     }
     float s0, b0, s1, b1;
     if (sb) {
@@ -374,9 +396,9 @@ INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) { (void)sm; (voi
  * high: the q5g32 high bits, sup: the K-quant super-block scales, else unused. nthreads: passed in, not taken from OpenMP's per-thread
  * default: the caller is often not the thread torch.set_num_threads ran on. */
 #define DEFINE_MM(NAME, KIND, G16, SM)                                                      \
-void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,  \
-          const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y,    \
-          int64_t ldy, int nthreads) {                                                      \
+static void NAME##_sm(const float *x, int64_t M, int64_t K, const uint8_t *codes,           \
+          const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup,    \
+          int64_t N, float *y, int64_t ldy, int nthreads) {                                 \
     int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
     int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
     int trows, tcols;                                                                       \
@@ -406,18 +428,34 @@ void NAME(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint
     }                                                                                       \
 }
 
+#define MM_ARGS(T) const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
+    const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
+#define MM_PASS x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads
+
+/* The exported entries. An SM_F16S matrix whose constant is the layout's own offset takes SM_F16I. */
+#define EXPORT_MM(NAME, KIND, G16, SM) \
+    DEFINE_MM(NAME, KIND, G16, SM) \
+    void NAME(MM_ARGS()) { NAME##_sm(MM_PASS); }
+#define EXPORT_MM_F16S(NAME, KIND) \
+    DEFINE_MM(NAME##_any, KIND, 0, SM_F16S) \
+    DEFINE_MM(NAME##_int, KIND, 0, SM_F16I) \
+    void NAME(MM_ARGS()) { \
+        float k = (KIND) == Q8 ? 128.0f : (KIND) == Q5 ? 16.0f : 8.0f; \
+        if (((const float *)bias)[0] == -k) NAME##_int_sm(MM_PASS); else NAME##_any_sm(MM_PASS); \
+    }
+
 /* tq_<layout>_<scale mode>_mm: the combinations GGML's types need (models/qweight.py) */
-DEFINE_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
-DEFINE_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
-DEFINE_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
-DEFINE_MM(tq_q4g32_f16s_mm, Q4, 0, SM_F16S)
-DEFINE_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
-DEFINE_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
-DEFINE_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
-DEFINE_MM(tq_q5g32_f16s_mm, Q5, 0, SM_F16S)
-DEFINE_MM(tq_q8g16_f32_mm, Q8, 1, SM_F32)
-DEFINE_MM(tq_q8g16_f16_mm, Q8, 1, SM_F16)
-DEFINE_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
-DEFINE_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
-DEFINE_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)
-DEFINE_MM(tq_q8g32_f16s_mm, Q8, 0, SM_F16S)
+EXPORT_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
+EXPORT_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
+EXPORT_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
+EXPORT_MM_F16S(tq_q4g32_f16s_mm, Q4)
+EXPORT_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
+EXPORT_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
+EXPORT_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
+EXPORT_MM_F16S(tq_q5g32_f16s_mm, Q5)
+EXPORT_MM(tq_q8g16_f32_mm, Q8, 1, SM_F32)
+EXPORT_MM(tq_q8g16_f16_mm, Q8, 1, SM_F16)
+EXPORT_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
+EXPORT_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
+EXPORT_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)
+EXPORT_MM_F16S(tq_q8g32_f16s_mm, Q8)
