@@ -135,6 +135,23 @@ def test_kernel_rows_are_batch_invariant(layout, shape):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0, QT.Q8_0], ids=lambda t: t.name)
+def test_kernel_f16s_with_another_constant(qtype):
+    """GGML's own offset (-8, -16, -128 d) takes qmatmul.c's integer path (SM_F16I); any other constant
+    the general one (SM_F16S). Both: equal to the float64 product and batch-invariant."""
+    q = from_gguf(torch.from_numpy(random_blocks(qtype, 96, 512, seed=3)), qtype, 96, 512)
+    x = torch.randn(11, 512)
+    for c in (q.bias.item(), -5.0, 3.0):
+        w = QWeight(q.fmt, q.codes, q.scale, torch.tensor([c]), q.high)
+        assert w.mode == "f16s"
+        lin = QLinear([w], None, kernels())
+        full = lin(x)
+        ref = x.double() @ w.dequantize().double().T
+        assert (full.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), c
+        for m in (1, 3, 9):
+            assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), (c, m)
+
+
 def test_mixed_layouts_in_one_projection():
     """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by side."""
     a, b = _weights((Q4, "f16"), 64, 576), _weights((Q8, "f32"), 32, 576)
