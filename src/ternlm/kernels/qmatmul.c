@@ -297,11 +297,39 @@ INLINE __m256i high8(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi32(b, m), _mm256_set1_epi32(16));
 }
 
-/* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32. */
-INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, __m256 w[4]) {
+/* The K-quant modes' scales and biases of 8 consecutive groups from group a (a multiple of 8, so one
+ * super-block for SM_K, half of one for SM_K6), as fp32: lds/ldb's values, 8 lanes at once (as the
+ * AVX-512 path's scales16; blocks always whole here: a K-quant row holds whole super-blocks). */
+typedef struct { float s[8], b[8]; } Scales8;
+INLINE void scales8(const Row *r, int64_t a, int sm, Scales8 *sb) {
+    __m128i raw = _mm_loadl_epi64((const __m128i *)((const uint8_t *)r->s + a));
+    __m256 s, b;
+    if (sm == SM_K) {
+        const uint16_t *sup = r->sup + 2 * (a / 8);
+        __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)r->b + a))));
+        s = _mm256_mul_ps(_mm256_set1_ps(half_to_float(sup[0])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)));
+        b = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(sup[1])), mn), _mm256_set1_ps(-0.0f));  /* -(dmin*m) */
+    } else {
+        s = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r->sup[a / 16])), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+        b = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f));
+    }
+    _mm256_storeu_ps(sb->s, s);
+    _mm256_storeu_ps(sb->b, b);
+}
+
+/* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32. The scales: sb's entries (group of element
+ * 8t, counted from gb, the block's first chunk) where a block's were computed (sb != NULL), else lds/ldb.
+ * SM_F16I: d * (c - k) from signed codes, as the AVX-512 path, but for Q5 (its fifth bit is added
+ * after widening here, and a subtraction there cost more than the bias it saves: +4%). */
+INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, const Scales8 *sb, int64_t gb, __m256 w[4]) {
     __m256i i[4];
     prefetch_codes(kind, r, g);
-    if (kind == Q8) {
+    if (kind == Q8 && sm == SM_F16I) {         /* c - 128 as a signed byte: c ^ 0x80 */
+        __m128i q0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g)), _mm_set1_epi8((char)0x80));
+        __m128i q1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16)), _mm_set1_epi8((char)0x80));
+        i[0] = _mm256_cvtepi8_epi32(q0); i[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8));
+        i[2] = _mm256_cvtepi8_epi32(q1); i[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8));
+    } else if (kind == Q8) {
         __m128i q0 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g));
         __m128i q1 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16));
         i[0] = _mm256_cvtepu8_epi32(q0); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8));
@@ -310,8 +338,15 @@ INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, __m256 w[4
         __m128i q = _mm_loadu_si128((const __m128i *)(r->c + 16 * g));
         __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
         __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-        i[0] = _mm256_cvtepu8_epi32(lo); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-        i[2] = _mm256_cvtepu8_epi32(hi); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        if (kind == Q4 && sm == SM_F16I) {     /* c - 8, signed bytes */
+            lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+            hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+            i[0] = _mm256_cvtepi8_epi32(lo); i[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+            i[2] = _mm256_cvtepi8_epi32(hi); i[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
+        } else {
+            i[0] = _mm256_cvtepu8_epi32(lo); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+            i[2] = _mm256_cvtepu8_epi32(hi); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        }
         if (kind == Q5) {
             uint32_t hb = high_bits(r, g);
             for (int t = 0; t < 4; t++) i[t] = _mm256_add_epi32(i[t], high8((hb >> (8 * t)) & 0xFF));
@@ -319,7 +354,14 @@ INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, __m256 w[4
     }
     for (int t = 0; t < 4; t++) {
         int64_t a = r->g0 + grp(kind, g16, g, 8 * t);
-        w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)), _mm256_set1_ps(ldb(r, a, sm)));
+        if (sm == SM_F16I && kind != Q5) {
+            w[t] = _mm256_mul_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)));
+        } else if (sb) {
+            int e = (int)grp(kind, g16, g - gb, 8 * t);
+            w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(sb->s[e]), _mm256_set1_ps(sb->b[e]));
+        } else {
+            w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)), _mm256_set1_ps(ldb(r, a, sm)));
+        }
     }
 }
 
@@ -329,9 +371,13 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
     (void)C;
     __m256 a0[TILE], a1[TILE];
     for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    const int blocked = (sm == SM_K || sm == SM_K6) && (K / 32) % (g16 ? 4 : 8) == 0;
+    Scales8 sb;
     for (int64_t g = 0; g < K / 32; g++) {
         __m256 w[4];
-        deq32(kind, g16, sm, &rows[0], g, w);
+        int64_t gb = blocked ? g - g % (g16 ? 4 : 8) : 0;   /* the block's first chunk */
+        if (blocked && g == gb) scales8(&rows[0], rows[0].g0 + grp(kind, g16, g, 0), sm, &sb);
+        deq32(kind, g16, sm, &rows[0], g, blocked ? &sb : NULL, gb, w);
         for (int r = 0; r < R; r++) {
             const float *xr = x + r * ldx + 32 * g;
             a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
