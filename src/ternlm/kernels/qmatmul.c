@@ -66,6 +66,7 @@ typedef struct {
     const void *b;
     const uint16_t *sup;
     int64_t g0;       /* this row's first group in s/b */
+    int64_t pf;       /* bytes from this row's codes to the codes the next tile reads in its place */
 } Row;
 
 /* Scale modes: how a group's scale and bias are stored (`sm` is a compile-time constant in every
@@ -107,14 +108,17 @@ INLINE float ldb(const Row *r, int64_t a, int sm) {
     }
 }
 
-/* Software prefetch of a row's codes PF bytes ahead, once per 64-byte line: with three weight rows
- * streamed at once the hardware prefetcher alone left the 8-bit layouts at ~12 GB/s where the 4-bit
- * ones reach ~17 (151,936 x 896 at M = 1, 2 threads); this brings them to ~14-16. */
+/* Software prefetch of a row's codes r->pf bytes ahead, once per 64-byte line. With M <= 4 (decode) the
+ * hardware prefetcher alone left the GEMVs well below the memory's bandwidth, and a fixed distance within
+ * the row (1,024 bytes) lands, for short rows, on rows the same tile is already reading (qwen's 896-input
+ * Q8_0 rows are 896 bytes). So decode tiles fetch the same chunk of the rows the next tile reads in their
+ * place (Row.pf = tile columns x row bytes); bigger M keeps 1,024 bytes ahead in the row (the next tile's
+ * rows measured +7% slower at M = 8 on smollm2). Either way only timing changes, never a value. */
 #define PF 1024
 INLINE void prefetch_codes(int kind, const Row *r, int64_t g) {
 #if defined(__SSE__)
     if (kind == Q8 ? (g & 1) == 0 : (g & 3) == 0)
-        _mm_prefetch((const char *)(r->c + (kind == Q8 ? 32 : 16) * g + PF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r->c + (kind == Q8 ? 32 : 16) * g + r->pf), _MM_HINT_T0);
 #else
     (void)kind; (void)r; (void)g;
 #endif
@@ -136,11 +140,13 @@ const char *tq_isa(void) { return "avx512"; }
 /* The tile shape for a product of M rows: rows x cols x 2 accumulators, at most 24 of the 32 zmm.
  * Any shape gives the same bits ([BATCH-INVARIANT]), so it is picked for speed alone (measured on
  * Zen 4, 2 threads, qwen2.5-0.5b's and smollm2's shapes): decode (M <= 4) reads each weight row once for
- * every row, three weight rows at a time; bigger M shares each dequantized chunk over 8 rows (one weight
+ * every row, three weight rows at a time (Q8_0 one: with the next tile's prefetch, qwen's 151,936 x 896
+ * lm_head ran at 4.5 ms with one, 7 with two, 8.7 with three; the other layouts were within 3% either
+ * way, and a decode step's GEMVs -20% with Q8_0 at one); bigger M shares each dequantized chunk over 8 rows (one weight
  * row at a time: +10-25% at M >= 8 over 4 x 3), except the K-quant modes, whose per-group scale products
  * are dearer and favour 6 rows x 2 weight rows (+20-27%). */
-INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) {
-    if (M <= 4) { *rows = 4; *cols = 3; }
+INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *cols) {
+    if (M <= 4) { *rows = 4; *cols = kind == Q8 && !g16 ? 1 : 3; }
     else if (sm == SM_K || sm == SM_K6) { *rows = 6; *cols = 2; }
     else { *rows = 8; *cols = 1; }
 }
@@ -419,7 +425,7 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
 
 #if !defined(AVX512_PATH)
 /* One tile shape for every M on the AVX2 and scalar paths (16 vector registers hold no bigger tile). */
-INLINE void tile_shape(int sm, int64_t M, int *rows, int *cols) { (void)sm; (void)M; *rows = TILE; *cols = COLS; }
+INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *cols) { (void)kind; (void)g16; (void)sm; (void)M; *rows = TILE; *cols = COLS; }
 #endif
 
 /* Output features per parallel task: its weights stay in L2 while every row tile passes over them. */
@@ -448,7 +454,7 @@ static void NAME##_sm(const float *x, int64_t M, int64_t K, const uint8_t *codes
     int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
     int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
     int trows, tcols;                                                                       \
-    tile_shape(SM, M, &trows, &tcols);                                                      \
+    tile_shape(KIND, G16, SM, M, &trows, &tcols);                                                     \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                      \
     for (int64_t ch = 0; ch < nchunks; ch++) {                                              \
         int64_t n0 = ch * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;                   \
@@ -462,6 +468,7 @@ static void NAME##_sm(const float *x, int64_t M, int64_t K, const uint8_t *codes
                     rows[j].h = (KIND) == Q5 ? high + (n + j) * (K / 8) : NULL;             \
                     rows[j].s = scale; rows[j].b = bias; rows[j].sup = sup;                 \
                     rows[j].g0 = (n + j) * ldg;                                             \
+                    rows[j].pf = M <= 4 ? tcols * ldc : PF;                                \
                 }                                                                           \
                 const float *xm = x + m * K;                                                \
                 float *ym = y + m * ldy + n;                                                \
