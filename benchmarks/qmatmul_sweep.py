@@ -1,0 +1,119 @@
+"""qmatmul.c at two git revisions, side by side on a real model's quantized matrices.
+
+    python benchmarks/qmatmul_sweep.py -m qwen2.5-coder-0.5b --base HEAD~1 [--new WORKTREE] [--march native]
+
+Builds src/ternlm/kernels/qmatmul.c as it is at --base and at --new (a revision, or WORKTREE for the
+file on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the AVX2 path),
+loads the model with --weights gguf and then, for every matrix in model order:
+  1. checks that both builds give the same output bits at M = 1, 3, 8, 13 (a kernel change that is
+     meant to be a speed change only must pass this);
+  2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
+     M = 1 and M = 8, both builds interleaved, and prints medians and the new/base ratio.
+Timing only, for this machine; not a test. Writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ternlm.engine import Engine
+from ternlm.models.qlinear import QLinear
+
+SRC = "src/ternlm/kernels/qmatmul.c"
+
+
+def build(rev: str, march: str, out: Path) -> ctypes.CDLL:
+    src = out / f"{rev.replace('/', '_')}.c"
+    text = Path(SRC).read_text() if rev == "WORKTREE" else subprocess.run(
+        ["git", "show", f"{rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
+    src.write_text(text)
+    so = src.with_suffix(".so")
+    subprocess.run(["cc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
+                    str(src), "-o", str(so)], check=True)
+    return ctypes.CDLL(str(so))
+
+
+def matrices(engine: Engine) -> list:
+    """Every QWeight part the model multiplies, in model order, each once."""
+    found: dict[int, object] = {}
+
+    def visit(o, depth=0):
+        if depth > 6:
+            return
+        if isinstance(o, QLinear):
+            for p in o.parts:
+                found.setdefault(id(p), p)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v, depth + 1)
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v, depth + 1)
+        elif isinstance(o, torch.nn.Module):
+            for v in vars(o).values():
+                visit(v, depth + 1)
+            for m in o.children():
+                visit(m, depth + 1)
+    visit(engine.model)
+    return list(found.values())
+
+
+def call(lib: ctypes.CDLL, p, x: torch.Tensor, y: torch.Tensor, threads: int):
+    """A prepared kernel call: (function, ctypes arguments)."""
+    ptr = lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr())  # noqa: E731
+    n, k = p.shape
+    return (getattr(lib, f"tq_{p.fmt}_{p.mode}_mm"),
+            (ptr(x), ctypes.c_int64(x.shape[0]), ctypes.c_int64(k), ptr(p.codes), ptr(p.high), ptr(p.scale),
+             ptr(p.bias), ptr(p.sup), ctypes.c_int64(n), ptr(y), ctypes.c_int64(n), ctypes.c_int(threads)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--base", default="HEAD~1")
+    ap.add_argument("--new", default="WORKTREE")
+    ap.add_argument("--march", default="native")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"base": build(a.base, a.march, Path(tmp)), "new": build(a.new, a.march, Path(tmp))}
+        parts = matrices(Engine.load(a.model, weights="gguf"))
+        print(f"{a.model}: {len(parts)} matrices, {sum(p.nbytes for p in parts) / 1e6:.1f} MB; "
+              f"base {a.base}, new {a.new}, -march={a.march}, {a.threads} threads")
+        for M in (1, 3, 8, 13):
+            for p in parts:
+                x = torch.randn(M, p.shape[1])
+                ys = {k: torch.empty(M, p.shape[0]) for k in libs}
+                for k, lib in libs.items():
+                    f, args = call(lib, p, x, ys[k], a.threads)
+                    f(*args)
+                if not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
+                    raise SystemExit(f"different bits: {p.fmt}/{p.mode} {p.shape} at M = {M}")
+        print("same output bits on every matrix at M = 1, 3, 8, 13")
+        for M in (1, 8):
+            xs = {p.shape[1]: torch.randn(M, p.shape[1]) for p in parts}
+            ys = [torch.empty(M, p.shape[0]) for p in parts]   # kept alive: the calls hold raw pointers
+            calls = {k: [call(lib, p, xs[p.shape[1]], y, a.threads) for p, y in zip(parts, ys)]
+                     for k, lib in libs.items()}
+            times: dict[str, list[float]] = {k: [] for k in libs}
+            for i in range(a.repeats):
+                for k in (list(libs) if i % 2 else list(libs)[::-1]):   # interleaved, alternating order
+                    t = time.perf_counter()
+                    for f, args in calls[k]:
+                        f(*args)
+                    times[k].append(time.perf_counter() - t)
+            b, n = statistics.median(times["base"]), statistics.median(times["new"])
+            print(f"M = {M:2d}: base {b * 1e3:7.2f} ms   new {n * 1e3:7.2f} ms   new/base {n / b:.3f}   "
+                  f"(median of {a.repeats}, all matrices once)")
+
+
+if __name__ == "__main__":
+    main()
