@@ -130,7 +130,7 @@ INLINE uint32_t high_bits(const Row *r, int64_t g) {
     return v;
 }
 
-/* The AVX-512 path needs BW and VL too (masked byte/word loads): every AVX-512 CPU since Skylake-X. */
+/* The AVX-512 path needs BW and VL too (masked byte loads and adds): every AVX-512 CPU since Skylake-X. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AVX512_PATH 1
 #define TILE 8          /* most rows per tile */
@@ -154,22 +154,15 @@ INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *col
 /* Scales and biases of up to 16 consecutive groups of one weight row, as fp32. */
 typedef struct { float s[16], b[16]; } Scales16;
 
-/* Groups a .. a+n-1 (n <= 16; a counts groups from the matrix start) -> sb: the values lds/ldb give
- * one at a time, bit for bit (the same conversions and products, 16 lanes at once: one vector
- * conversion instead of 16 scalar ones; decode is compute-bound on 2 cores, RESULTS.md). For the
- * K-quant modes a is a multiple of 8 (SM_K) or 16 (SM_K6): blocks start at a row's start or 16
- * groups on, and a row holds whole super-blocks. */
+/* The K-quant modes' groups a .. a+n-1 (n <= 16; a counts groups from the matrix start) -> sb: the values
+ * lds/ldb give one at a time, bit for bit (the same conversions and products, 16 lanes at once: one
+ * vector conversion instead of 16 scalar ones; decode is compute-bound on 2 cores, RESULTS.md). a is a
+ * multiple of 8 (SM_K) or 16 (SM_K6): blocks start at a row's start or 16 groups on, and a row holds
+ * whole super-blocks. (The fp16 modes' single conversion is no dearer inline: they do not come here.) */
 INLINE void scales16(const Row *r, int64_t a, int n, int sm, Scales16 *sb) {
     __mmask16 m = (__mmask16)((1u << n) - 1u);
     __m512 s, b;
-    if (sm == SM_F32) {
-        s = _mm512_maskz_loadu_ps(m, (const float *)r->s + a);
-        b = _mm512_maskz_loadu_ps(m, (const float *)r->b + a);
-    } else if (sm == SM_F16 || sm == SM_F16S) {
-        s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)r->s + a));
-        b = sm == SM_F16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)r->b + a))
-                         : _mm512_mul_ps(s, _mm512_set1_ps(((const float *)r->b)[0]));
-    } else if (sm == SM_K) {       /* groups a.. a+7 under super-block a/8, a+8.. under the next */
+    if (sm == SM_K) {              /* groups a.. a+7 under super-block a/8, a+8.. under the next */
         const uint16_t *sup = r->sup + 2 * (a / 8);
         float d1 = n > 8 ? half_to_float(sup[2]) : 0.0f, m1 = n > 8 ? half_to_float(sup[3]) : 0.0f;
         __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(sup[0])), _mm512_set1_ps(d1));
