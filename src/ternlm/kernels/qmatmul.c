@@ -140,9 +140,9 @@ const char *tq_isa(void) { return "avx512"; }
 /* The tile shape for a product of M rows: rows x cols x 2 accumulators, at most 24 of the 32 zmm.
  * Any shape gives the same bits ([BATCH-INVARIANT]), so it is picked for speed alone (measured on
  * Zen 4, 2 threads, qwen2.5-0.5b's and smollm2's shapes): decode (M <= 4) reads each weight row once for
- * every row, three weight rows at a time (Q8_0 one: with the next tile's prefetch, qwen's 151,936 x 896
- * lm_head ran at 4.5 ms with one, 7 with two, 8.7 with three; the other layouts were within 3% either
- * way, and a decode step's GEMVs -20% with Q8_0 at one); bigger M shares each dequantized chunk over 8 rows (one weight
+ * every row, three weight rows at a time (Q8_0 one: qwen's 151,936 x 896 lm_head ran 4.8 ms with one,
+ * 7.0 with two, 8.7 with three under the old in-row prefetch, 4.5 with one under the next tile's; the
+ * other layouts were within 3% either way); bigger M shares each dequantized chunk over 8 rows (one weight
  * row at a time: +10-25% at M >= 8 over 4 x 3), except the K-quant modes, whose per-group scale products
  * are dearer and favour 6 rows x 2 weight rows (+20-27%). */
 INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *cols) {
