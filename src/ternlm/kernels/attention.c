@@ -1,6 +1,6 @@
-/* Causal attention: each query row over its own keys, online softmax over 256-key blocks; up to 4
- * query rows reading one kv head (several positions, or the query heads of a group) share each K/V load
- * (rows() below) without changing any row's arithmetic.
+/* Causal attention: each query row over its own keys, online softmax over 256-key blocks. The (query
+ * head, position) pairs that read one kv head (the query heads of a group, at up to RMAX positions) run
+ * together and share each K/V load (pairs() below) without changing any pair's arithmetic.
  *
  *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
  *   k,v: (KV, cap, D) fp32, or fp16 where `half` is set (one layer of a slot's cache); head h reads kv
@@ -27,116 +27,218 @@
 #define BLOCK 256
 #define MAXD 256
 
-#define RMAX 4      /* query rows of one head that share each key and value load */
+#define RMAX 8      /* positions of one sequence per task (8 rather than 4: -5% on a prefill) */
+#define PMAX 32     /* (query head, position) pairs of one kv head per pass: they share each K/V tile */
+#if defined(__AVX512F__)
+#define PVG 8       /* pairs whose p@V accumulators sit in registers together (32 vector registers) */
+#else
+#define PVG 4       /* 16 registers of 8 floats: 4 accumulators of 16 floats and the V chunk */
+#endif
 
-/* R query rows reading one kv head (R <= RMAX), row r reading keys [0, n[r]): every row runs exactly the
- * single-row algorithm (its own online softmax, blocks in order, the same operations on the same
- * values); the rows only share the loads of K and V, which at a long prompt come from L3, not L2.
- * So a row's bits are the same whatever R and whichever rows it shares with [BATCH-INVARIANT]. */
-static inline __attribute__((always_inline)) void rows(int R, int half, const float *const *q, const void *k,
-                                                       const void *v, const int64_t *n, int64_t D,
-                                                       float *const *out) {
-    const int64_t nv = D / 16;
-    v16 qv[RMAX][MAXD / 16], acc[RMAX][MAXD / 16];
-    float m[RMAX], l[RMAX];
-    float s[RMAX][BLOCK] __attribute__((aligned(64)));
-    int64_t nmax = 0;
+/* The scores of one pair for one 16-key tile: lane jj = the dot product of q and key jj, as hsum of 16
+ * lane sums (lane i sums dims i, 16 + i, ... in order). Each lane sum starts from +0, so every product
+ * is a fused multiply-add onto it: written `d = q0 * k0; d += q1 * k1`, the compiler may fuse either
+ * product (it fused different ones in two shapes of this loop), and a row's bits must not depend on the
+ * code shape that computed it. kt: the tile's keys, fp32, row jj at kt + jj * D; keys jn..15 score 0
+ * (never read). The 16 lane sums stay in registers for hsum16x. nv: D / 16. */
+static inline __attribute__((always_inline)) v16 tile_scores(int64_t nv, const float *q, const float *kt,
+                                                            int64_t jn, int64_t D) {
+    v16 qv[MAXD / 16], dd[16];
+    for (int64_t c = 0; c < nv; c++) qv[c] = load16(q + 16 * c);
+    if (jn == 16) {
+#pragma GCC unroll 16
+        for (int jj = 0; jj < 16; jj++) {
+            v16 d = splat(0.0f);
+            for (int64_t c = 0; c < nv; c++) d += qv[c] * load16(kt + jj * D + 16 * c);
+            dd[jj] = d;
+        }
+    } else {
+        for (int jj = 0; jj < 16; jj++) {
+            v16 d = splat(0.0f);
+            if (jj < jn)
+                for (int64_t c = 0; c < nv; c++) d += qv[c] * load16(kt + jj * D + 16 * c);
+            dd[jj] = d;
+        }
+    }
+    return hsum16x(dd);                               /* = hsum(dd[jj]) in lane jj, bit for bit */
+}
+
+/* The scores of R pairs (R <= 4) for one tile, keys outer: each K load (fp16 widened as it is loaded,
+ * where `half` is set) serves every pair, which for a few pairs (a decode row's head group) costs less
+ * than widening the tile into a buffer. Per pair exactly tile_scores' arithmetic: the same bits. Writes
+ * s[r][j0 .. j0 + 16). */
+static inline __attribute__((always_inline)) void tile_scores_shared(int R, int64_t nv, int half,
+                                                                    const float *const *q, const void *kb,
+                                                                    int64_t jn, int64_t D, float (*s)[BLOCK],
+                                                                    int64_t j0) {
+    v16 dd[4][16];
+    for (int64_t jj = 0; jj < jn; jj++) {
+        v16 d[4];
+        for (int r = 0; r < R; r++) d[r] = splat(0.0f);
+        for (int64_t c = 0; c < nv; c++) {
+            v16 kc = load_kv(kb, jj * D + 16 * c, half);
+            for (int r = 0; r < R; r++) d[r] += load16(q[r] + 16 * c) * kc;
+        }
+        for (int r = 0; r < R; r++) dd[r][jj] = d[r];
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t jj = jn; jj < 16; jj++) dd[r][jj] = splat(0.0f);   /* no key: never read */
     for (int r = 0; r < R; r++) {
-        for (int64_t c = 0; c < nv; c++) { qv[r][c] = load16(q[r] + 16 * c); acc[r][c] = splat(0.0f); }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        nmax = n[r] > nmax ? n[r] : nmax;
+        v16 sc = hsum16x(dd[r]);
+        memcpy(s[r] + j0, &sc, sizeof sc);
+    }
+}
+
+/* p @ V for G pairs (G <= PVG) over one block's keys, in key order, 16 dims at a time; pair g adds key j
+ * only for j < nb[g]. Each (pair, 16 dims) accumulator stays in a register across the keys. */
+static inline __attribute__((always_inline)) void block_pv(int G, int half, int64_t nv, const void *v, int64_t b0,
+                                                          int64_t D, const int64_t *nb, float (*s)[BLOCK],
+                                                          v16 (*acc)[MAXD / 16]) {
+    int64_t nmin = BLOCK, nmax = 0;
+    for (int g = 0; g < G; g++) {
+        nmin = nb[g] < nmin ? nb[g] : nmin;
+        nmax = nb[g] > nmax ? nb[g] : nmax;
+    }
+    for (int64_t c = 0; c < nv; c++) {
+        v16 a[PVG];
+        for (int g = 0; g < G; g++) a[g] = acc[g][c];
+        for (int64_t j = 0; j < nmin; j++) {          /* every pair has these keys */
+            v16 vc = load_kv(v, (b0 + j) * D + 16 * c, half);
+            for (int g = 0; g < G; g++) a[g] += splat(s[g][j]) * vc;
+        }
+        for (int64_t j = nmin; j < nmax; j++) {
+            v16 vc = load_kv(v, (b0 + j) * D + 16 * c, half);
+            for (int g = 0; g < G; g++)
+                if (j < nb[g]) a[g] += splat(s[g][j]) * vc;
+        }
+        for (int g = 0; g < G; g++) acc[g][c] = a[g];
+    }
+}
+
+static void block_pv_any(int G, int half, int64_t nv, const void *v, int64_t b0, int64_t D, const int64_t *nb,
+                         float (*s)[BLOCK], v16 (*acc)[MAXD / 16]) {
+    switch (G * 2 + (half != 0)) {
+#define PV_CASE(g) case 2 * g: block_pv(g, 0, nv, v, b0, D, nb, s, acc); break; \
+                   case 2 * g + 1: block_pv(g, 1, nv, v, b0, D, nb, s, acc); break;
+    PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4)
+#if PVG > 4
+    PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
+#endif
+#undef PV_CASE
+    }
+}
+
+/* P (query head, position) pairs reading one kv head (P <= PMAX), pair p reading keys [0, n[p]): every
+ * pair runs exactly the single-row algorithm (its own online softmax, blocks in order, the same
+ * operations on the same values); the pairs only share the loads of K and V (an fp16 tile of K is
+ * widened once for all of them). So a row's bits are the same whatever P and whichever pairs it shares
+ * with [BATCH-INVARIANT]. NV: D / 16 when it is a compile-time constant (0: use D). */
+static inline __attribute__((always_inline)) void pairs(int NV, int P, int half, const float *const *q,
+                                                       const void *k, const void *v, const int64_t *n, int64_t D,
+                                                       float *const *out) {
+    const int64_t nv = NV ? NV : D / 16;
+    v16 acc[PMAX][MAXD / 16];
+    float m[PMAX], l[PMAX];
+    float s[PMAX][BLOCK] __attribute__((aligned(64)));
+    float kt[16 * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 K, widened (exactly) */
+    int64_t nmax = 0;
+    for (int p = 0; p < P; p++) {
+        for (int64_t c = 0; c < nv; c++) acc[p][c] = splat(0.0f);
+        m[p] = -INFINITY;
+        l[p] = 0.0f;
+        nmax = n[p] > nmax ? n[p] : nmax;
     }
     for (int64_t b0 = 0; b0 < nmax; b0 += BLOCK) {
-        int64_t nb[RMAX], nbmax = 0;
-        for (int r = 0; r < R; r++) {
-            nb[r] = n[r] - b0 <= 0 ? 0 : n[r] - b0 < BLOCK ? n[r] - b0 : BLOCK;
-            nbmax = nb[r] > nbmax ? nb[r] : nbmax;
+        int64_t nb[PMAX], nbmax = 0;
+        for (int p = 0; p < P; p++) {
+            nb[p] = n[p] - b0 <= 0 ? 0 : n[p] - b0 < BLOCK ? n[p] - b0 : BLOCK;
+            nbmax = nb[p] > nbmax ? nb[p] : nbmax;
         }
         for (int64_t j0 = 0; j0 < nbmax; j0 += 16) {      /* scores of this block's keys, 16 at a time */
             const int64_t jn = nbmax - j0 < 16 ? nbmax - j0 : 16;
-            v16 dd[RMAX][16];                             /* per key, the 16 lanes its score sums */
-            for (int64_t jj = 0; jj < jn; jj++) {
-                const int64_t kj = (b0 + j0 + jj) * D;
-                v16 d[RMAX];
-                v16 kc = load_kv(k, kj, half);
-                for (int r = 0; r < R; r++) d[r] = qv[r][0] * kc;
-                for (int64_t c = 1; c < nv; c++) {
-                    kc = load_kv(k, kj + 16 * c, half);
-                    for (int r = 0; r < R; r++) d[r] += qv[r][c] * kc;
+            const void *kb = (const char *)k + (b0 + j0) * D * (half ? 2 : 4);
+            if (P <= 4) {                                 /* few pairs: share each K load */
+                switch (P * 2 + (half != 0)) {
+#define SC_CASE(r) case 2 * r: tile_scores_shared(r, nv, 0, q, kb, jn, D, s, j0); break; \
+                   case 2 * r + 1: tile_scores_shared(r, nv, 1, q, kb, jn, D, s, j0); break;
+                SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4)
+#undef SC_CASE
                 }
-                for (int r = 0; r < R; r++) dd[r][jj] = d[r];
+                continue;
             }
-            for (int r = 0; r < R; r++) {
-                for (int64_t jj = jn; jj < 16; jj++) dd[r][jj] = splat(0.0f);   /* no key: never read */
-                v16 sc = hsum16x(dd[r]);                  /* = hsum(dd[r][jj]) in lane jj, bit for bit */
-                memcpy(s[r] + j0, &sc, sizeof sc);
+            /* more pairs (prefill rows, big head groups): an fp16 tile is widened once (exactly) into
+             * kt for all of them (measured: widening per pair costs +38% on a prefill) */
+            if (half) {
+                for (int64_t jj = 0; jj < jn; jj++)
+                    for (int64_t c = 0; c < nv; c++) {
+                        v16 x = load16h((const _Float16 *)kb + jj * D + 16 * c);
+                        memcpy(kt + jj * D + 16 * c, &x, sizeof x);
+                    }
+                kb = kt;
+            }
+            for (int p = 0; p < P; p++) {
+                if (nb[p] <= j0) continue;                /* this pair's keys ended before the tile */
+                v16 sc = tile_scores(nv, q[p], (const float *)kb, jn, D);
+                memcpy(s[p] + j0, &sc, sizeof sc);
             }
         }
-        for (int r = 0; r < R; r++) {
-            if (nb[r] == 0) continue;                     /* this row ended before the block */
-            float *sr = s[r];
-            int64_t nb16 = (nb[r] + 15) & ~(int64_t)15;
-            for (int64_t j = nb[r]; j < nb16; j++) sr[j] = -INFINITY;   /* lanes past the row's last key */
+        for (int p = 0; p < P; p++) {
+            if (nb[p] == 0) continue;                     /* this pair ended before the block */
+            float *sr = s[p];
+            int64_t nb16 = (nb[p] + 15) & ~(int64_t)15;
+            for (int64_t j = nb[p]; j < nb16; j++) sr[j] = -INFINITY;   /* lanes past the pair's last key */
             v16 mv = load16(sr);
             for (int64_t j = 16; j < nb16; j += 16) { v16 t = load16(sr + j); mv = select16(mv > t, mv, t); }
-            float mb = hmax(mv), mn = mb > m[r] ? mb : m[r];
-            float alpha = exp16(splat(m[r] - mn))[0];    /* rescales what earlier blocks summed */
+            float mb = hmax(mv), mn = mb > m[p] ? mb : m[p];
+            float alpha = exp16(splat(m[p] - mn))[0];    /* rescales what earlier blocks summed */
             v16 lsum = splat(0.0f);
             for (int64_t j = 0; j < nb16; j += 16) {
-                v16 p = exp16(load16(sr + j) - splat(mn));
-                memcpy(sr + j, &p, sizeof p);
-                lsum += p;
+                v16 e = exp16(load16(sr + j) - splat(mn));
+                memcpy(sr + j, &e, sizeof e);
+                lsum += e;
             }
-            l[r] = l[r] * alpha + hsum(lsum);
-            for (int64_t c = 0; c < nv; c++) acc[r][c] *= splat(alpha);
-            m[r] = mn;
+            l[p] = l[p] * alpha + hsum(lsum);
+            for (int64_t c = 0; c < nv; c++) acc[p][c] *= splat(alpha);
+            m[p] = mn;
         }
-        for (int64_t c = 0; c < nv; c++) {                /* p @ V, keys in order, 16 dims at a time */
-            v16 a[RMAX];   /* in registers across the keys (were stored and reloaded per key: +27%); each
-                            * (row, 16 dims) still adds the keys' terms in key order, so the same bits */
-            for (int r = 0; r < R; r++) a[r] = acc[r][c];
-            for (int64_t j = 0; j < nbmax; j++) {
-                v16 vc = load_kv(v, (b0 + j) * D + 16 * c, half);
-                for (int r = 0; r < R; r++)
-                    if (j < nb[r]) a[r] += splat(s[r][j]) * vc;
-            }
-            for (int r = 0; r < R; r++) acc[r][c] = a[r];
+        for (int p0 = 0; p0 < P; p0 += PVG) {             /* p @ V, PVG pairs sharing each V load */
+            const int G = P - p0 < PVG ? P - p0 : PVG;
+            block_pv_any(G, half, nv, v, b0, D, nb + p0, s + p0, acc + p0);
         }
     }
-    for (int r = 0; r < R; r++) {
-        v16 inv = splat(1.0f / l[r]);
-        for (int64_t c = 0; c < nv; c++) { v16 o = acc[r][c] * inv; memcpy(out[r] + 16 * c, &o, sizeof o); }
+    for (int p = 0; p < P; p++) {
+        v16 inv = splat(1.0f / l[p]);
+        for (int64_t c = 0; c < nv; c++) { v16 o = acc[p][c] * inv; memcpy(out[p] + 16 * c, &o, sizeof o); }
     }
 }
 
-/* rows() with R and the KV dtype compile-time constants (registers for the accumulators). */
-static void rows_any(int R, int half, const float *const *q, const void *k, const void *v, const int64_t *n,
-                     int64_t D, float *const *out) {
-    switch (R * 2 + (half != 0)) {
-    case 2: rows(1, 0, q, k, v, n, D, out); break;
-    case 3: rows(1, 1, q, k, v, n, D, out); break;
-    case 4: rows(2, 0, q, k, v, n, D, out); break;
-    case 5: rows(2, 1, q, k, v, n, D, out); break;
-    case 6: rows(3, 0, q, k, v, n, D, out); break;
-    case 7: rows(3, 1, q, k, v, n, D, out); break;
-    case 8: rows(4, 0, q, k, v, n, D, out); break;
-    default: rows(4, 1, q, k, v, n, D, out); break;
+/* pairs() with the head dimension's chunk count a compile-time constant where it is a common one. */
+static void pairs_any(int P, int half, const float *const *q, const void *k, const void *v, const int64_t *n,
+                      int64_t D, float *const *out) {
+    switch (D) {
+    case 64: pairs(4, P, half, q, k, v, n, D, out); break;
+    case 128: pairs(8, P, half, q, k, v, n, D, out); break;
+    default: pairs(0, P, half, q, k, v, n, D, out); break;
     }
 }
 
-/* Query rows [t0, t0 + R) of head h (positions start + t), one call of rows(). */
-static void head_rows(const float *q, int64_t T, int64_t h, int64_t t0, int R, const float *k, const float *v,
-                      int64_t start, int64_t D, float *out, int64_t ldo) {
-    const float *qp[RMAX];
-    float *op[RMAX];
-    int64_t n[RMAX];
-    for (int r = 0; r < R; r++) {
-        qp[r] = q + (h * T + t0 + r) * D;
-        op[r] = out + (t0 + r) * ldo + h * D;
-        n[r] = start + t0 + r + 1;
-    }
-    rows_any(R, 0, qp, k, v, n, D, op);
+/* The (query head, position) pairs of one task: the G query heads of kv head kvh at R consecutive rows
+ * of one sequence, PMAX at a time. q rows at q + (h * ldq_h + row) * D, out rows at out + row * ldo + h * D,
+ * row r at position pos0 + r. */
+static void kv_task(int64_t kvh, int64_t G, int R, int half, const float *q, int64_t ldq_h, int64_t row0,
+                    int64_t pos0, const void *k, const void *v, int64_t D, float *out, int64_t ldo) {
+    const float *qp[PMAX];
+    float *op[PMAX];
+    int64_t n[PMAX];
+    int cnt = 0;
+    for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+        for (int r = 0; r < R; r++) {
+            qp[cnt] = q + (h * ldq_h + row0 + r) * D;
+            op[cnt] = out + (row0 + r) * ldo + h * D;
+            n[cnt] = pos0 + r + 1;
+            if (++cnt == PMAX) { pairs_any(cnt, half, qp, k, v, n, D, op); cnt = 0; }
+        }
+    if (cnt) pairs_any(cnt, half, qp, k, v, n, D, op);
 }
 
 const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
@@ -160,8 +262,7 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
         for (int64_t gi = 0; gi < ngroups; gi++) {
             int64_t t0 = gi * RMAX;
             int R = (int)(T - t0 < RMAX ? T - t0 : RMAX);
-            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                head_rows(q, T, h, t0, R, k + kvh * cap * D, v + kvh * cap * D, start, D, out, ldo);
+            kv_task(kvh, G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out, ldo);
         }
     return 0;
 }
@@ -170,7 +271,7 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
  * per sequence. segs: nseg rows of 6 int64 (first row in q/out, rows, start position, cache capacity,
  * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) contiguous, fp16 where
  * kv_half is set, else fp32).
- * q: (H, M, D) scaled; out: (M, H * D). Each row runs `rows` exactly as tq_attention would run it, so a
+ * q: (H, M, D) scaled; out: (M, H * D). Each row runs pairs() exactly as tq_attention would run it, so a
  * sequence's bits are the same alone or in company. Returns -1 on a shape it does not take. */
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                           int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half) {
@@ -196,21 +297,10 @@ int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, cons
             const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
             const int64_t at = ((layer * KV + kvh) * cap) * D * (kv_half ? 2 : 4);   /* bytes */
             const void *k = (const char *)(intptr_t)sg[4] + at, *v = (const char *)(intptr_t)sg[5] + at;
-            /* The task's (head, row) pairs that read this kv head, up to RMAX per rows() call: they all
-             * share each K/V load. A decode row (R = 1) thus reads its K/V once for the G query heads
-             * of the group instead of G times; every pair still runs the single-row algorithm. */
-            const float *qp[RMAX];
-            float *op[RMAX];
-            int64_t n[RMAX];
-            int cnt = 0;
-            for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                for (int r = 0; r < R; r++) {
-                    qp[cnt] = q + (h * M + r0 + t0 + r) * D;
-                    op[cnt] = out + (r0 + t0 + r) * H * D + h * D;
-                    n[cnt] = sg[2] + t0 + r + 1;
-                    if (++cnt == RMAX) { rows_any(cnt, kv_half, qp, k, v, n, D, op); cnt = 0; }
-                }
-            if (cnt) rows_any(cnt, kv_half, qp, k, v, n, D, op);
+            /* The task's (head, row) pairs that read this kv head share each K/V load: a decode row
+             * (R = 1) reads its K/V once for the G query heads of the group instead of G times; every
+             * pair still runs the single-row algorithm. */
+            kv_task(kvh, G, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v, D, out, H * D);
         }
     free(task);
     return 0;
