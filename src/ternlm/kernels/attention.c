@@ -13,8 +13,9 @@
  * chunk, in a 37-token tail after a reuse, or alone in a decode step. Keys past p are never read: the
  * masked triangle costs nothing, and no (queries x keys) buffer exists.
  *
- * Written with GCC vector extensions (16 floats): the compiler maps them onto AVX-512, AVX2 or SSE for
- * the host (-march=native). exp is our own (range reduction + degree-6 polynomial): libm's may change
+ * Written with GCC vector extensions of the host's own width (vec.h `vf`: 16 floats on AVX-512, 8 on
+ * AVX2, 4 on baseline x86-64; -march=native), so a row's bits depend on the build, never on the call.
+ * exp is our own (range reduction + degree-6 polynomial): libm's may change
  * with the system, ours changes only with this file, whose digest is in the KV cache's fingerprint.
  */
 #include <math.h>
@@ -29,101 +30,92 @@
 
 #define RMAX 8      /* positions of one sequence per task (8 rather than 4: -5% on a prefill) */
 #define PMAX 32     /* (query head, position) pairs of one kv head per pass: they share each K/V tile */
-#if defined(__AVX512F__)
-#define PVG 8       /* pairs whose p@V accumulators sit in registers together (32 vector registers) */
-#else
-#define PVG 4       /* 16 registers of 8 floats: 4 accumulators of 16 floats and the V chunk */
-#endif
+#define PVG 8       /* pairs whose p@V accumulators sit in registers together */
+#define NC (MAXD / VN)  /* most VN-lane chunks of a head */
 
-/* The scores of one pair for one 16-key tile: lane jj = the dot product of q and key jj, as hsum of 16
- * lane sums (lane i sums dims i, 16 + i, ... in order). Each lane sum starts from +0, so every product
+/* The scores of one pair for one tile of VN keys: lane jj = the dot product of q and key jj, as hsumn of
+ * VN lane sums (lane i sums dims i, VN + i, ... in order). Each lane sum starts from +0, so every product
  * is a fused multiply-add onto it: written `d = q0 * k0; d += q1 * k1`, the compiler may fuse either
  * product (it fused different ones in two shapes of this loop), and a row's bits must not depend on the
- * code shape that computed it. kt: the tile's keys, fp32, row jj at kt + jj * D; keys jn..15 score 0
- * (never read). The 16 lane sums stay in registers for hsum16x. nv: D / 16. */
-static inline __attribute__((always_inline)) v16 tile_scores(int64_t nv, const float *q, const float *kt,
-                                                            int64_t jn, int64_t D) {
-    v16 qv[MAXD / 16], dd[16];
-    for (int64_t c = 0; c < nv; c++) qv[c] = load16(q + 16 * c);
-    if (jn == 16) {
+ * code shape that computed it. kt: the tile's keys, fp32, row jj at kt + jj * D; keys jn..VN-1 score 0
+ * (never read). The VN lane sums stay in registers for hsumnx. nc: D / VN. */
+static inline __attribute__((always_inline)) vf tile_scores(int64_t nc, const float *q, const float *kt,
+                                                           int64_t jn, int64_t D) {
+    vf qv[NC], dd[VN];
+    for (int64_t c = 0; c < nc; c++) qv[c] = loadn(q + VN * c);
+    if (jn == VN) {
 #pragma GCC unroll 16
-        for (int jj = 0; jj < 16; jj++) {
-            v16 d = splat(0.0f);
-            for (int64_t c = 0; c < nv; c++) d += qv[c] * load16(kt + jj * D + 16 * c);
+        for (int jj = 0; jj < VN; jj++) {
+            vf d = splatn(0.0f);
+            for (int64_t c = 0; c < nc; c++) d += qv[c] * loadn(kt + jj * D + VN * c);
             dd[jj] = d;
         }
     } else {
-        for (int jj = 0; jj < 16; jj++) {
-            v16 d = splat(0.0f);
+        for (int jj = 0; jj < VN; jj++) {
+            vf d = splatn(0.0f);
             if (jj < jn)
-                for (int64_t c = 0; c < nv; c++) d += qv[c] * load16(kt + jj * D + 16 * c);
+                for (int64_t c = 0; c < nc; c++) d += qv[c] * loadn(kt + jj * D + VN * c);
             dd[jj] = d;
         }
     }
-    return hsum16x(dd);                               /* = hsum(dd[jj]) in lane jj, bit for bit */
+    return hsumnx(dd);                                /* = hsumn(dd[jj]) in lane jj, bit for bit */
 }
 
 /* The scores of R pairs (R <= 4) for one tile, keys outer: each K load (fp16 widened as it is loaded,
  * where `half` is set) serves every pair, which for a few pairs (a decode row's head group) costs less
  * than widening the tile into a buffer. Per pair exactly tile_scores' arithmetic: the same bits. Writes
- * s[r][j0 .. j0 + 16). */
-static inline __attribute__((always_inline)) void tile_scores_shared(int R, int64_t nv, int half,
+ * s[r][j0 .. j0 + VN). */
+static inline __attribute__((always_inline)) void tile_scores_shared(int R, int64_t nc, int half,
                                                                     const float *const *q, const void *kb,
                                                                     int64_t jn, int64_t D, float (*s)[BLOCK],
                                                                     int64_t j0) {
-    v16 dd[4][16];
+    vf dd[4][VN];
     for (int64_t jj = 0; jj < jn; jj++) {
-        v16 d[4];
-        for (int r = 0; r < R; r++) d[r] = splat(0.0f);
-        for (int64_t c = 0; c < nv; c++) {
-            v16 kc = load_kv(kb, jj * D + 16 * c, half);
-            for (int r = 0; r < R; r++) d[r] += load16(q[r] + 16 * c) * kc;
+        vf d[4];
+        for (int r = 0; r < R; r++) d[r] = splatn(0.0f);
+        for (int64_t c = 0; c < nc; c++) {
+            vf kc = loadn_kv(kb, jj * D + VN * c, half);
+            for (int r = 0; r < R; r++) d[r] += loadn(q[r] + VN * c) * kc;
         }
         for (int r = 0; r < R; r++) dd[r][jj] = d[r];
     }
     for (int r = 0; r < R; r++)
-        for (int64_t jj = jn; jj < 16; jj++) dd[r][jj] = splat(0.0f);   /* no key: never read */
-    for (int r = 0; r < R; r++) {
-        v16 sc = hsum16x(dd[r]);
-        memcpy(s[r] + j0, &sc, sizeof sc);
-    }
+        for (int64_t jj = jn; jj < VN; jj++) dd[r][jj] = splatn(0.0f);   /* no key: never read */
+    for (int r = 0; r < R; r++) storen(s[r] + j0, hsumnx(dd[r]));
 }
 
-/* p @ V for G pairs (G <= PVG) over one block's keys, in key order, 16 dims at a time; pair g adds key j
- * only for j < nb[g]. Each (pair, 16 dims) accumulator stays in a register across the keys. */
-static inline __attribute__((always_inline)) void block_pv(int G, int half, int64_t nv, const void *v, int64_t b0,
+/* p @ V for G pairs (G <= PVG) over one block's keys, in key order, VN dims at a time; pair g adds key j
+ * only for j < nb[g]. Each (pair, VN dims) accumulator stays in a register across the keys. */
+static inline __attribute__((always_inline)) void block_pv(int G, int half, int64_t nc, const void *v, int64_t b0,
                                                           int64_t D, const int64_t *nb, float (*s)[BLOCK],
-                                                          v16 (*acc)[MAXD / 16]) {
+                                                          vf (*acc)[NC]) {
     int64_t nmin = BLOCK, nmax = 0;
     for (int g = 0; g < G; g++) {
         nmin = nb[g] < nmin ? nb[g] : nmin;
         nmax = nb[g] > nmax ? nb[g] : nmax;
     }
-    for (int64_t c = 0; c < nv; c++) {
-        v16 a[PVG];
+    for (int64_t c = 0; c < nc; c++) {
+        vf a[PVG];
         for (int g = 0; g < G; g++) a[g] = acc[g][c];
         for (int64_t j = 0; j < nmin; j++) {          /* every pair has these keys */
-            v16 vc = load_kv(v, (b0 + j) * D + 16 * c, half);
-            for (int g = 0; g < G; g++) a[g] += splat(s[g][j]) * vc;
+            vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
+            for (int g = 0; g < G; g++) a[g] += splatn(s[g][j]) * vc;
         }
         for (int64_t j = nmin; j < nmax; j++) {
-            v16 vc = load_kv(v, (b0 + j) * D + 16 * c, half);
+            vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
             for (int g = 0; g < G; g++)
-                if (j < nb[g]) a[g] += splat(s[g][j]) * vc;
+                if (j < nb[g]) a[g] += splatn(s[g][j]) * vc;
         }
         for (int g = 0; g < G; g++) acc[g][c] = a[g];
     }
 }
 
-static void block_pv_any(int G, int half, int64_t nv, const void *v, int64_t b0, int64_t D, const int64_t *nb,
-                         float (*s)[BLOCK], v16 (*acc)[MAXD / 16]) {
+static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0, int64_t D, const int64_t *nb,
+                         float (*s)[BLOCK], vf (*acc)[NC]) {
     switch (G * 2 + (half != 0)) {
-#define PV_CASE(g) case 2 * g: block_pv(g, 0, nv, v, b0, D, nb, s, acc); break; \
-                   case 2 * g + 1: block_pv(g, 1, nv, v, b0, D, nb, s, acc); break;
-    PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4)
-#if PVG > 4
-    PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
-#endif
+#define PV_CASE(g) case 2 * g: block_pv(g, 0, nc, v, b0, D, nb, s, acc); break; \
+                   case 2 * g + 1: block_pv(g, 1, nc, v, b0, D, nb, s, acc); break;
+    PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
 #undef PV_CASE
     }
 }
@@ -132,18 +124,18 @@ static void block_pv_any(int G, int half, int64_t nv, const void *v, int64_t b0,
  * pair runs exactly the single-row algorithm (its own online softmax, blocks in order, the same
  * operations on the same values); the pairs only share the loads of K and V (an fp16 tile of K is
  * widened once for all of them). So a row's bits are the same whatever P and whichever pairs it shares
- * with [BATCH-INVARIANT]. NV: D / 16 when it is a compile-time constant (0: use D). */
-static inline __attribute__((always_inline)) void pairs(int NV, int P, int half, const float *const *q,
+ * with [BATCH-INVARIANT]. NC_: D / VN when it is a compile-time constant (0: from D). */
+static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half, const float *const *q,
                                                        const void *k, const void *v, const int64_t *n, int64_t D,
                                                        float *const *out) {
-    const int64_t nv = NV ? NV : D / 16;
-    v16 acc[PMAX][MAXD / 16];
+    const int64_t nc = NC_ ? NC_ : D / VN;
+    vf acc[PMAX][NC];
     float m[PMAX], l[PMAX];
     float s[PMAX][BLOCK] __attribute__((aligned(64)));
-    float kt[16 * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 K, widened (exactly) */
+    float kt[VN * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 K, widened (exactly) */
     int64_t nmax = 0;
     for (int p = 0; p < P; p++) {
-        for (int64_t c = 0; c < nv; c++) acc[p][c] = splat(0.0f);
+        for (int64_t c = 0; c < nc; c++) acc[p][c] = splatn(0.0f);
         m[p] = -INFINITY;
         l[p] = 0.0f;
         nmax = n[p] > nmax ? n[p] : nmax;
@@ -154,13 +146,13 @@ static inline __attribute__((always_inline)) void pairs(int NV, int P, int half,
             nb[p] = n[p] - b0 <= 0 ? 0 : n[p] - b0 < BLOCK ? n[p] - b0 : BLOCK;
             nbmax = nb[p] > nbmax ? nb[p] : nbmax;
         }
-        for (int64_t j0 = 0; j0 < nbmax; j0 += 16) {      /* scores of this block's keys, 16 at a time */
-            const int64_t jn = nbmax - j0 < 16 ? nbmax - j0 : 16;
+        for (int64_t j0 = 0; j0 < nbmax; j0 += VN) {      /* scores of this block's keys, VN at a time */
+            const int64_t jn = nbmax - j0 < VN ? nbmax - j0 : VN;
             const void *kb = (const char *)k + (b0 + j0) * D * (half ? 2 : 4);
             if (P <= 4) {                                 /* few pairs: share each K load */
                 switch (P * 2 + (half != 0)) {
-#define SC_CASE(r) case 2 * r: tile_scores_shared(r, nv, 0, q, kb, jn, D, s, j0); break; \
-                   case 2 * r + 1: tile_scores_shared(r, nv, 1, q, kb, jn, D, s, j0); break;
+#define SC_CASE(r) case 2 * r: tile_scores_shared(r, nc, 0, q, kb, jn, D, s, j0); break; \
+                   case 2 * r + 1: tile_scores_shared(r, nc, 1, q, kb, jn, D, s, j0); break;
                 SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4)
 #undef SC_CASE
                 }
@@ -170,45 +162,42 @@ static inline __attribute__((always_inline)) void pairs(int NV, int P, int half,
              * kt for all of them (measured: widening per pair costs +38% on a prefill) */
             if (half) {
                 for (int64_t jj = 0; jj < jn; jj++)
-                    for (int64_t c = 0; c < nv; c++) {
-                        v16 x = load16h((const _Float16 *)kb + jj * D + 16 * c);
-                        memcpy(kt + jj * D + 16 * c, &x, sizeof x);
-                    }
+                    for (int64_t c = 0; c < nc; c++)
+                        storen(kt + jj * D + VN * c, loadnh((const _Float16 *)kb + jj * D + VN * c));
                 kb = kt;
             }
             for (int p = 0; p < P; p++) {
                 if (nb[p] <= j0) continue;                /* this pair's keys ended before the tile */
-                v16 sc = tile_scores(nv, q[p], (const float *)kb, jn, D);
-                memcpy(s[p] + j0, &sc, sizeof sc);
+                storen(s[p] + j0, tile_scores(nc, q[p], (const float *)kb, jn, D));
             }
         }
         for (int p = 0; p < P; p++) {
             if (nb[p] == 0) continue;                     /* this pair ended before the block */
             float *sr = s[p];
-            int64_t nb16 = (nb[p] + 15) & ~(int64_t)15;
-            for (int64_t j = nb[p]; j < nb16; j++) sr[j] = -INFINITY;   /* lanes past the pair's last key */
-            v16 mv = load16(sr);
-            for (int64_t j = 16; j < nb16; j += 16) { v16 t = load16(sr + j); mv = select16(mv > t, mv, t); }
-            float mb = hmax(mv), mn = mb > m[p] ? mb : m[p];
-            float alpha = exp16(splat(m[p] - mn))[0];    /* rescales what earlier blocks summed */
-            v16 lsum = splat(0.0f);
-            for (int64_t j = 0; j < nb16; j += 16) {
-                v16 e = exp16(load16(sr + j) - splat(mn));
-                memcpy(sr + j, &e, sizeof e);
+            int64_t nbv = (nb[p] + VN - 1) / VN * VN;
+            for (int64_t j = nb[p]; j < nbv; j++) sr[j] = -INFINITY;    /* lanes past the pair's last key */
+            vf mv = loadn(sr);
+            for (int64_t j = VN; j < nbv; j += VN) mv = maxn(mv, loadn(sr + j));
+            float mb = hmaxn(mv), mn = mb > m[p] ? mb : m[p];
+            float alpha = expn(splatn(m[p] - mn))[0];    /* rescales what earlier blocks summed */
+            vf lsum = splatn(0.0f);
+            for (int64_t j = 0; j < nbv; j += VN) {
+                vf e = expn(loadn(sr + j) - splatn(mn));
+                storen(sr + j, e);
                 lsum += e;
             }
-            l[p] = l[p] * alpha + hsum(lsum);
-            for (int64_t c = 0; c < nv; c++) acc[p][c] *= splat(alpha);
+            l[p] = l[p] * alpha + hsumn(lsum);
+            for (int64_t c = 0; c < nc; c++) acc[p][c] *= splatn(alpha);
             m[p] = mn;
         }
         for (int p0 = 0; p0 < P; p0 += PVG) {             /* p @ V, PVG pairs sharing each V load */
             const int G = P - p0 < PVG ? P - p0 : PVG;
-            block_pv_any(G, half, nv, v, b0, D, nb + p0, s + p0, acc + p0);
+            block_pv_any(G, half, nc, v, b0, D, nb + p0, s + p0, acc + p0);
         }
     }
     for (int p = 0; p < P; p++) {
-        v16 inv = splat(1.0f / l[p]);
-        for (int64_t c = 0; c < nv; c++) { v16 o = acc[p][c] * inv; memcpy(out[p] + 16 * c, &o, sizeof o); }
+        vf inv = splatn(1.0f / l[p]);
+        for (int64_t c = 0; c < nc; c++) storen(out[p] + VN * c, acc[p][c] * inv);
     }
 }
 
@@ -216,8 +205,8 @@ static inline __attribute__((always_inline)) void pairs(int NV, int P, int half,
 static void pairs_any(int P, int half, const float *const *q, const void *k, const void *v, const int64_t *n,
                       int64_t D, float *const *out) {
     switch (D) {
-    case 64: pairs(4, P, half, q, k, v, n, D, out); break;
-    case 128: pairs(8, P, half, q, k, v, n, D, out); break;
+    case 64: pairs(64 / VN, P, half, q, k, v, n, D, out); break;
+    case 128: pairs(128 / VN, P, half, q, k, v, n, D, out); break;
     default: pairs(0, P, half, q, k, v, n, D, out); break;
     }
 }

@@ -97,13 +97,13 @@ static void rope_row(float *x, const float *cos, const float *sin, int64_t D) {
     for (int64_t i = 0; i < D; i++) x[i] = x[i] * cos[i] + t[i] * sin[i];
 }
 
-/* SiLU(g) * u for 16 lanes, exp's argument kept <= 0: silu(g) = g / (1 + e^-g) for g >= 0, and
+/* SiLU(g) * u, VN lanes (vec.h), exp's argument kept <= 0: silu(g) = g / (1 + e^-g) for g >= 0, and
  * g e^g / (1 + e^g) for g < 0 (the same value, without overflow). */
-static inline v16 silu_mul16(v16 g, v16 u) {
-    v16i neg = g < splat(0.0f);
-    v16 t = exp16(select16(neg, g, -g));                 /* e^-|g| */
-    v16 num = select16(neg, g * t, g);
-    return num / (splat(1.0f) + t) * u;
+static inline vf silu_muln(vf g, vf u) {
+    vfi neg = g < splatn(0.0f);
+    vf t = expn(selectn(neg, g, -g));                    /* e^-|g| */
+    vf num = selectn(neg, g * t, g);
+    return num / (splatn(1.0f) + t) * u;
 }
 
 /* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
@@ -155,7 +155,7 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
             const float *kr = row + (H + kv) * D, *vr = row + (H + KV + kv) * D;
             if (L->kv_half) {
                 _Float16 *kc = (_Float16 *)(intptr_t)sg[4] + at, *vc = (_Float16 *)(intptr_t)sg[5] + at;
-                for (int64_t i = 0; i < D; i += 16) { store16h(kc + i, load16(kr + i)); store16h(vc + i, load16(vr + i)); }
+                for (int64_t i = 0; i < D; i += VN) { storenh(kc + i, loadn(kr + i)); storenh(vc + i, loadn(vr + i)); }
             } else {
                 memcpy((float *)(intptr_t)sg[4] + at, kr, D * sizeof(float));
                 memcpy((float *)(intptr_t)sg[5] + at, vr, D * sizeof(float));
@@ -176,10 +176,8 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
     project(&L->gate_up, h, M, hid, gu, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < M; r++)
-        for (int64_t c = 0; c < I; c += 16) {
-            v16 a = silu_mul16(load16(gu + r * 2 * I + c), load16(gu + r * 2 * I + I + c));
-            memcpy(act + r * I + c, &a, sizeof a);
-        }
+        for (int64_t c = 0; c < I; c += VN)
+            storen(act + r * I + c, silu_muln(loadn(gu + r * 2 * I + c), loadn(gu + r * 2 * I + I + c)));
     project(&L->down, act, M, I, o, nthreads);
     for (int64_t i = 0; i < M * hid; i++) x[i] += o[i];
     return 0;

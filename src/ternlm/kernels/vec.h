@@ -1,6 +1,7 @@
 /* Shared by attention.c and layer.c: 16-float vectors (GCC vector extensions, mapped by the compiler
- * onto AVX-512, AVX2 or SSE for the host), a fixed-order horizontal sum and our own exp. Part of the
- * kernels' digest (kernels/build.py), so a change here changes the KV cache's namespace. */
+ * onto AVX-512, AVX2 or SSE for the host), vectors of the host's own width (`vf`), fixed-order
+ * horizontal sums and our own exp. Part of the kernels' digest (kernels/build.py), so a change here
+ * changes the KV cache's namespace. */
 #ifndef TERNLM_VEC_H
 #define TERNLM_VEC_H
 #include <math.h>
@@ -11,60 +12,9 @@
 #endif
 
 typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 static inline __attribute__((unused)) v16 load16(const float *p) { v16 r; memcpy(&r, p, sizeof r); return r; }
 static inline __attribute__((unused)) v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-/* fp16 <-> fp32 for the KV cache, 16 lanes (IEEE, round to nearest even both ways): AVX-512 or F16C
- * instructions where the build has them, libgcc's exact software conversion on baseline x86-64, so every
- * build stores and reads the same bits. (GCC turns a _Float16 vector conversion into 16 scalar ones,
- * hence the intrinsics.) */
-static inline __attribute__((unused)) v16 load16h(const _Float16 *p) {
-    v16 o;
-#if defined(__AVX512F__)
-    __m512 r = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    memcpy(&o, &r, sizeof o);
-#elif defined(__F16C__) && defined(__AVX__)
-    __m256 r[2] = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)),
-                   _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
-    memcpy(&o, r, sizeof o);
-#else
-    for (int i = 0; i < 16; i++) o[i] = (float)p[i];
-#endif
-    return o;
-}
-
-static inline __attribute__((unused)) void store16h(_Float16 *p, v16 x) {
-#if defined(__AVX512F__)
-    __m512 r;
-    memcpy(&r, &x, sizeof r);
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#elif defined(__F16C__) && defined(__AVX__)
-    __m256 r[2];
-    memcpy(r, &x, sizeof r);
-    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(r[0], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm_storeu_si128((__m128i *)(p + 8), _mm256_cvtps_ph(r[1], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
-    for (int i = 0; i < 16; i++) p[i] = (_Float16)x[i];
-#endif
-}
-
-/* 16 lanes of a KV row at element i: fp16 (half != 0) or fp32. */
-static inline __attribute__((unused)) v16 load_kv(const void *base, int64_t i, int half) {
-    return half ? load16h((const _Float16 *)base + i) : load16((const float *)base + i);
-}
-
-/* Lanes of a where mask (all ones) is set, else of b (C has no vector ?:). */
-static inline __attribute__((unused)) v16 select16(v16i mask, v16 a, v16 b) {
-    v16i ai, bi, r;
-    memcpy(&ai, &a, sizeof a);
-    memcpy(&bi, &b, sizeof b);
-    r = (ai & mask) | (bi & ~mask);
-    v16 out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
 
 /* Sum of 16 lanes as a fixed tree: halves, quarters, ... */
 static inline __attribute__((unused)) float hsum(v16 a) {
@@ -96,31 +46,142 @@ static inline __attribute__((unused)) v16 hsum16x(const v16 *d) {
 #undef SH2
 }
 
-static inline __attribute__((unused)) float hmax(v16 a) {
+/* ---- The host's own vector width: VN floats (16 on AVX-512, 8 on AVX2, 4 on baseline x86-64) ----
+ * Without AVX-512, GCC has no machine mode for a 16-float vector: a v16 lives in memory, every operation
+ * loads and stores its pieces, and a comparison or a two-source shuffle of it becomes 16 scalar steps
+ * (measured in the x86-64-v3 build: attention 6-7x slower than the AVX-512 build, exp16 285 scalar
+ * instructions). Code that runs long loops (attention.c) is written for `vf` instead: the same
+ * algorithm with VN lanes, so its bits depend on the build (as the cache's kernel digest does). */
+#if defined(__AVX512F__)
+#define VN 16
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VN 8
+#else
+#define VN 4
+#endif
+typedef float vf __attribute__((vector_size(VN * 4)));
+typedef int32_t vfi __attribute__((vector_size(VN * 4)));
+
+static inline __attribute__((unused)) vf loadn(const float *p) { vf r; memcpy(&r, p, sizeof r); return r; }
+static inline __attribute__((unused)) void storen(float *p, vf x) { memcpy(p, &x, sizeof x); }
+static inline __attribute__((unused)) vf splatn(float x) {   /* (a loop of lane stores is not a broadcast) */
+#if VN == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif VN == 8
+    return (vf){x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x};
+#endif
+}
+
+/* fp16 <-> fp32 for the KV cache, VN lanes (IEEE, round to nearest even both ways): AVX-512 or F16C
+ * instructions where the build has them, libgcc's exact software conversion on baseline x86-64, so every
+ * build stores and reads the same bits. (GCC turns a _Float16 vector conversion into scalar ones, hence
+ * the intrinsics.) */
+static inline __attribute__((unused)) vf loadnh(const _Float16 *p) {
+#if VN == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif VN == 8
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf o;
+    for (int i = 0; i < VN; i++) o[i] = (float)p[i];
+    return o;
+#endif
+}
+
+static inline __attribute__((unused)) void storenh(_Float16 *p, vf x) {
+#if VN == 16
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif VN == 8
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    for (int i = 0; i < VN; i++) p[i] = (_Float16)x[i];
+#endif
+}
+
+/* VN lanes of a KV row at element i: fp16 (half != 0) or fp32. */
+static inline __attribute__((unused)) vf loadn_kv(const void *base, int64_t i, int half) {
+    return half ? loadnh((const _Float16 *)base + i) : loadn((const float *)base + i);
+}
+
+static inline __attribute__((unused)) vf selectn(vfi mask, vf a, vf b) {   /* a where mask, else b */
+    vfi ai, bi, r;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    r = (ai & mask) | (bi & ~mask);
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+#define SH2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+/* Sum of VN lanes as a fixed tree: halves, quarters, ..., then (c0 + c2) + (c1 + c3): hsum's tree
+ * when VN = 16. */
+static inline __attribute__((unused)) float hsumn(vf a) {
+    typedef float v4 __attribute__((vector_size(16)));
+#if VN == 16
+    return hsum(a);
+#elif VN == 8
+    v4 c = SH2(a, a, 0, 1, 2, 3) + SH2(a, a, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+#else
+    return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
+}
+
+/* hsumn of VN vectors at once: lane j of the result = hsumn(d[j]) bit for bit (the same adds of the same
+ * lanes, side by side, with two-source shuffles). hsum16x when VN = 16. */
+static inline __attribute__((unused)) vf hsumnx(const vf *d) {
+#if VN == 16
+    return hsum16x(d);
+#elif VN == 8
+    vf e[4], f[2], h;
+    for (int i = 0; i < 4; i++)        /* lanes 0-3: vector 2i's c = a[0..3] + a[4..7], lanes 4-7: 2i+1's */
+        e[i] = SH2(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + SH2(d[2 * i], d[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)        /* lanes 0-1: vector 4i's c0 + c2, c1 + c3; 2-3: 4i+2's; 4-5: 4i+1's;
+                                        * 6-7: 4i+3's */
+        f[i] = SH2(e[2 * i], e[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + SH2(e[2 * i], e[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    /* vectors (0, 2, 4, 6, 1, 3, 5, 7): (c0 + c2) + (c1 + c3), then into order */
+    h = SH2(f[0], f[1], 0, 2, 8, 10, 4, 6, 12, 14) + SH2(f[0], f[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    return SH2(h, h, 0, 4, 1, 5, 2, 6, 3, 7);
+#else
+    vf f0 = SH2(d[0], d[1], 0, 1, 4, 5) + SH2(d[0], d[1], 2, 3, 6, 7);   /* d0: c0+c2, c1+c3; d1: same */
+    vf f1 = SH2(d[2], d[3], 0, 1, 4, 5) + SH2(d[2], d[3], 2, 3, 6, 7);
+    return SH2(f0, f1, 0, 2, 4, 6) + SH2(f0, f1, 1, 3, 5, 7);
+#endif
+}
+#undef SH2
+
+static inline __attribute__((unused)) float hmaxn(vf a) {
     float m = a[0];
-    for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+    for (int i = 1; i < VN; i++) m = a[i] > m ? a[i] : m;
     return m;
 }
 
+static inline __attribute__((unused)) vf maxn(vf a, vf b) { return selectn(a > b, a, b); }
+
 /* e^x for x <= 0 (softmax arguments), exact 0 below -104 (and for -inf). Relative error ~2e-7. */
-static inline __attribute__((unused)) v16 exp16(v16 x) {
-    v16i under = x < splat(-87.0f);                      /* 2^n below would leave fp32's normal range */
-    x = select16(under, splat(-87.0f), x);
+static inline __attribute__((unused)) vf expn(vf x) {
+    vfi under = x < splatn(-87.0f);                      /* 2^n below would leave fp32's normal range */
+    x = selectn(under, splatn(-87.0f), x);
     /* round to nearest: adding and removing 1.5 * 2^23 (exact for |t| < 2^22; no -ffast-math here) */
-    v16 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
-    v16 r = x - n * splat(0.693359375f);                 /* ln2 split in two for an exact-ish reduction */
-    r = r - n * splat(-2.12194440e-4f);
-    v16 p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16 scale;
+    vf n = (x * splatn(1.44269504088896341f) + splatn(12582912.0f)) - splatn(12582912.0f);
+    vf r = x - n * splatn(0.693359375f);                 /* ln2 split in two for an exact-ish reduction */
+    r = r - n * splatn(-2.12194440e-4f);
+    vf p = splatn(1.0f / 720.0f);
+    p = p * r + splatn(1.0f / 120.0f);
+    p = p * r + splatn(1.0f / 24.0f);
+    p = p * r + splatn(1.0f / 6.0f);
+    p = p * r + splatn(0.5f);
+    p = p * r + splatn(1.0f);
+    p = p * r + splatn(1.0f);
+    vfi e = (__builtin_convertvector(n, vfi) + 127) << 23;
+    vf scale;
     memcpy(&scale, &e, sizeof scale);
-    return select16(under, splat(0.0f), p * scale);
+    return selectn(under, splatn(0.0f), p * scale);
 }
 
 #endif
