@@ -8,7 +8,8 @@ loads the model with --weights gguf and then, for every matrix in model order:
   1. checks that both builds give the same output bits at M = 1, 3, 8, 13 (a kernel change that is
      meant to be a speed change only must pass this);
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
-     M = 1 and M = 8, both builds interleaved, and prints medians and the new/base ratio.
+     M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
+     interleaved, and prints medians and the new/base ratio.
 Timing only, for this machine; not a test. Writes nothing.
 """
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main() -> None:
     ap.add_argument("--march", default="native")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--timed-m", default="1,8", help="row counts to time, comma-separated (default 1,8)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build(a.base, a.march, Path(tmp)), "new": build(a.new, a.march, Path(tmp))}
@@ -98,7 +100,7 @@ def main() -> None:
                 if not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
                     raise SystemExit(f"different bits: {p.fmt}/{p.mode} {p.shape} at M = {M}")
         print("same output bits on every matrix at M = 1, 3, 8, 13")
-        for M in (1, 8):
+        for M in (int(v) for v in a.timed_m.split(",")):
             xs = {p.shape[1]: torch.randn(M, p.shape[1]) for p in parts}
             ys = [torch.empty(M, p.shape[0]) for p in parts]   # kept alive: the calls hold raw pointers
             calls = {k: [call(lib, p, xs[p.shape[1]], y, a.threads) for p, y in zip(parts, ys)]
@@ -111,7 +113,7 @@ def main() -> None:
                         f(*args)
                     times[k].append(time.perf_counter() - t)
             b, n = statistics.median(times["base"]), statistics.median(times["new"])
-            print(f"M = {M:2d}: base {b * 1e3:7.2f} ms   new {n * 1e3:7.2f} ms   new/base {n / b:.3f}   "
+            print(f"M = {M:3d}: base {b * 1e3:7.2f} ms   new {n * 1e3:7.2f} ms   new/base {n / b:.3f}   "
                   f"(median of {a.repeats}, all matrices once)")
 
 

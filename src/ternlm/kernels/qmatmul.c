@@ -144,10 +144,14 @@ const char *tq_isa(void) { return "avx512"; }
  * 7.0 with two, 8.7 with three under the old in-row prefetch, 4.5 with one under the next tile's; the
  * other layouts were within 3% either way); bigger M shares each dequantized chunk over 8 rows (one weight
  * row at a time: +10-25% at M >= 8 over 4 x 3), except the K-quant modes, whose per-group scale products
- * are dearer and favour 6 rows x 2 weight rows (+20-27%). */
+ * are dearer and favour 6 rows x 2 weight rows (+20-27%), and the 4-bit codes at M >= 16 (prefill
+ * chunks and reuse tails), where 6 x 2 loads each activation vector for two weight rows: smollm2's
+ * matrices at M = 256 -4..-8%, M = 37 -2% (at M = 8 it cost +8%; the 5- and 8-bit layouts lost +5% at
+ * M = 256 on qwen, so they keep 8 x 1). */
 INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *cols) {
     if (M <= 4) { *rows = 4; *cols = kind == Q8 && !g16 ? 1 : 3; }
     else if (sm == SM_K || sm == SM_K6) { *rows = 6; *cols = 2; }
+    else if (M >= 16 && kind == Q4) { *rows = 6; *cols = 2; }
     else { *rows = 8; *cols = 1; }
 }
 
