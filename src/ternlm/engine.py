@@ -144,9 +144,10 @@ class Engine:
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         an unknown or unsupported choice raises ValueError before any weight is read.
-        Side effect: caps glibc at one malloc arena for the process, and raises its malloc thresholds
-        when the torch attention runs (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of both)."""
-        from .malloc import one_arena
+        Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (low
+        while loading, so the loader's temporaries leave; raised to 1 GiB when the torch attention
+        runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
+        from .malloc import loading, one_arena
         from .models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -159,13 +160,14 @@ class Engine:
         log.info("%s; %s", choice.log_line, wchoice.log_line)
         one_arena()
         tdtype = DTYPES[choice.dtype]
-        if r.kind == "gguf":
-            from .models.gguf import load_gguf
-            loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=wchoice.mode == "gguf")
-        else:
-            from .models.hf import load_hf_folder
-            loaded = load_hf_folder(r.path, tdtype)
-        engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
+        with loading():                          # the loader's large temporaries leave the process
+            if r.kind == "gguf":
+                from .models.gguf import load_gguf
+                loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=wchoice.mode == "gguf")
+            else:
+                from .models.hf import load_hf_folder
+                loaded = load_hf_folder(r.path, tdtype)
+            engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 
