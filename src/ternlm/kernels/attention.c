@@ -15,8 +15,8 @@
  *
  * Written with GCC vector extensions of the host's own width (vec.h `vf`: 16 floats on AVX-512, 8 on
  * AVX2, 4 on baseline x86-64; -march=native), so a row's bits depend on the build, never on the call.
- * exp is our own (range reduction + degree-6 polynomial): libm's may change
- * with the system, ours changes only with this file, whose digest is in the KV cache's fingerprint.
+ * exp is our own (range reduction + degree-6 polynomial): libm's may change with the system, ours
+ * changes only with this file, whose digest is in the KV cache's fingerprint.
  */
 #include <math.h>
 #include <stdint.h>
