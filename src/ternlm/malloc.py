@@ -17,11 +17,13 @@ only kept the loader's freed temporaries resident (qwen gguf: load adds 1,020 Mi
 606-725 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
 Loader temporaries returned (`loading`, around every model load): glibc's mmap threshold is dynamic —
 freeing an mmap'ed block raises it to that block's size (up to 32 MiB), so the loader's next converted-
-then-freed temporaries of that size come from the heap and, fragmented, stay there. Fixed at 4 MiB while
-loading, they get their own mappings and leave on free (qwen2.5-0.5b gguf, `ternlm bench quality`'s
-measurement: load adds 600-602 MiB in 3 runs, against 597-709 before, varying with the heap's history;
-8 or 16 MiB fixed: up to 686-729). After the load the thresholds are set where the dynamic ones end up
-(32 MiB, trim 64 MiB), so serving keeps its large buffers as it did.
+then-freed temporaries of that size come from the heap and, fragmented, stay there. Fixed at 1 MiB while
+loading, they get their own mappings and leave on free. What the load adds (`ternlm bench quality`'s
+measurement, dynamic -> fixed): qwen2.5-0.5b gguf 720 -> 581 MiB (597-720 over runs before), bf16
+1,515 -> 1,303, fp32 2,561 -> 2,525; smollm2 gguf 147 -> 145, bf16 447 -> 418, fp32 786 -> 714. (Fixed
+at 4-32 MiB it helped gguf but left the dense modes' mid-size temporaries in the heap: smollm2 bf16
+594-600.) After the load the thresholds are set where the dynamic ones end up (32 MiB, trim 64 MiB),
+so serving keeps its large buffers as it did.
 TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ _M_TRIM_THRESHOLD = -1     # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _LIMIT = 1 << 30
-_LOAD_MMAP = 4 << 20       # while loading (see the module docstring)
+_LOAD_MMAP = 1 << 20       # while loading (see the module docstring)
 _SERVE_MMAP = 32 << 20     # after: glibc's own dynamic maximum (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 _state = {"arena": False, "large": False}
 
@@ -85,7 +87,7 @@ def large_buffers_kept() -> bool:
 
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
-    """Around a model load: blocks of 4 MiB and more get their own mmap (returned on free); after it,
+    """Around a model load: blocks of 1 MiB and more get their own mmap (returned on free); after it,
     fixed thresholds where glibc's dynamic ones end up (mmap 32 MiB, trim 64 MiB). Side effects:
     process-wide allocator settings, and glibc's threshold stops adapting; no-op off glibc, with
     TERNLM_MALLOC_TUNE=0, or once keep_large_buffers is in force (its 1 GiB thresholds stay)."""
