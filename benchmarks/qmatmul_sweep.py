@@ -5,7 +5,7 @@
 Builds src/ternlm/kernels/qmatmul.c as it is at --base and at --new (a revision, or WORKTREE for the
 file on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the AVX2 path),
 loads the model with --weights gguf and then, for every matrix in model order:
-  1. checks that both builds give the same output bits at M = 1, 3, 8, 13 (a kernel change that is
+  1. checks that both builds give the same output bits at M = 1, 3, 8, 13, 16, 37, 100 (a kernel change that is
      meant to be a speed change only must pass this);
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
      M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
@@ -90,7 +90,7 @@ def main() -> None:
         parts = matrices(Engine.load(a.model, weights="gguf"))
         print(f"{a.model}: {len(parts)} matrices, {sum(p.nbytes for p in parts) / 1e6:.1f} MB; "
               f"base {a.base}, new {a.new}, -march={a.march}, {a.threads} threads")
-        for M in (1, 3, 8, 13):
+        for M in (1, 3, 8, 13, 16, 37, 100):
             for p in parts:
                 x = torch.randn(M, p.shape[1])
                 ys = {k: torch.empty(M, p.shape[0]) for k in libs}
@@ -99,7 +99,7 @@ def main() -> None:
                     f(*args)
                 if not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
                     raise SystemExit(f"different bits: {p.fmt}/{p.mode} {p.shape} at M = {M}")
-        print("same output bits on every matrix at M = 1, 3, 8, 13")
+        print("same output bits on every matrix at M = 1, 3, 8, 13, 16, 37, 100")
         for M in (int(v) for v in a.timed_m.split(",")):
             xs = {p.shape[1]: torch.randn(M, p.shape[1]) for p in parts}
             ys = [torch.empty(M, p.shape[0]) for p in parts]   # kept alive: the calls hold raw pointers

@@ -24,7 +24,9 @@
  * the ISA paths below are picked by the compiler's own macros.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__SSE__)
 #include <immintrin.h>
 #endif
@@ -237,6 +239,8 @@ INLINE void fma_chunk(const float *x, int64_t ldx, int R, int C, int64_t g, cons
                       __m512 a0[][COLS], __m512 a1[][COLS]) {
     for (int r = 0; r < R; r++) {
         __m512 x0 = _mm512_loadu_ps(x + r * ldx + 32 * g), x1 = _mm512_loadu_ps(x + r * ldx + 32 * g + 16);
+        if (C > 1) __asm__("" : "+v"(x0), "+v"(x1));   /* loaded once for the C weight rows: GCC
+                                                        * otherwise reloads x for every FMA */
         for (int j = 0; j < C; j++) {
             a0[r][j] = _mm512_fmadd_ps(w0[j], x0, a0[r][j]);
             a1[r][j] = _mm512_fmadd_ps(w1[j], x1, a1[r][j]);
@@ -279,6 +283,103 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
     }
     for (int r = 0; r < R; r++)
         for (int j = 0; j < C; j++) y[r * ldy + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][j], a1[r][j]));
+}
+
+/* ---- Big M: each weight row dequantized once per block of rows ----------------------------------
+ * tile() dequantizes a chunk of its weight rows for every row tile that passes over them: at M = 256 a
+ * weight row was dequantized 43 times, and the widening, conversion and scale products took a third of
+ * the vector pipes beside the 24 useful FMAs of a 6 x 2 tile. With M >= DQ_M, C weight rows are
+ * dequantized into a buffer once per block of up to MB rows and every row tile of the block reads them
+ * from there (L1/L2). The values are deq32's, stored and reloaded exactly, and tile_buf feeds them to
+ * fma_chunk in the same order and reduces the same way as tile(): the same bits, whatever path a row
+ * takes ([BATCH-INVARIANT]). */
+#define DQ_M 16
+
+/* C weight rows -> buf: row j's element e at buf[j * K + e], deq32's values (the K-quant modes' scale
+ * blocks computed as tile() computes them). */
+INLINE void dequant_rows(int kind, int g16, int sm, int C, int64_t K, const Row *rows, float *buf) {
+    if (sm == SM_K || sm == SM_K6) {
+        const int64_t G = K / 32, per = g16 ? 8 : 16;
+        for (int64_t gb = 0; gb < G; gb += per) {
+            int nb = (int)(G - gb < per ? G - gb : per);
+            for (int j = 0; j < C; j++) {
+                Scales16 sb;
+                scales16(&rows[j], rows[j].g0 + grp(kind, g16, gb, 0), g16 ? 2 * nb : nb, sm, &sb);
+                for (int64_t g = gb; g < gb + nb; g++) {
+                    __m512 w0, w1;
+                    deq32(kind, g16, sm, &rows[j], g, &sb, (int)grp(kind, g16, g - gb, 0),
+                          (int)grp(kind, g16, g - gb, 16), &w0, &w1);
+                    _mm512_store_ps(buf + j * K + 32 * g, w0);
+                    _mm512_store_ps(buf + j * K + 32 * g + 16, w1);
+                }
+            }
+        }
+    } else {
+        for (int j = 0; j < C; j++)
+            for (int64_t g = 0; g < K / 32; g++) {
+                __m512 w0, w1;
+                deq32(kind, g16, sm, &rows[j], g, NULL, 0, 0, &w0, &w1);
+                _mm512_store_ps(buf + j * K + 32 * g, w0);
+                _mm512_store_ps(buf + j * K + 32 * g + 16, w1);
+            }
+    }
+}
+
+/* tile() over weights already dequantized into buf (dequant_rows' layout): the same accumulators, fed
+ * in the same order, reduced the same way. */
+INLINE void tile_buf(const float *x, int64_t ldx, int R, int C, int64_t K, const float *buf, float *y,
+                     int64_t ldy) {
+    __m512 a0[TILE][COLS], a1[TILE][COLS];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) { a0[r][j] = _mm512_setzero_ps(); a1[r][j] = _mm512_setzero_ps(); }
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512 w0[COLS], w1[COLS];
+        for (int j = 0; j < C; j++) {
+            w0[j] = _mm512_load_ps(buf + j * K + 32 * g);
+            w1[j] = _mm512_load_ps(buf + j * K + 32 * g + 16);
+        }
+        fma_chunk(x, ldx, R, C, g, w0, w1, a0, a1);
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < C; j++) y[r * ldy + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][j], a1[r][j]));
+}
+
+#ifndef BR
+#define BR 6            /* tile_buf's rows x weight rows (measured: see tile_shape's note) */
+#define BC 2
+#endif
+#ifndef NBUF_BYTES
+#define NBUF_BYTES 196608   /* a thread's dequantized weight rows: in L2 beside the activations */
+#endif
+/* weight rows per buffer for K inputs: as many as NBUF_BYTES hold, a multiple of BC, at most NCHUNK */
+#define NBUF(K) ((int64_t)(NBUF_BYTES / (4 * (K)) / BC * BC < BC ? BC : NBUF_BYTES / (4 * (K)) / BC * BC > NCHUNK ? NCHUNK : NBUF_BYTES / (4 * (K)) / BC * BC))
+
+/* All M rows of x times the nw weight rows in buf: row tiles outer (a tile's rows stay in L1), BR x BC
+ * tiles. */
+static void tiles_buf(const float *x, int64_t K, int64_t M, int64_t nw, const float *buf, float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m += BR) {
+        int R = (int)(M - m < BR ? M - m : BR);
+        const float *xm = x + m * K;
+        for (int64_t n = 0; n < nw; n += BC) {
+        int C = (int)(nw - n < BC ? nw - n : BC);
+        float *ym = y + m * ldy + n;
+        const float *bn = buf + n * K;
+        switch (R * 8 + C) {
+#define BCASE(R_, C_) case (R_) * 8 + (C_): tile_buf(xm, K, R_, C_, K, bn, ym, ldy); break;
+#define BCASES_C(C_) BCASE(1, C_) BCASE(2, C_) BCASE(3, C_) BCASE(4, C_) BCASE(5, C_) BCASE(6, C_)
+        BCASES_C(1) BCASES_C(2)
+#if BC >= 3
+        BCASES_C(3)
+#endif
+#if BR >= 8
+        BCASE(7, 1) BCASE(8, 1)
+#endif
+#undef BCASES_C
+#undef BCASE
+        default: break;
+        }
+        }
+    }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -441,15 +542,71 @@ INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *col
 #define CASES(K_, G_, S_) C1_4(K_, G_, S_, 1)
 #endif
 
+#if defined(AVX512_PATH)
+/* M >= DQ_M: per parallel task (NCHUNK weight rows), blocks of MB rows; each group of BC weight rows is
+ * dequantized once per block (dequant_rows) and every BR-row tile of the block runs over it. A thread's
+ * part of bufs (nthreads x BC x K floats) holds BC rows of K floats (2 x 4,864 x 4 bytes for qwen's down
+ * projection: L2). */
+#define BUFFERED(M) ((M) >= DQ_M)
+#define DEFINE_MM_BUF(NAME, KIND, G16, SM)                                                  \
+static void NAME##_buf(const float *x, int64_t M, int64_t K, const uint8_t *codes,          \
+          const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup,    \
+          int64_t N, float *y, int64_t ldy, int nthreads, float *bufs) {                    \
+    int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
+    int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
+    _Pragma("omp parallel num_threads(nthreads)")                                           \
+    {                                                                                       \
+        float *buf = bufs + (int64_t)omp_get_thread_num() * NBUF(K) * K;                    \
+        const int64_t nbuf = NBUF(K);                                                       \
+        _Pragma("omp for schedule(static)")                                                 \
+        for (int64_t ch = 0; ch < nchunks; ch++) {                                          \
+            int64_t n0 = ch * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;               \
+            for (int64_t nb0 = n0; nb0 < n1; nb0 += nbuf) {                                 \
+                int64_t nb1 = nb0 + nbuf < n1 ? nb0 + nbuf : n1;                            \
+                Row rows[1];                                                                \
+                for (int64_t n = nb0; n < nb1; n++) {                                       \
+                    rows[0].c = codes + n * ldc;                                            \
+                    rows[0].h = (KIND) == Q5 ? high + n * (K / 8) : NULL;                   \
+                    rows[0].s = scale; rows[0].b = bias; rows[0].sup = sup;                 \
+                    rows[0].g0 = n * ldg;                                                   \
+                    rows[0].pf = PF;                                                        \
+                    dequant_rows(KIND, G16, SM, 1, K, rows, buf + (n - nb0) * K);           \
+                }                                                                           \
+                tiles_buf(x, K, M, nb1 - nb0, buf, y + nb0, ldy);                           \
+            }                                                                               \
+        }                                                                                   \
+    }                                                                                       \
+}
+#else
+#define BUFFERED(M) 0
+#define NBUF(K) 1
+#define DEFINE_MM_BUF(NAME, KIND, G16, SM)                                                  \
+static void NAME##_buf(const float *x, int64_t M, int64_t K, const uint8_t *codes,          \
+          const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup,    \
+          int64_t N, float *y, int64_t ldy, int nthreads, float *bufs) {                    \
+    (void)bufs; (void)x; (void)M; (void)K; (void)codes; (void)high; (void)scale; (void)bias; (void)sup; \
+    (void)N; (void)y; (void)ldy; (void)nthreads;                                            \
+}
+#endif
+
 /* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine);
  * high: the q5g32 high bits, sup: the K-quant super-block scales, else unused. nthreads: passed in, not taken from OpenMP's per-thread
  * default: the caller is often not the thread torch.set_num_threads ran on. */
 #define DEFINE_MM(NAME, KIND, G16, SM)                                                      \
+DEFINE_MM_BUF(NAME, KIND, G16, SM)                                                          \
 static void NAME##_sm(const float *x, int64_t M, int64_t K, const uint8_t *codes,           \
           const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup,    \
           int64_t N, float *y, int64_t ldy, int nthreads) {                                 \
     int64_t ldc = (KIND) == Q8 ? K : K / 2, ldg = K / ((G16) ? 16 : 32);                    \
     int64_t nchunks = (N + NCHUNK - 1) / NCHUNK;                                            \
+    if (BUFFERED(M)) {             /* no buffer (out of memory): the tiles below, same bits */ \
+        float *buf = aligned_alloc(64, (size_t)(nthreads * NBUF(K) * K) * sizeof(float));        \
+        if (buf) {                                                                          \
+            NAME##_buf(x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads, buf);   \
+            free(buf);                                                                      \
+            return;                                                                         \
+        }                                                                                   \
+    }                                                                                       \
     int trows, tcols;                                                                       \
     tile_shape(KIND, G16, SM, M, &trows, &tcols);                                                     \
     _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                      \
