@@ -149,7 +149,8 @@ const char *tq_isa(void) { return "avx512"; }
  * are dearer and favour 6 rows x 2 weight rows (+20-27%), and the 4-bit codes at M >= 16 (prefill
  * chunks and reuse tails), where 6 x 2 loads each activation vector for two weight rows: smollm2's
  * matrices at M = 256 -4..-8%, M = 37 -2% (at M = 8 it cost +8%; the 5- and 8-bit layouts lost +5% at
- * M = 256 on qwen, so they keep 8 x 1). */
+ * M = 256 on qwen, so they keep 8 x 1). From M = DQ_M on, the weights are dequantized once into a buffer
+ * instead (tiles_buf below) and these shapes serve only the smaller products. */
 INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *cols) {
     if (M <= 4) { *rows = 4; *cols = kind == Q8 && !g16 ? 1 : 3; }
     else if (sm == SM_K || sm == SM_K6) { *rows = 6; *cols = 2; }
@@ -285,15 +286,18 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
         for (int j = 0; j < C; j++) y[r * ldy + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r][j], a1[r][j]));
 }
 
-/* ---- Big M: each weight row dequantized once per block of rows ----------------------------------
+/* ---- Big M: each weight row dequantized once per call ----------------------------------------------
  * tile() dequantizes a chunk of its weight rows for every row tile that passes over them: at M = 256 a
- * weight row was dequantized 43 times, and the widening, conversion and scale products took a third of
- * the vector pipes beside the 24 useful FMAs of a 6 x 2 tile. With M >= DQ_M, C weight rows are
- * dequantized into a buffer once per block of up to MB rows and every row tile of the block reads them
- * from there (L1/L2). The values are deq32's, stored and reloaded exactly, and tile_buf feeds them to
- * fma_chunk in the same order and reduces the same way as tile(): the same bits, whatever path a row
- * takes ([BATCH-INVARIANT]). */
-#define DQ_M 16
+ * weight row was dequantized 43 times (6-row tiles). With M >= DQ_M, up to NBUF(K) weight rows are
+ * dequantized into a thread's buffer once (dequant_rows) and every row tile of the product runs over
+ * them from there (tile_buf, BR x BC). The values are deq32's, stored and reloaded exactly, and tile_buf
+ * feeds them to fma_chunk in the same order and reduces the same way as tile(): the same bits, whatever
+ * path a row takes ([BATCH-INVARIANT]; benchmarks/qmatmul_sweep.py checks up to M = 100). Measured
+ * (2 threads, with fma_chunk's loads kept in registers): smollm2's matrices at M = 256 -18%, M = 37 -10%;
+ * qwen's -19% / -13%. Below M = 24 it did not pay (M = 16: +9% on smollm2): the tiles below stay. Tried
+ * and dropped: splitting K so that a tile's activations stay in L1 (no gain at K = 1,536 or 4,864, a
+ * loss at 896); a 4 x 3 tile (the same as 6 x 2). */
+#define DQ_M 24
 
 /* C weight rows -> buf: row j's element e at buf[j * K + e], deq32's values (the K-quant modes' scale
  * blocks computed as tile() computes them). */
@@ -345,7 +349,7 @@ INLINE void tile_buf(const float *x, int64_t ldx, int R, int C, int64_t K, const
 }
 
 #ifndef BR
-#define BR 6            /* tile_buf's rows x weight rows (measured: see tile_shape's note) */
+#define BR 6            /* tile_buf's rows x weight rows (24 accumulators) */
 #define BC 2
 #endif
 #ifndef NBUF_BYTES
@@ -543,10 +547,9 @@ INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *col
 #endif
 
 #if defined(AVX512_PATH)
-/* M >= DQ_M: per parallel task (NCHUNK weight rows), blocks of MB rows; each group of BC weight rows is
- * dequantized once per block (dequant_rows) and every BR-row tile of the block runs over it. A thread's
- * part of bufs (nthreads x BC x K floats) holds BC rows of K floats (2 x 4,864 x 4 bytes for qwen's down
- * projection: L2). */
+/* M >= DQ_M: per parallel task (NCHUNK weight rows), NBUF(K) weight rows at a time are dequantized
+ * into the thread's part of bufs (nthreads x NBUF(K) x K floats, allocated by the caller) and every
+ * BR-row tile of x runs over them. */
 #define BUFFERED(M) ((M) >= DQ_M)
 #define DEFINE_MM_BUF(NAME, KIND, G16, SM)                                                  \
 static void NAME##_buf(const float *x, int64_t M, int64_t K, const uint8_t *codes,          \
