@@ -135,6 +135,7 @@ INLINE uint32_t high_bits(const Row *r, int64_t g) {
 /* The AVX-512 path needs BW and VL too (masked byte loads and adds): every AVX-512 CPU since Skylake-X. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AVX512_PATH 1
+#define BUF_PATH 1
 #define TILE 8          /* most rows per tile */
 #define COLS 3          /* most weight rows (output features) per tile */
 const char *tq_isa(void) { return "avx512"; }
@@ -352,11 +353,6 @@ INLINE void tile_buf(const float *x, int64_t ldx, int R, int C, int64_t K, const
 #define BR 6            /* tile_buf's rows x weight rows (24 accumulators) */
 #define BC 2
 #endif
-#ifndef NBUF_BYTES
-#define NBUF_BYTES 196608   /* a thread's dequantized weight rows: in L2 beside the activations */
-#endif
-/* weight rows per buffer for K inputs: as many as NBUF_BYTES hold, a multiple of BC, at most NCHUNK */
-#define NBUF(K) ((int64_t)(NBUF_BYTES / (4 * (K)) / BC * BC < BC ? BC : NBUF_BYTES / (4 * (K)) / BC * BC > NCHUNK ? NCHUNK : NBUF_BYTES / (4 * (K)) / BC * BC))
 
 /* All M rows of x times the nw weight rows in buf: row tiles outer (a tile's rows stay in L1), BR x BC
  * tiles. */
@@ -473,28 +469,87 @@ INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, const Scal
     }
 }
 
-/* R rows x one weight row: accumulators a0 (elements 0-7 and 16-23 of each chunk) and a1 (8-15, 24-31). */
+/* Chunk g of R rows times a dequantized chunk w of one weight row, into each row's accumulators a0
+ * (elements 0-7 and 16-23 of each chunk) and a1 (8-15, 24-31). */
+INLINE void fma_chunk(const float *x, int64_t ldx, int R, int64_t g, const __m256 w[4], __m256 *a0, __m256 *a1) {
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + r * ldx + 32 * g;
+        a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
+        a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
+    }
+}
+
+/* The K-quant modes' scales come a block at a time where a row holds whole blocks (8 groups; 4 chunks
+ * of q8g16). */
+#define BLOCKED(sm, g16, K) (((sm) == SM_K || (sm) == SM_K6) && ((K) / 32) % ((g16) ? 4 : 8) == 0)
+
+/* R rows x one weight row: fma_chunk's accumulators, summed as hsum8(a0 + a1). */
 INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, int C, int64_t K,
                  const Row *rows, float *y, int64_t ldy) {
     (void)C;
     __m256 a0[TILE], a1[TILE];
     for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    const int blocked = (sm == SM_K || sm == SM_K6) && (K / 32) % (g16 ? 4 : 8) == 0;
+    const int blocked = BLOCKED(sm, g16, K);
     Scales8 sb;
     for (int64_t g = 0; g < K / 32; g++) {
         __m256 w[4];
         int64_t gb = blocked ? g - g % (g16 ? 4 : 8) : 0;   /* the block's first chunk */
         if (blocked && g == gb) scales8(&rows[0], rows[0].g0 + grp(kind, g16, g, 0), sm, &sb);
         deq32(kind, g16, sm, &rows[0], g, blocked ? &sb : NULL, gb, w);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * ldx + 32 * g;
-            a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
-            a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
-        }
+        fma_chunk(x, ldx, R, g, w, a0, a1);
     }
     for (int r = 0; r < R; r++) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* Big M (see the AVX-512 path's note): one weight row dequantized into buf (deq32's values, as tile()
+ * computes them), then every row tile runs over it: the same bits. C is 1 here. */
+#define BUF_PATH 1
+#define DQ_M 24
+#define BR 6            /* 12 accumulators and the 4 weight vectors: all 16 ymm */
+#define BC 1
+INLINE void dequant_rows(int kind, int g16, int sm, int C, int64_t K, const Row *rows, float *buf) {
+    (void)C;
+    const int blocked = BLOCKED(sm, g16, K);
+    Scales8 sb;
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 w[4];
+        int64_t gb = blocked ? g - g % (g16 ? 4 : 8) : 0;
+        if (blocked && g == gb) scales8(&rows[0], rows[0].g0 + grp(kind, g16, g, 0), sm, &sb);
+        deq32(kind, g16, sm, &rows[0], g, blocked ? &sb : NULL, gb, w);
+        for (int t = 0; t < 4; t++) _mm256_store_ps(buf + 32 * g + 8 * t, w[t]);
+    }
+}
+
+INLINE void tile_buf(const float *x, int64_t ldx, int R, int64_t K, const float *buf, float *y, int64_t ldy) {
+    __m256 a0[BR], a1[BR];
+    for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 w[4];
+        for (int t = 0; t < 4; t++) w[t] = _mm256_load_ps(buf + 32 * g + 8 * t);
+        fma_chunk(x, ldx, R, g, w, a0, a1);
+    }
+    for (int r = 0; r < R; r++) y[r * ldy] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* All M rows of x times the nw weight rows in buf (row j at buf + j * K): BR x 1 tiles. */
+static void tiles_buf(const float *x, int64_t K, int64_t M, int64_t nw, const float *buf, float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m += BR) {
+        int R = (int)(M - m < BR ? M - m : BR);
+        for (int64_t n = 0; n < nw; n++) {
+            const float *xm = x + m * K, *bn = buf + n * K;
+            float *ym = y + m * ldy + n;
+            switch (R) {
+            case 1: tile_buf(xm, K, 1, K, bn, ym, ldy); break;
+            case 2: tile_buf(xm, K, 2, K, bn, ym, ldy); break;
+            case 3: tile_buf(xm, K, 3, K, bn, ym, ldy); break;
+            case 4: tile_buf(xm, K, 4, K, bn, ym, ldy); break;
+            case 5: tile_buf(xm, K, 5, K, bn, ym, ldy); break;
+            default: tile_buf(xm, K, 6, K, bn, ym, ldy); break;
+            }
+        }
+    }
 }
 
 #else
@@ -546,7 +601,12 @@ INLINE void tile_shape(int kind, int g16, int sm, int64_t M, int *rows, int *col
 #define CASES(K_, G_, S_) C1_4(K_, G_, S_, 1)
 #endif
 
-#if defined(AVX512_PATH)
+#if defined(BUF_PATH)
+#ifndef NBUF_BYTES
+#define NBUF_BYTES 196608   /* a thread's dequantized weight rows: in L2 beside the activations */
+#endif
+/* weight rows per buffer for K inputs: as many as NBUF_BYTES hold, a multiple of BC, at most NCHUNK */
+#define NBUF(K) ((int64_t)(NBUF_BYTES / (4 * (K)) / BC * BC < BC ? BC : NBUF_BYTES / (4 * (K)) / BC * BC > NCHUNK ? NCHUNK : NBUF_BYTES / (4 * (K)) / BC * BC))
 /* M >= DQ_M: per parallel task (NCHUNK weight rows), NBUF(K) weight rows at a time are dequantized
  * into the thread's part of bufs (nthreads x NBUF(K) x K floats, allocated by the caller) and every
  * BR-row tile of x runs over them. */
