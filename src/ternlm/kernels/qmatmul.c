@@ -330,8 +330,6 @@ INLINE void dequant_rows(int kind, int g16, int sm, int C, int64_t K, const Row 
     }
 }
 
-/* tile() over weights already dequantized into buf (dequant_rows' layout): the same accumulators, fed
- * in the same order, reduced the same way. */
 #ifndef BR
 #define BR 6            /* tile_buf's rows x weight rows: 24 accumulators a pass */
 #define BC 4
