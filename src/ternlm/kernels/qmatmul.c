@@ -440,13 +440,6 @@ INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* 16 where bit i of `bits` (8 bits) is set, lane i; else 0. */
-INLINE __m256i high8(uint32_t bits) {
-    __m256i m = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    __m256i b = _mm256_and_si256(_mm256_set1_epi32((int)bits), m);
-    return _mm256_and_si256(_mm256_cmpeq_epi32(b, m), _mm256_set1_epi32(16));
-}
-
 /* The K-quant modes' scales and biases of 8 consecutive groups from group a (a multiple of 8, so one
  * super-block for SM_K, half of one for SM_K6), as fp32: lds/ldb's values, 8 lanes at once (as the
  * AVX-512 path's scales16; blocks always whole here: a K-quant row holds whole super-blocks). */
@@ -467,49 +460,52 @@ INLINE void scales8(const Row *r, int64_t a, int sm, Scales8 *sb) {
     _mm256_storeu_ps(sb->b, b);
 }
 
-/* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32. The scales: sb's entries (group of element
- * 8t, counted from gb, the block's first chunk) where a block's were computed (sb != NULL), else lds/ldb.
- * SM_F16I: d * (c - k) from signed codes, as the AVX-512 path, but for Q5 (its fifth bit is added
- * after widening here, and a subtraction there cost more than the bias it saves: +4%). */
+/* The fifth bits of a Q5 chunk as bytes: byte e of the result is 16 where bit e of hb is set, else 0
+ * (elements 0-15 in the low 128 bits, 16-31 in the high). Each byte picks its byte of hb, sets every
+ * other bit and compares with all-ones: 5 vector operations for 32 elements, where widening first and
+ * testing 8 lanes at a time took 16. */
+INLINE __m256i high_bytes(uint32_t hb) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)hb), pick);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x((long long)0x7FBFDFEFF7FBFDFEull));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
+}
+
+/* 8 bytes at p -> 8 int32 lanes (one load-and-widen instruction). */
+INLINE __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* Chunk g of a weight row -> w[t], elements 8t..8t+7, fp32: w = fma(c, scale, bias) from unsigned codes.
+ * The scales: sb's entries (group of element 8t, counted from gb, the block's first chunk) where a
+ * block's were computed (sb != NULL), else lds/ldb. SM_F16I is read as SM_F16S here: fma(c, d, -k d)
+ * is the one rounding of the exact d (c - k) (-k d is exact), the value the AVX-512 path's product
+ * gives, and unsigned codes widen straight from memory (8 bytes an instruction; 4-bit codes split in
+ * the 32-bit lanes after): 4-bit chunks 9 -> 6 integer operations, 8-bit 8 -> 4, and Q5's fifth bit
+ * added to the bytes (high_bytes) instead of lane by lane. Same values as before, so the same bits. */
 INLINE void deq32(int kind, int g16, int sm, const Row *r, int64_t g, const Scales8 *sb, int64_t gb, __m256 w[4]) {
     __m256i i[4];
     prefetch_codes(kind, r, g);
-    if (kind == Q8 && sm == SM_F16I) {         /* c - 128 as a signed byte: c ^ 0x80 */
-        __m128i q0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g)), _mm_set1_epi8((char)0x80));
-        __m128i q1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16)), _mm_set1_epi8((char)0x80));
-        i[0] = _mm256_cvtepi8_epi32(q0); i[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8));
-        i[2] = _mm256_cvtepi8_epi32(q1); i[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8));
-    } else if (kind == Q8) {
-        __m128i q0 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g));
-        __m128i q1 = _mm_loadu_si128((const __m128i *)(r->c + 32 * g + 16));
-        i[0] = _mm256_cvtepu8_epi32(q0); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(q0, 8));
-        i[2] = _mm256_cvtepu8_epi32(q1); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(q1, 8));
+    if (kind == Q8) {
+        for (int t = 0; t < 4; t++) i[t] = widen8(r->c + 32 * g + 8 * t);
+    } else if (kind == Q4) {      /* byte j: element j (low nibble), j + 16 (high) */
+        __m256i b0 = widen8(r->c + 16 * g), b1 = widen8(r->c + 16 * g + 8), m = _mm256_set1_epi32(0x0F);
+        i[0] = _mm256_and_si256(b0, m); i[1] = _mm256_and_si256(b1, m);
+        i[2] = _mm256_srli_epi32(b0, 4); i[3] = _mm256_srli_epi32(b1, 4);
     } else {
         __m128i q = _mm_loadu_si128((const __m128i *)(r->c + 16 * g));
-        __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-        if (kind == Q4 && sm == SM_F16I) {     /* c - 8, signed bytes */
-            lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-            hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-            i[0] = _mm256_cvtepi8_epi32(lo); i[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
-            i[2] = _mm256_cvtepi8_epi32(hi); i[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
-        } else {
-            i[0] = _mm256_cvtepu8_epi32(lo); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-            i[2] = _mm256_cvtepu8_epi32(hi); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
-        }
-        if (kind == Q5) {
-            uint32_t hb = high_bits(r, g);
-            for (int t = 0; t < 4; t++) i[t] = _mm256_add_epi32(i[t], high8((hb >> (8 * t)) & 0xFF));
-        }
+        __m256i hb = high_bytes(high_bits(r, g));
+        __m128i lo = _mm_add_epi8(_mm_and_si128(q, _mm_set1_epi8(0x0F)), _mm256_castsi256_si128(hb));
+        __m128i hi = _mm_add_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)),
+                                  _mm256_extracti128_si256(hb, 1));
+        i[0] = _mm256_cvtepu8_epi32(lo); i[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        i[2] = _mm256_cvtepu8_epi32(hi); i[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
     }
     for (int t = 0; t < 4; t++) {
-        int64_t a = r->g0 + grp(kind, g16, g, 8 * t);
-        if (sm == SM_F16I && kind != Q5) {
-            w[t] = _mm256_mul_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)));
-        } else if (sb) {
+        if (sb) {
             int e = (int)grp(kind, g16, g - gb, 8 * t);
             w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(sb->s[e]), _mm256_set1_ps(sb->b[e]));
         } else {
+            int64_t a = r->g0 + grp(kind, g16, g, 8 * t);
             w[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i[t]), _mm256_set1_ps(lds(r, a, sm)), _mm256_set1_ps(ldb(r, a, sm)));
         }
     }
