@@ -38,7 +38,7 @@ def build(rev: str, march: str, out: Path) -> ctypes.CDLL:
             ["git", "show", f"{rev}:{SRC / name}"], check=True, capture_output=True, text=True).stdout
         (d / name).write_text(text)
     so = d / "attention.so"
-    subprocess.run(["cc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
+    subprocess.run(["cc", "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
                     str(d / "attention.c"), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
     p, i = ctypes.c_void_p, ctypes.c_int64

@@ -36,7 +36,7 @@ def build(rev: str, march: str, out: Path) -> ctypes.CDLL:
         ["git", "show", f"{rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
     src.write_text(text)
     so = src.with_suffix(".so")
-    subprocess.run(["cc", "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
+    subprocess.run(["cc", "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
                     str(src), "-o", str(so)], check=True)
     return ctypes.CDLL(str(so))
 

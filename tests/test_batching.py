@@ -22,6 +22,7 @@ from ternlm.scheduler import Cancelled, Finished, GenParams, GenRequest, Schedul
 from ternlm.step_plan import plan_step
 from test_reuse import assert_record_matches_kv
 from tiny import tiny_engine
+from lesser_isa import run_built_for
 
 BF16_OK = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 CASES = [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32),
@@ -90,6 +91,32 @@ def test_alone_equals_batched_with_others(engine, others):
         assert slot.record.fed == fed
         n = len(fed)
         assert torch.equal(slot.k[:, :, :n], k[:, :, :n]) and torch.equal(slot.v[:, :, :n], v[:, :, :n])
+
+
+_TUNED_SCRIPT = """
+import random, torch
+from test_batching import alone, requests, together
+from tiny import tiny_engine
+for arch in ("llama", "qwen2", "qwen3"):
+    _, eng = tiny_engine(arch, seed=5, slots=10, prefix_reuse=False, chunk_size=8, dtype=torch.float32)
+    assert eng.kernels is not None
+    for others in (6, 8):
+        reqs = requests(seed=others, count=others + 1)
+        rng = random.Random(100 + others)
+        join_at = [0] + [rng.randrange(6) for _ in range(others)]
+        solo = [alone(eng, p, m)[0] for p, m in reqs]
+        for i, (b, a) in enumerate(zip(together(eng, reqs, join_at, budget=24), solo)):
+            assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), (arch, others, i)
+print(eng.kernels.isa, "ok")
+"""
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX"), reason="needs an AVX2 host")
+def test_zen3_tuned_build_is_batch_invariant(tmp_path):
+    """The kernels as `-march=native` builds them on an AVX2-only Zen 3 (znver3 tuning), on any AVX2 or
+    AVX-512 host: that tuning made GCC fuse different products in the attention's decode and prefill
+    loops, and batched logits differed from alone (until the kernels built with -ffp-contract=off)."""
+    assert run_built_for("x86-64-v3", _TUNED_SCRIPT, tmp_path, mtune="znver3") == ["avx2", "ok"]
 
 
 def test_sampled_requests_batched_equal_alone(engine):

@@ -34,10 +34,10 @@
 #define NC (MAXD / VN)  /* most VN-lane chunks of a head */
 
 /* The scores of one pair for one tile of VN keys: lane jj = the dot product of q and key jj, as hsumn of
- * VN lane sums (lane i sums dims i, VN + i, ... in order). Each lane sum starts from +0, so every product
- * is a fused multiply-add onto it: written `d = q0 * k0; d += q1 * k1`, the compiler may fuse either
- * product (it fused different ones in two shapes of this loop), and a row's bits must not depend on the
- * code shape that computed it. kt: the tile's keys, fp32, row jj at kt + jj * D; keys jn..VN-1 score 0
+ * VN lane sums (lane i sums dims i, VN + i, ... in order). Each lane sum starts from +0 and every
+ * product is a written fused multiply-add onto it (fman): left to the compiler, `d = q0 * k0; d += q1 *
+ * k1` was fused differently in two shapes of this loop, and a row's bits must not depend on the code
+ * shape that computed it. kt: the tile's keys, fp32, row jj at kt + jj * D; keys jn..VN-1 score 0
  * (never read). The VN lane sums stay in registers for hsumnx. nc: D / VN. */
 static inline __attribute__((always_inline)) vf tile_scores(int64_t nc, const float *q, const float *kt,
                                                            int64_t jn, int64_t D) {
@@ -47,14 +47,14 @@ static inline __attribute__((always_inline)) vf tile_scores(int64_t nc, const fl
 #pragma GCC unroll 16
         for (int jj = 0; jj < VN; jj++) {
             vf d = splatn(0.0f);
-            for (int64_t c = 0; c < nc; c++) d += qv[c] * loadn(kt + jj * D + VN * c);
+            for (int64_t c = 0; c < nc; c++) d = fman(qv[c], loadn(kt + jj * D + VN * c), d);
             dd[jj] = d;
         }
     } else {
         for (int jj = 0; jj < VN; jj++) {
             vf d = splatn(0.0f);
             if (jj < jn)
-                for (int64_t c = 0; c < nc; c++) d += qv[c] * loadn(kt + jj * D + VN * c);
+                for (int64_t c = 0; c < nc; c++) d = fman(qv[c], loadn(kt + jj * D + VN * c), d);
             dd[jj] = d;
         }
     }
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void tile_scores_shared(int R, int6
         for (int r = 0; r < R; r++) d[r] = splatn(0.0f);
         for (int64_t c = 0; c < nc; c++) {
             vf kc = loadn_kv(kb, jj * D + VN * c, half);
-            for (int r = 0; r < R; r++) d[r] += loadn(q[r] + VN * c) * kc;
+            for (int r = 0; r < R; r++) d[r] = fman(loadn(q[r] + VN * c), kc, d[r]);
         }
         for (int r = 0; r < R; r++) dd[r][jj] = d[r];
     }
@@ -99,12 +99,12 @@ static inline __attribute__((always_inline)) void block_pv(int G, int half, int6
         for (int g = 0; g < G; g++) a[g] = acc[g][c];
         for (int64_t j = 0; j < nmin; j++) {          /* every pair has these keys */
             vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
-            for (int g = 0; g < G; g++) a[g] += splatn(s[g][j]) * vc;
+            for (int g = 0; g < G; g++) a[g] = fman(splatn(s[g][j]), vc, a[g]);
         }
         for (int64_t j = nmin; j < nmax; j++) {
             vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
             for (int g = 0; g < G; g++)
-                if (j < nb[g]) a[g] += splatn(s[g][j]) * vc;
+                if (j < nb[g]) a[g] = fman(splatn(s[g][j]), vc, a[g]);
         }
         for (int g = 0; g < G; g++) acc[g][c] = a[g];
     }

@@ -31,12 +31,23 @@ HEADERS = [Path(__file__).with_name("vec.h")]          # in the digest, not on t
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
+# TERNLM_KERNEL_MTUNE: another CPU's tuning (tests build as a Zen 3 host's -march=native does, on any
+# host: the tuning changes code shapes, never the ISA); in the digest too.
+MTUNE = os.environ.get("TERNLM_KERNEL_MTUNE")
 # qmatmul.c's (layout, scale mode) variants (models/qweight.py)
 MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
                ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
                ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"),
                ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
-FLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
+# -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
+# shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
+# decode and prefill shapes of the attention's loops fused different products, and a request's logits
+# changed with its neighbours in the batch (tests/test_batching.py failed there; x86-64-v3 builds of the
+# same source passed; test_zen3_tuned_build_is_batch_invariant reproduces it on any AVX2 host). Off,
+# every fused product is one the source writes (vec.h fman, intrinsics) and the rest round twice,
+# whatever the shape or the tuning. (Either half alone passed that test: belt and braces.)
+FLAGS = ["-O3", f"-march={MARCH}", *([f"-mtune={MTUNE}"] if MTUNE else []), "-ffp-contract=off", "-fopenmp",
+         "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -71,6 +71,21 @@ static inline __attribute__((unused)) vf splatn(float x) {   /* (a loop of lane 
     return (vf){x, x, x, x, x, x, x, x};
 #else
     return (vf){x, x, x, x};
+#endif
+}
+
+/* a * b + c, VN lanes, rounded once where the build has FMA (twice on baseline x86-64, which has none).
+ * The kernels build with -ffp-contract=off (kernels/build.py): a fused product is one written here, never
+ * one the compiler chose for this code shape, so every shape computes a value the same way. */
+static inline __attribute__((unused)) vf fman(vf a, vf b, vf c) {
+#if VN == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VN == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__FMA__)
+    return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#else
+    return a * b + c;
 #endif
 }
 
@@ -168,16 +183,16 @@ static inline __attribute__((unused)) vf expn(vf x) {
     vfi under = x < splatn(-87.0f);                      /* 2^n below would leave fp32's normal range */
     x = selectn(under, splatn(-87.0f), x);
     /* round to nearest: adding and removing 1.5 * 2^23 (exact for |t| < 2^22; no -ffast-math here) */
-    vf n = (x * splatn(1.44269504088896341f) + splatn(12582912.0f)) - splatn(12582912.0f);
-    vf r = x - n * splatn(0.693359375f);                 /* ln2 split in two for an exact-ish reduction */
-    r = r - n * splatn(-2.12194440e-4f);
+    vf n = fman(x, splatn(1.44269504088896341f), splatn(12582912.0f)) - splatn(12582912.0f);
+    vf r = fman(n, splatn(-0.693359375f), x);            /* ln2 split in two for an exact-ish reduction */
+    r = fman(n, splatn(2.12194440e-4f), r);
     vf p = splatn(1.0f / 720.0f);
-    p = p * r + splatn(1.0f / 120.0f);
-    p = p * r + splatn(1.0f / 24.0f);
-    p = p * r + splatn(1.0f / 6.0f);
-    p = p * r + splatn(0.5f);
-    p = p * r + splatn(1.0f);
-    p = p * r + splatn(1.0f);
+    p = fman(p, r, splatn(1.0f / 120.0f));
+    p = fman(p, r, splatn(1.0f / 24.0f));
+    p = fman(p, r, splatn(1.0f / 6.0f));
+    p = fman(p, r, splatn(0.5f));
+    p = fman(p, r, splatn(1.0f));
+    p = fman(p, r, splatn(1.0f));
     vfi e = (__builtin_convertvector(n, vfi) + 127) << 23;
     vf scale;
     memcpy(&scale, &e, sizeof scale);
