@@ -122,13 +122,21 @@ def test_explicit_bf16_on_an_avx2_cpu_fails_in_one_line_before_loading(smollm2_g
 
 def test_auto_generates_on_an_avx2_cpu_like_float32(smollm2_gguf):
     """The default path that crashed at load on an AVX2 EPYC now loads, logs its choice and answers
-    exactly as an explicit float32 run does (same kernels, same greedy text)."""
+    exactly as the explicit choice it resolved to does (same kernels, same greedy text): the GGUF's
+    own blocks where the native kernel builds, dense float32 where it does not (TERNLM_NATIVE=0)."""
     args = ["generate", "--max-tokens", "8", "--temperature", "0", "Once upon a time"]
     auto = ternlm(*args)
     assert auto.returncode == 0, auto.stderr
-    assert "dtype auto -> float32, onednn-packed (cpu: AVX2" in auto.stderr
-    f32 = ternlm(*args, "--dtype", "float32")
-    assert f32.returncode == 0 and auto.stdout == f32.stdout and auto.stdout.strip()
+    assert "weights auto -> gguf (quantized blocks, fp32 activations" in auto.stderr
+    gguf = ternlm(*args, "--weights", "gguf")
+    assert gguf.returncode == 0 and auto.stdout == gguf.stdout and auto.stdout.strip()
+    no_native = {**AVX2_ENV, "TERNLM_NATIVE": "0"}
+    dense = ternlm(*args, env=no_native)
+    assert dense.returncode == 0, dense.stderr
+    assert "dtype auto -> float32, onednn-packed (cpu: AVX2" in dense.stderr
+    assert "weights auto -> dense (dense weights in the compute dtype: no native kernel" in dense.stderr
+    f32 = ternlm(*args, "--dtype", "float32", env=no_native)
+    assert f32.returncode == 0 and dense.stdout == f32.stdout and dense.stdout.strip()
 
 
 # ---- the fingerprint in the cache: another machine's blocks are a miss, never an error -------------

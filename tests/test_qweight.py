@@ -204,6 +204,15 @@ def test_weights_choice():
         choose_weights("gguf", "auto", True, build=lambda: Unavailable(Failed.reason))
     assert choose_weights("fp32", "auto", True).dtype == "float32"
     assert choose_weights("auto", "bfloat16", True).mode == "dense"
+    # auto: the file's own precision where the kernel runs and no compute dtype was asked for
+    built = choose_weights("auto", "auto", True)
+    assert (built.mode, built.dtype, built.requested) == ("gguf", "float32", "auto")
+    assert "weights=gguf:" in built.fingerprint
+    for dtype, is_gguf, build, why in (("float32", True, None, "--dtype float32 asked for"),
+                                       ("auto", False, None, "not a GGUF model"),
+                                       ("auto", True, lambda: Unavailable(Failed.reason), "no C compiler")):
+        dense = choose_weights("auto", dtype, is_gguf, build=build)
+        assert (dense.mode, dense.dtype) == ("dense", dtype) and why in dense.reason
 
 
 def test_engine_holds_quantized_weights(smollm2_q, smollm2_f32, smollm2_gguf):

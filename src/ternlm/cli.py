@@ -16,7 +16,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "gguf", "bf16", "fp32"],
                    help="gguf: keep a GGUF's quantized blocks and multiply them with a native kernel built for "
                         "this CPU (fp32 activations; fastest decode); bf16/fp32: dense weights in that dtype; "
-                        "auto (default): dense in the --dtype choice")
+                        "auto (default): gguf for a GGUF model when --dtype is auto and the kernel builds, "
+                        "else dense in the --dtype choice")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
                         "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "

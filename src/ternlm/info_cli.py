@@ -67,14 +67,17 @@ def _print(info: dict, out) -> None:
         lines.append(f"{label:18s}refused: {d['refused']}" if "refused" in d
                      else f"{label:18s}{d['dtype']}, {d['kernel']} ({d['reason']})")
     n = info["native_kernels"]
-    lines.append("native    " + (f"{n['isa']} build {n['digest']} (attention; --weights gguf available)"
-                                 if n["available"] else f"unavailable: {n['reason']} (torch attention; no --weights gguf)"))
+    lines.append("native    " + (f"{n['isa']} build {n['digest']} (attention; --weights gguf, the default for GGUF models)"
+                                 if n["available"] else f"unavailable: {n['reason']} (torch attention; dense weights only)"))
     th = info["threads"]
     lines.append("threads   torch " + str(th["torch"]) + "".join(f" · {k}={v}" for k, v in th.items() if k != "torch"))
     lines.append(f"cache     models {info['cache']['models']} · kv {info['cache']['kv']}")
     attn = f"native:{n['isa']}:{n['digest']}" if n["available"] else "torch"
-    lines.append(f"kernel fingerprint (auto): {info['dtype']['auto'].get('fingerprint', '-')};weights=dense;"
-                 f"attention={attn}")
+    # --weights auto on a GGUF model: gguf (float32 activations) where the kernels built, else dense (weights.py)
+    weights = f"gguf:{n['isa']}:{n['digest']}" if n["available"] else "dense"
+    fp = info["dtype"]["float32" if n["available"] else "auto"].get("fingerprint", "-")
+    lines.append(f"kernel fingerprint (auto, a GGUF model): {fp};weights={weights};attention={attn};"
+                 f"kv={'float16' if n['available'] else 'float32'}")
     print("\n".join(lines), file=out)
 
 
