@@ -33,6 +33,20 @@ def _kill_leftovers() -> None:
             proc.wait()
 
 
+def _die_with_parent(then=None):
+    """A preexec_fn: the server gets SIGTERM when the test process dies, however it dies (SIGTERM or
+    SIGKILL from a CI timeout or a user's kill skip atexit and fixtures; seen: two servers left running
+    after the suite was killed). Linux-only (prctl PR_SET_PDEATHSIG); elsewhere atexit stays the
+    last line. `then`: the caller's own preexec_fn, run after."""
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+    return preexec
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -70,8 +84,10 @@ class ServerProc:
         self.port = free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
+        # [DIE-WITH-PARENT] PR_SET_PDEATHSIG fires when the *thread* that started the child exits: tests
+        # start servers from their main thread (fixtures, test bodies), never from worker threads.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=self.preexec_fn)
+                                     preexec_fn=_die_with_parent(self.preexec_fn))
         _LIVE.append(self.proc)
         return self
 

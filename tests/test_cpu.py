@@ -67,6 +67,16 @@ def test_onednn_cap_lowers_the_class_never_raises_it():
     assert dataclasses.replace(HOSTS["avx2-epyc"], onednn_max_isa="ALL").isa_class == "avx2"
 
 
+def test_amx_the_os_does_not_grant_is_not_the_amx_class():
+    """A Sapphire Rapids whose kernel does not hand out AMX tiles (Linux < 5.16, a VM hiding XTILEDATA):
+    oneDNN computes bf16 with AVX-512 BF16 there, so the class (and the cache namespace) must say so."""
+    spr = HOSTS["amx-sapphire-rapids"]
+    denied = dataclasses.replace(spr, amx_granted=False)
+    assert denied.isa_class == "avx512_bf16" and choose_dtype("auto", denied).dtype == "bfloat16"
+    assert kernel_fingerprint(choose_dtype("bfloat16", denied), denied) != \
+        kernel_fingerprint(choose_dtype("bfloat16", spr), spr)
+
+
 def test_fingerprint_names_every_kernel_input():
     base = HOSTS["avx512-epyc-zen4"]
     prints = {kernel_fingerprint(choose_dtype(d, c), c)
@@ -83,6 +93,8 @@ def test_probe_agrees_with_torch():
     assert c.mkldnn_bf16 == (c.mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     if c.isa_class in ("avx512", "avx512_bf16", "amx"):
         assert c.mkldnn_bf16
+    if "amx_tile" in c.flags:    # the class says amx exactly where torch could enable the tiles
+        assert c.amx_granted == bool(torch.cpu._init_amx())
     choice = choose_dtype("auto", c)
     if choice.dtype == "bfloat16":
         # what auto picks must run: pack a weight the way the model does

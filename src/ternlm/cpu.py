@@ -61,13 +61,18 @@ class CpuInfo:
     torch_capability: str           # ATen's vectorised-kernel level: "AVX512" | "AVX2" | "DEFAULT" ...
     mkldnn: bool                    # torch was built with oneDNN
     mkldnn_bf16: bool               # oneDNN runs bf16 here (torch's own check; it honours the ISA cap)
+    amx_granted: bool = True        # the OS lets this process use AMX tiles (Linux grants them on request,
+                                    # arch_prctl ARCH_REQ_XCOMP_PERM; kernels before 5.16 or a VM that hides
+                                    # XTILEDATA do not): without it oneDNN computes bf16 without AMX
 
     @property
     def isa_class(self) -> str:
-        """One of CLASSES: what the flags offer, lowered to the oneDNN ISA cap if one is set."""
+        """One of CLASSES: what the flags offer (AMX only where the OS grants it: oneDNN falls back to
+        AVX-512 BF16 otherwise, other bits under the same flags), lowered to the oneDNN ISA cap if one
+        is set."""
         f = self.flags
         avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f
-        if {"amx_tile", "amx_bf16"} <= f and avx512:
+        if {"amx_tile", "amx_bf16"} <= f and avx512 and self.amx_granted:
             cls = "amx"
         elif avx512 and "avx512_bf16" in f:
             cls = "avx512_bf16"
@@ -153,7 +158,8 @@ def _proc_cpuinfo() -> tuple[str, set[str]] | None:
 @functools.lru_cache(maxsize=1)
 def probe() -> CpuInfo:
     """This process's CPU, read once (/proc/cpuinfo where there is one, torch's cpuinfo elsewhere).
-    Imports torch; touches nothing."""
+    Imports torch. Side effect, where the CPU has AMX: asks the OS for AMX tiles for this process (as
+    oneDNN does on its first bf16 product), to learn whether it may use them."""
     import torch
     found = _proc_cpuinfo()
     if found is not None and found[1]:
@@ -177,4 +183,5 @@ def probe() -> CpuInfo:
         torch_capability=torch.backends.cpu.get_cpu_capability(),
         mkldnn=mkldnn,
         mkldnn_bf16=mkldnn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        amx_granted=("amx_tile" not in flags) or bool(torch.cpu._init_amx()),
     )
