@@ -1,6 +1,7 @@
 """qmatmul.c at two git revisions, side by side on a real model's quantized matrices.
 
     python benchmarks/qmatmul_sweep.py -m qwen2.5-coder-0.5b --base HEAD~1 [--new WORKTREE] [--march native]
+    python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --amx new --timed-m 1,8,37,256
 
 Builds src/ternlm/kernels/qmatmul.c as it is at --base and at --new (a revision, or WORKTREE for the
 file on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the AVX2 path),
@@ -10,6 +11,9 @@ loads the model with --weights gguf and then, for every matrix in model order:
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
      M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
      interleaved, and prints medians and the new/base ratio.
+--amx new|base: on an AMX host, that build's products run on AMX tiles (kernels/qmatmul_amx.h; as the
+engine does unless TERNLM_AMX=0), the other's on AVX-512: step 1 then reports the largest difference
+between the two instead of requiring the same bits (the paths round differently by design).
 Timing only, for this machine; not a test. Writes nothing.
 """
 from __future__ import annotations
@@ -28,13 +32,22 @@ from ternlm.engine import Engine
 from ternlm.models.qlinear import QLinear
 
 SRC = "src/ternlm/kernels/qmatmul.c"
+HEADERS = ["src/ternlm/kernels/qmatmul_amx.h"]      # qmatmul.c's own includes, where the revision has them
 
 
-def build(rev: str, march: str, out: Path) -> ctypes.CDLL:
-    src = out / f"{rev.replace('/', '_')}.c"
-    text = Path(SRC).read_text() if rev == "WORKTREE" else subprocess.run(
-        ["git", "show", f"{rev}:{SRC}"], check=True, capture_output=True, text=True).stdout
-    src.write_text(text)
+def build(rev: str, march: str, out: Path, tag: str) -> ctypes.CDLL:
+    def text(path: str) -> str | None:
+        if rev == "WORKTREE":
+            return Path(path).read_text() if Path(path).exists() else None
+        r = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        return r.stdout if r.returncode == 0 else None
+    d = out / tag
+    d.mkdir()
+    for h in HEADERS:
+        if (t := text(h)) is not None:
+            (d / Path(h).name).write_text(t)
+    src = d / "qmatmul.c"
+    src.write_text(text(SRC))
     so = src.with_suffix(".so")
     subprocess.run(["cc", "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
                     str(src), "-o", str(so)], check=True)
@@ -84,12 +97,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--timed-m", default="1,8", help="row counts to time, comma-separated (default 1,8)")
+    ap.add_argument("--amx", choices=("none", "base", "new"), default="none",
+                    help="which build runs on AMX tiles (the other on AVX-512)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(a.base, a.march, Path(tmp)), "new": build(a.new, a.march, Path(tmp))}
+        libs = {"base": build(a.base, a.march, Path(tmp), "base"), "new": build(a.new, a.march, Path(tmp), "new")}
+        if a.amx != "none":
+            if not libs[a.amx].tq_amx_init():
+                raise SystemExit(f"--amx {a.amx}: that build has no AMX path, or the OS did not grant the tiles")
         parts = matrices(Engine.load(a.model, weights="gguf"))
         print(f"{a.model}: {len(parts)} matrices, {sum(p.nbytes for p in parts) / 1e6:.1f} MB; "
               f"base {a.base}, new {a.new}, -march={a.march}, {a.threads} threads")
+        worst = 0.0
         for M in (1, 3, 8, 13, 16, 37, 100):
             for p in parts:
                 x = torch.randn(M, p.shape[1])
@@ -97,9 +116,15 @@ def main() -> None:
                 for k, lib in libs.items():
                     f, args = call(lib, p, x, ys[k], a.threads)
                     f(*args)
-                if not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
+                if a.amx != "none":
+                    rel = ((ys["base"] - ys["new"]).abs().max() / ys["base"].abs().max()).item()
+                    worst = max(worst, rel)
+                elif not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
                     raise SystemExit(f"different bits: {p.fmt}/{p.mode} {p.shape} at M = {M}")
-        print("same output bits on every matrix at M = 1, 3, 8, 13, 16, 37, 100")
+        if a.amx != "none":
+            print(f"AMX vs AVX-512: largest difference {worst:.2e} of the largest output, every matrix at M = 1..100")
+        else:
+            print("same output bits on every matrix at M = 1, 3, 8, 13, 16, 37, 100")
         for M in (int(v) for v in a.timed_m.split(",")):
             xs = {p.shape[1]: torch.randn(M, p.shape[1]) for p in parts}
             ys = [torch.empty(M, p.shape[0]) for p in parts]   # kept alive: the calls hold raw pointers

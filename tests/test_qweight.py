@@ -4,6 +4,9 @@ Oracles: the gguf package's own dequantizer (weights), a float64 matmul of those
 transformers' fp32 forward on the same GGUF (model), a cold prefill (reuse)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -187,6 +190,57 @@ def test_lesser_isa_paths(march, isa, tmp_path):
     """The AVX2 and scalar paths, built on this host by capping -march: exact and batch-invariant too
     (an AVX2-only CPU runs the first; this is how it is tested where the host has more)."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
+
+
+# The opt-in AMX path (kernels/qmatmul_amx.h, TERNLM_AMX=1): a process-wide choice made when the kernels
+# load, so it runs in a child. Every layout and scale mode against float64, batch invariance across
+# the narrow (M <= 4) and wide (M >= 5) paths, a partial last tile of weight rows (200 = 3 x 64 + 8),
+# threads; then the engine: decoded KV equals one prefill's, bit for bit.
+_AMX_SCRIPT = textwrap.dedent("""
+    import torch
+    from ternlm.kernels.build import load
+    k = load()
+    print(k.isa)
+    if k.isa == "amx":
+        from ternlm.models.qlinear import QLinear
+        from test_qweight import _weights, LAYOUTS, K_LAYOUTS
+        cases = [(f, s) for f in LAYOUTS for s in ((200, 576), (576, 1536))]
+        cases += [(f, s) for f in K_LAYOUTS for s in ((200, 512), (256, 4864))]
+        for fmt, (out, inp) in cases:
+            lin = QLinear([_weights(fmt, out, inp)], None, k)
+            x = torch.randn(300, inp)
+            full = lin(x)
+            ref = x.double() @ lin.parts[0].dequantize().double().T
+            assert (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
+            for m in (1, 2, 3, 4, 5, 16, 17, 37):
+                assert torch.equal(lin(x[5:5 + m]), full[5:5 + m]), (fmt, out, inp, m)
+            torch.set_num_threads(1)
+            assert torch.equal(lin(x[:20]), full[:20]), (fmt, "1 thread")
+            torch.set_num_threads(2)
+        from ternlm import Engine
+        from ternlm.kv.slots import Slot
+        e = Engine.load("smollm2-135m", weights="gguf")
+        assert "weights=gguf:amx:" in e.kernel_fingerprint
+        ids = e.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}])
+        got = e.generate(ids, max_tokens=24, ignore_eos=True)
+        slot = e.slots[got.slot]
+        fresh = Slot(99, slot.shape, initial_capacity=len(slot.record.fed))
+        e.runner.prefill(fresh, slot.record.fed)
+        n = len(slot.record.fed)
+        assert torch.equal(slot.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(slot.v[:, :, :n], fresh.v[:, :, :n])
+    print("ok")
+""")
+
+
+def test_amx_path_is_exact_and_batch_invariant():
+    env = dict(os.environ, TERNLM_AMX="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _AMX_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    isa, ok = r.stdout.split()
+    assert ok == "ok"
+    if isa != "amx":
+        pytest.skip(f"no AMX tiles here (the kernels run {isa}): the path is compiled for AMX hosts only")
 
 
 def test_weights_choice():

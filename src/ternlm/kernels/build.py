@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("ternlm")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c", "layer.c")]
-HEADERS = [Path(__file__).with_name("vec.h")]          # in the digest, not on the command line
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "qmatmul_amx.h")]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
@@ -52,8 +52,9 @@ FLAGS = ["-O3", f"-march={MARCH}", *([f"-mtune={MTUNE}"] if MTUNE else []), "-ff
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded kernels. `isa`: the vector path the compiler took (avx512 | avx2 | scalar);
-    `digest`: identifies the binary (part of the KV cache's kernel fingerprint)."""
+    """The loaded kernels. `isa`: the vector path the compiler took (amx | avx512 | avx2 | scalar);
+    `digest`: identifies the binary (part of the KV cache's kernel fingerprint). isa "amx": the AVX-512
+    build whose quantized products run on AMX tiles (qmatmul_amx.h)."""
     lib: ctypes.CDLL
     isa: str
     digest: str
@@ -153,4 +154,10 @@ def load() -> Kernels | Unavailable:
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
+    lib.tq_amx_init.restype = ctypes.c_int
+    # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
+    # every quantized product takes qmatmul_amx.h (isa "amx", other bits than "avx512": the isa is in the
+    # cache namespace). Opt-in: faster prefill, slower decode (qmatmul_amx.h, benchmarks/RESULTS.md).
+    if os.environ.get("TERNLM_AMX", "0") == "1":
+        lib.tq_amx_init()
     return Kernels(lib, lib.tq_isa().decode(), digest)

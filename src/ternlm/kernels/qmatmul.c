@@ -147,7 +147,9 @@ INLINE int tile_rows(int64_t M, int64_t t, int br) {
 #define BUF_PATH 1
 #define TILE 8          /* most rows per tile */
 #define COLS 3          /* most weight rows (output features) per tile */
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
 const char *tq_isa(void) { return "avx512"; }
+#endif
 
 /* The tile shape for a product of M rows: rows x cols x 2 accumulators, at most 24 of the 32 zmm.
  * Any shape gives the same bits ([BATCH-INVARIANT]), so it is picked for speed alone (measured on
@@ -428,6 +430,9 @@ static void tiles_buf(const float *x, int64_t K, int64_t M, int64_t nw, const fl
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "qmatmul_amx.h"
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TILE 4
 #define COLS 1          /* 16 vector registers leave no room for more weight rows */
@@ -744,16 +749,26 @@ static void NAME##_sm(const float *x, int64_t M, int64_t K, const uint8_t *codes
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define MM_PASS x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads
 
+#if !defined(AMX_PATH)
+/* Builds without AMX tiles: nothing to ask the OS for. */
+int tq_amx_init(void) { return 0; }
+#define AMX_OR(KIND, G16, SM)
+#else
+/* On an AMX build whose process was granted the tiles (tq_amx_init), every product takes them. */
+#define AMX_OR(KIND, G16, SM) if (amx_on) { amx_mm(KIND, G16, SM, MM_PASS); return; }
+#endif
+
 /* The exported entries. An SM_F16S matrix whose constant is the layout's own offset takes SM_F16I. */
 #define EXPORT_MM(NAME, KIND, G16, SM) \
     DEFINE_MM(NAME, KIND, G16, SM) \
-    void NAME(MM_ARGS()) { NAME##_sm(MM_PASS); }
+    void NAME(MM_ARGS()) { AMX_OR(KIND, G16, SM) NAME##_sm(MM_PASS); }
 #define EXPORT_MM_F16S(NAME, KIND) \
     DEFINE_MM(NAME##_any, KIND, 0, SM_F16S) \
     DEFINE_MM(NAME##_int, KIND, 0, SM_F16I) \
     void NAME(MM_ARGS()) { \
         float k = (KIND) == Q8 ? 128.0f : (KIND) == Q5 ? 16.0f : 8.0f; \
-        if (((const float *)bias)[0] == -k) NAME##_int_sm(MM_PASS); else NAME##_any_sm(MM_PASS); \
+        if (((const float *)bias)[0] == -k) { AMX_OR(KIND, 0, SM_F16I) NAME##_int_sm(MM_PASS); } \
+        else { AMX_OR(KIND, 0, SM_F16S) NAME##_any_sm(MM_PASS); } \
     }
 
 /* tq_<layout>_<scale mode>_mm: the combinations GGML's types need (models/qweight.py) */
