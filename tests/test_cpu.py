@@ -38,7 +38,7 @@ HOSTS = {   # the host kinds this project has met, as their flags and torch's on
 
 
 @pytest.mark.parametrize("host,cls,auto", [
-    ("amx-sapphire-rapids", "amx", "bfloat16"), ("avx512-epyc-zen4", "avx512_bf16", "bfloat16"),
+    ("amx-sapphire-rapids", "amx", "float32"), ("avx512-epyc-zen4", "avx512_bf16", "bfloat16"),
     ("avx512-skylake", "avx512", "float32"), ("avx2-epyc", "avx2", "float32"), ("old-x86", "baseline", "float32")])
 def test_auto_follows_the_cpu_class(host, cls, auto):
     c = HOSTS[host]
@@ -56,7 +56,7 @@ def test_bf16_without_onednn_bf16_is_one_clear_line():
     assert "\n" not in msg and "AVX2" in msg and "--dtype auto or float32" in msg
     assert choose_dtype("bf16", HOSTS["avx512-skylake"]).dtype == "bfloat16"   # works there, just slower
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
-        choose_dtype("int3", HOSTS["amx-sapphire-rapids"])
+        choose_dtype("int3", HOSTS["avx512-epyc-zen4"])
 
 
 def test_onednn_cap_lowers_the_class_never_raises_it():
@@ -67,24 +67,52 @@ def test_onednn_cap_lowers_the_class_never_raises_it():
     assert dataclasses.replace(HOSTS["avx2-epyc"], onednn_max_isa="ALL").isa_class == "avx2"
 
 
+def test_amx_is_capped_to_avx512_bf16_and_uncapped_amx_refuses_bf16(monkeypatch):
+    """[ONEDNN-CAP] oneDNN's AMX bf16 rows are not batch-invariant (test_model's linear test fails with
+    AMX uncapped on a Sapphire Rapids), so import caps it; a user's own cap wins."""
+    from ternlm.cpu import AMX_CAP, cap_onednn_below_amx
+    spr_flags = ("test", AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"})
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    assert not cap_onednn_below_amx(("test", AVX512 | {"avx512_bf16"})) and "ONEDNN_MAX_CPU_ISA" not in os.environ
+    assert cap_onednn_below_amx(spr_flags) and os.environ["ONEDNN_MAX_CPU_ISA"] == AMX_CAP
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")        # the user's cap stays
+    assert not cap_onednn_below_amx(spr_flags) and os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
+    capped = dataclasses.replace(HOSTS["amx-sapphire-rapids"], onednn_max_isa=AMX_CAP)
+    assert capped.isa_class == "avx512_bf16" and choose_dtype("auto", capped).dtype == "bfloat16"
+    uncapped = HOSTS["amx-sapphire-rapids"]
+    assert uncapped.isa_class == "amx" and choose_dtype("auto", uncapped).dtype == "float32"
+    with pytest.raises(UnsupportedDtypeError, match="not batch-invariant") as e:
+        choose_dtype("bfloat16", uncapped)
+    assert "\n" not in str(e.value)
+
+
+def test_this_process_runs_capped_where_the_cpu_has_amx():
+    c = probe()
+    if {"amx_tile", "amx_bf16"} <= c.flags and "AMX" not in c.onednn_max_isa.upper():
+        assert c.isa_class != "amx"
+
+
 def test_amx_the_os_does_not_grant_is_not_the_amx_class():
-    """A Sapphire Rapids whose kernel does not hand out AMX tiles (Linux < 5.16, a VM hiding XTILEDATA):
-    oneDNN computes bf16 with AVX-512 BF16 there, so the class (and the cache namespace) must say so."""
+    """A Sapphire Rapids whose kernel does not hand out AMX tiles (Linux < 5.16, a VM hiding XTILEDATA),
+    oneDNN uncapped: oneDNN computes with AVX-512 BF16 there, so the class (and the cache namespace) must
+    say so, and bf16 is exact there."""
     spr = HOSTS["amx-sapphire-rapids"]
     denied = dataclasses.replace(spr, amx_granted=False)
     assert denied.isa_class == "avx512_bf16" and choose_dtype("auto", denied).dtype == "bfloat16"
-    assert kernel_fingerprint(choose_dtype("bfloat16", denied), denied) != \
-        kernel_fingerprint(choose_dtype("bfloat16", spr), spr)
+    assert kernel_fingerprint(choose_dtype("float32", denied), denied) != \
+        kernel_fingerprint(choose_dtype("float32", spr), spr)
 
 
 def test_fingerprint_names_every_kernel_input():
     base = HOSTS["avx512-epyc-zen4"]
     prints = {kernel_fingerprint(choose_dtype(d, c), c)
-              for c in (base, HOSTS["amx-sapphire-rapids"], HOSTS["avx512-skylake"],
-                        dataclasses.replace(base, torch_version="2.14.0+cpu"),
+              for c in (base, HOSTS["avx512-skylake"], dataclasses.replace(base, torch_version="2.14.0+cpu"),
                         dataclasses.replace(base, torch_capability="AVX512"))
               for d in ("float32", "bfloat16")}
-    assert len(prints) == 10        # 5 CPU/torch variants x 2 dtypes, all different
+    spr = HOSTS["amx-sapphire-rapids"]                  # uncapped AMX: float32 only (bf16 is refused)
+    prints.add(kernel_fingerprint(choose_dtype("float32", spr), spr))
+    assert len(prints) == 9         # 4 CPU/torch variants x 2 dtypes + AMX fp32, all different
 
 
 def test_probe_agrees_with_torch():

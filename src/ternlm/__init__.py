@@ -1,4 +1,7 @@
 """ternlm: an LLM inference engine that never re-reads a conversation."""
+from .cpu import cap_onednn_below_amx
+
+cap_onednn_below_amx()   # [ONEDNN-CAP] before anything runs oneDNN: its AMX bf16 rows are not batch-invariant
 from .engine import ChatIds, Completion, Delta, Engine, Restored, Timings
 from .kv.store import CacheConfig
 

@@ -12,15 +12,26 @@ AVX-512 BF16), oneDNN capped with ONEDNN_MAX_CPU_ISA to stand in for the other c
     avx512_bf16   729 / 27.1 tok/s        502 / 19.7 tok/s        bfloat16 (1.45x / 1.37x)
     avx512        258 / 17.4 tok/s        492 / 18.7 tok/s        float32  (bf16 emulated: 0.53x prefill)
     avx2          refused by oneDNN       480 / 15.3 tok/s        float32
-    amx           several x fp32 (RESULTS.md, earlier sessions)   bfloat16
+    amx           oneDNN's AMX bf16 is not batch-invariant        float32; ternlm caps oneDNN at
+                                                                  AVX512_CORE_BF16 on AMX CPUs (below),
+                                                                  which makes them avx512_bf16
 
 A bf16 path without oneDNN (plain F.linear) would run, but its rows are not batch-invariant, and reuse
 must never change an answer: so `--dtype bfloat16` where oneDNN has no bf16 is refused with one line.
 
+AMX: oneDNN's AMX bf16 kernels are not batch-invariant (measured on a 2-core Sapphire Rapids: a packed
+bf16 projection's rows changed with the rows beside them, 1,536 -> 576 from M = 150 on, 4,864 -> 896
+at M = 2..32, and with the thread count), while its AVX-512 BF16 kernels are, there too. So on a CPU
+with AMX, `import ternlm` caps oneDNN at AVX512_CORE_BF16 (cap_onednn_below_amx) unless
+ONEDNN_MAX_CPU_ISA is already set; a user who lifts the cap gets the `amx` class, where `auto` picks
+float32 and `--dtype bfloat16` is refused. (ternlm's own quantized kernels may use AMX tiles:
+kernels/qmatmul_amx.h, opt-in.)
+
 Bits: the same kernels give the same bits; different ISA classes, oneDNN caps or torch versions may
 not (RESULTS.md: one-row bf16 projections differ between an AMX and an AVX-512 host). The fingerprint
 names all of them and goes into every cache namespace. Thread count is left out: the packed
-projections gave identical bits with 1 and 2 threads on every model shape (measured, fp32 and bf16).
+projections gave identical bits with 1 and 2 threads on every model shape (measured, fp32 and bf16;
+oneDNN's AMX bf16 kernels did not, which is one more reason for the cap).
 """
 from __future__ import annotations
 
@@ -43,6 +54,9 @@ _ONEDNN_CAP = {"SSE41": "baseline", "AVX": "baseline", "AVX2": "avx2", "AVX2_VNN
                "AVX2_VNNI_2": "avx2", "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512",
                "AVX512_CORE_BF16": "avx512_bf16", "AVX512_CORE_FP16": "avx512_bf16",
                "AVX10_1_512": "avx512_bf16"}   # AMX names, AVX10_2, ALL, DEFAULT: no cap
+
+# [ONEDNN-CAP] the cap for CPUs with AMX (see the module docstring)
+AMX_CAP = "AVX512_CORE_BF16"
 
 DTYPE_NAMES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
                "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -116,8 +130,16 @@ def choose_dtype(requested: str, cpu: CpuInfo) -> DtypeChoice:
         raise ValueError(f"unknown dtype {requested!r}; choose one of {', '.join(DTYPE_NAMES)}")
     cls, why = cpu.isa_class, f"cpu: {cpu.describe}"
     packed = "onednn-packed" if cpu.mkldnn else "torch-linear"
+    if cls == "amx":      # oneDNN uncapped on an AMX CPU: its bf16 rows change with M (module docstring)
+        if name == "bfloat16":
+            raise UnsupportedDtypeError(
+                f"--dtype bfloat16 with oneDNN's AMX kernels is not batch-invariant (a row's bits change with "
+                f"the rows beside it), so reuse could change answers; unset ONEDNN_MAX_CPU_ISA (ternlm then "
+                f"caps it at {AMX_CAP}, exact) or use --dtype auto or float32")
+        if name == "auto":
+            return DtypeChoice("float32", packed, f"{why}, AMX bf16 is not batch-invariant", requested)
     if name == "auto":
-        if cls in ("amx", "avx512_bf16") and cpu.mkldnn_bf16:
+        if cls == "avx512_bf16" and cpu.mkldnn_bf16:
             return DtypeChoice("bfloat16", packed, f"{why}, native bf16", requested)
         no_bf16 = "bf16 emulated, slower than fp32" if cpu.mkldnn_bf16 else "no native bf16"
         return DtypeChoice("float32", packed, f"{why}, {no_bf16}", requested)
@@ -137,6 +159,20 @@ def kernel_fingerprint(choice: DtypeChoice, cpu: CpuInfo) -> str:
     """Everything besides weights, config and token ids that the KV's bits depend on."""
     return (f"dtype={choice.dtype};kernel={choice.kernel};torch={cpu.torch_version};"
             f"aten={cpu.torch_capability};isa={cpu.isa_class}")
+
+
+def cap_onednn_below_amx(cpuinfo: tuple[str, set[str]] | None = None) -> bool:
+    """[ONEDNN-CAP] On a CPU with AMX, set ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 in this process's environment
+    unless a cap is already set (a user's choice wins; then the class may be `amx`, see choose_dtype).
+    Must run before oneDNN's first primitive, which reads the variable once: ternlm/__init__.py calls it
+    at import, before torch. Returns whether it set the cap. cpuinfo: (model, flags), default this CPU's."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"):
+        return False
+    found = cpuinfo if cpuinfo is not None else _proc_cpuinfo()
+    if found is None or not {"amx_tile", "amx_bf16"} <= found[1]:
+        return False
+    os.environ["ONEDNN_MAX_CPU_ISA"] = AMX_CAP
+    return True
 
 
 def _proc_cpuinfo() -> tuple[str, set[str]] | None:
