@@ -19,9 +19,10 @@
  * whether lanes run over weight rows (narrow: M <= 4) or over activation rows (wide). Both paths are
  * this file's; the AVX-512 path's bits differ (the build's ISA, "amx", is in the cache namespace).
  *
- * Opt-in (TERNLM_AMX=1), because of what it measured (2-core Sapphire Rapids, smollm2-135m, 1,024-token
- * prompt, `ternlm bench engine`): prefill 1,370 against the AVX-512 path's 1,036 tok/s (x1.32; the
- * products alone x2.6 at M = 256 on the 3,072 x 576 gate/up), but decode 62 against 109 tok/s (x0.57).
+ * Opt-in (TERNLM_AMX=1), because of what it measured (2-core Sapphire Rapids, 1,024-token prompt,
+ * `ternlm bench engine`, A B A B): prefill x1.44 (smollm2) and x2.09 (qwen2.5-0.5b) of the AVX-512 path,
+ * but decode x0.59 and x0.49 (benchmarks/RESULTS.md; the products alone: x0.42-0.59 the time at M = 256,
+ * x2.0 at M = 1, the Q8_0 and Q6_K layouts the slowest).
  * Decode is the catch: every group's tile product has to leave the tiles (a 1 KiB store, a reload) for
  * its scale before the next group, and the codes have to be written out as bf16 to be loaded as a tile:
  * at M = 1 that costs more than the AVX-512 path's dequantize-and-FMA, and batch invariance forbids
