@@ -2,12 +2,13 @@
 
     python benchmarks/qmatmul_sweep.py -m qwen2.5-coder-0.5b --base HEAD~1 [--new WORKTREE] [--march native]
     python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --amx new --timed-m 1,8,37,256
+    python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --cflags-new="-DKCHAIN=1 -DNBUF_BYTES=393216" --no-lm-head --timed-m 37,256
 
 Builds src/ternlm/kernels/qmatmul.c as it is at --base and at --new (a revision, or WORKTREE for the
 file on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the AVX2 path),
 loads the model with --weights gguf and then, for every matrix in model order:
   1. checks that both builds give the same output bits at M = 1, 3, 8, 13, 16, 37, 100 (a kernel change that is
-     meant to be a speed change only must pass this);
+     meant to be a speed change only must pass this; so must a tile constant set by --cflags-new);
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
      M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
      interleaved, and prints medians and the new/base ratio.
@@ -35,7 +36,7 @@ SRC = "src/ternlm/kernels/qmatmul.c"
 HEADERS = ["src/ternlm/kernels/qmatmul_amx.h"]      # qmatmul.c's own includes, where the revision has them
 
 
-def build(rev: str, march: str, out: Path, tag: str) -> ctypes.CDLL:
+def build(rev: str, march: str, out: Path, tag: str, cflags: list[str]) -> ctypes.CDLL:
     def text(path: str) -> str | None:
         if rev == "WORKTREE":
             return Path(path).read_text() if Path(path).exists() else None
@@ -50,7 +51,7 @@ def build(rev: str, march: str, out: Path, tag: str) -> ctypes.CDLL:
     src.write_text(text(SRC))
     so = src.with_suffix(".so")
     subprocess.run(["cc", "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
-                    str(src), "-o", str(so)], check=True)
+                    *cflags, str(src), "-o", str(so)], check=True)
     return ctypes.CDLL(str(so))
 
 
@@ -97,15 +98,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--timed-m", default="1,8", help="row counts to time, comma-separated (default 1,8)")
+    ap.add_argument("--cflags-base", default="", help="extra compiler flags for the base build")
+    ap.add_argument("--cflags-new", default="", help="extra compiler flags for the new build, written "
+                    "--cflags-new=\"-DX=1 ...\": the tile constants qmatmul.c leaves to the command line "
+                    "(#ifndef: NBUF_BYTES, DQ_M, KCHAIN; BR <= 6 and BC <= 4, the shapes its dispatch has)")
+    ap.add_argument("--no-lm-head", action="store_true",
+                    help="leave out the output projection (the widest matrix), as a prefill chunk does")
     ap.add_argument("--amx", choices=("none", "base", "new"), default="none",
                     help="which build runs on AMX tiles (the other on AVX-512)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build(a.base, a.march, Path(tmp), "base"), "new": build(a.new, a.march, Path(tmp), "new")}
+        libs = {k: build(rev, a.march, Path(tmp), k, flags.split())
+                for k, rev, flags in (("base", a.base, a.cflags_base), ("new", a.new, a.cflags_new))}
         if a.amx != "none":
             if not libs[a.amx].tq_amx_init():
                 raise SystemExit(f"--amx {a.amx}: that build has no AMX path, or the OS did not grant the tiles")
         parts = matrices(Engine.load(a.model, weights="gguf"))
+        if a.no_lm_head:      # a prefill multiplies only its last row by the output projection
+            parts = [p for p in parts if p.shape[0] != max(q.shape[0] for q in parts)]
         print(f"{a.model}: {len(parts)} matrices, {sum(p.nbytes for p in parts) / 1e6:.1f} MB; "
               f"base {a.base}, new {a.new}, -march={a.march}, {a.threads} threads")
         worst = 0.0

@@ -309,7 +309,9 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
  * qwen's -19% / -13%. Below M = 24 it did not pay (M = 16: +9% on smollm2): the tiles below stay. Tried
  * and dropped: splitting K so that a tile's activations stay in L1 (no gain at K = 1,536 or 4,864, a
  * loss at 896); a 4 x 3 tile (the same as 6 x 2). */
+#ifndef DQ_M
 #define DQ_M 24
+#endif
 
 /* C weight rows -> buf: row j's element e at buf[j * K + e], deq32's values (the K-quant modes' scale
  * blocks computed as tile() computes them). */
@@ -399,7 +401,9 @@ INLINE void tile_buf4(const float *x, int64_t ldx, int R, int C, int64_t K, cons
 }
 
 /* From this K on, tiles_buf runs 6 x 4 chain tiles, below it 6 x 2 paired ones. */
+#ifndef KCHAIN
 #define KCHAIN 1024
+#endif
 
 
 /* All M rows of x times the nw weight rows in buf: row tiles outer (a tile's rows stay in L1 or L2 while
