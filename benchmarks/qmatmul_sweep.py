@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--cflags-base", default="", help="extra compiler flags for the base build")
     ap.add_argument("--cflags-new", default="", help="extra compiler flags for the new build, written "
                     "--cflags-new=\"-DX=1 ...\": the tile constants qmatmul.c leaves to the command line "
-                    "(#ifndef: NBUF_BYTES, DQ_M, KCHAIN; BR <= 6 and BC <= 4, the shapes its dispatch has)")
+                    "(#ifndef: NBUF_BYTES, DQ_M, KCHAIN; on the AVX-512 path also BR <= 6 and BC <= 4)")
     ap.add_argument("--no-lm-head", action="store_true",
                     help="leave out the output projection (the widest matrix), as a prefill chunk does")
     ap.add_argument("--amx", choices=("none", "base", "new"), default="none",

@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void block_pv(int G, int half, int6
 static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0, int64_t D, const int64_t *nb,
                          float (*s)[BLOCK], vf (*acc)[NC]) {
     switch (G * 2 + (half != 0)) {
-/* (a case past PVG is never taken: G <= PVG; the test keeps its block_pv, whose arrays hold PVG, uncompiled) */
+/* G <= PVG always; `g <= PVG` keeps block_pv (whose arrays hold PVG) from being compiled for a larger g */
 #define PV_CASE(g) case 2 * g: if (g <= PVG) block_pv(g, 0, nc, v, b0, D, nb, s, acc); break; \
                    case 2 * g + 1: if (g <= PVG) block_pv(g, 1, nc, v, b0, D, nb, s, acc); break;
     PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)

@@ -557,7 +557,9 @@ INLINE void tile(int kind, int g16, int sm, const float *x, int64_t ldx, int R, 
 /* Big M (see the AVX-512 path's note): one weight row dequantized into buf (deq32's values, as tile()
  * computes them), then every row tile runs over it: the same bits. C is 1 here. */
 #define BUF_PATH 1
+#ifndef DQ_M
 #define DQ_M 24
+#endif
 #define BR 6            /* 12 accumulators and the 4 weight vectors: all 16 ymm */
 #define BC 1
 INLINE void dequant_rows(int kind, int g16, int sm, int C, int64_t K, const Row *rows, float *buf) {
