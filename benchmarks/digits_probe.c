@@ -17,6 +17,9 @@
  *    interleaved (lanes = weight rows: a group's sum is a lane's own, no horizontal sum), codes widened
  *    to bf16 by one vpermw and multiplied by VDPBF16PS. Checks the digits GEMV bit for bit against a
  *    scalar model of the same formula (integer sums) and both against float64.
+ * 3. Speed at M = 256 (a prefill chunk; AMX hosts): the engine's kernel against the same formula on AMX
+ *    tiles (per 16 rows x 16 weight rows x group: three TDPBF16PS, one a digit, then the GEMV's epilogue
+ *    lane by lane), and checks that every row it computes has the decode GEMV's bits.
  * Timing and checks for this machine only; not a test, not part of the product. Writes nothing.
  */
 #include "qmatmul.c"     /* the engine's kernel, as the engine builds it (AVX-512 path here) */
@@ -101,6 +104,15 @@ static void amx_rounding(void) {
 static void amx_rounding(void) { puts("1. AMX: not an AMX build"); }
 #endif
 
+/* 2^e exactly (ldexpf's value; no libm call in the epilogue's loop) */
+static inline float pow2f(int e) {
+    if (e < -126 || e > 127) return ldexpf(1.0f, e);
+    uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* ---- 2. a digits GEMV ---------------------------------------------------------------------------- */
 /* x (K) -> per group of 32: exponent e (max |x| < 2^e) and three digit vectors as bf16 pairs, the form
  * VDPBF16PS broadcasts: xd[(g * 3 + part) * 16 + k] = (digit 2k, digit 2k+1). */
@@ -112,8 +124,9 @@ static void digitize(const float *x, int64_t K, uint32_t *xd, int *xe) {
         frexpf(m, &e);                             /* m < 2^e */
         xe[g] = e;
         int d[3][32];
+        const float up = pow2f(23 - e);                /* exact: x * 2^(23 - e) rounds nothing */
         for (int i = 0; i < 32; i++) {
-            int32_t q = (int32_t)rintf(ldexpf(x[32 * g + i], 23 - e));   /* |q| <= 2^23 */
+            int32_t q = (int32_t)rintf(x[32 * g + i] * up);   /* |q| <= 2^23 */
             int32_t d2 = ((q + 128) & 255) - 128, q1 = (q - d2) / 256;
             int32_t d1 = ((q1 + 128) & 255) - 128, d0 = (q1 - d1) / 256;
             d[0][i] = d0; d[1][i] = d1; d[2][i] = d2;
@@ -217,6 +230,146 @@ static float digits_model(const uint32_t *xd, const int *xe, const uint8_t *code
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 static int cmpd(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
+/* ---- 3. a digits GEMM on AMX tiles (prefill) -------------------------------------------------------- */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Rows x (M, K) -> A tiles: at[((mb * G + g) * 3 + p) * 512 + r * 32 + e] = digit p of element e of group g
+ * of row mb * 16 + r, as bf16 (a tile row is one group: 32 bf16 = 64 bytes); xe[row * G + g] its exponent.
+ * The digits are digitize()'s, row by row (rows past M: zero). */
+static void digitize_rows(const float *x, int64_t M, int64_t K, uint16_t *at, int *xe) {
+    const int64_t G = K / 32, MB = (M + 15) / 16;
+    uint32_t *xd = malloc(G * 48 * 4);
+    memset(at, 0, (size_t)MB * G * 3 * 512 * 2);
+    for (int64_t m = 0; m < M; m++) {
+        digitize(x + m * K, K, xd, xe + m * G);
+        for (int64_t g = 0; g < G; g++)
+            for (int p = 0; p < 3; p++)
+                memcpy(at + (((m / 16) * G + g) * 3 + p) * 512 + (m % 16) * 32, xd + (g * 3 + p) * 16, 64);
+    }
+    free(xd);
+}
+
+/* y (M, N) = the digits formula, on tiles: per (16 rows, 16 weight rows, group) three TDPBF16PS (one per
+ * digit, each an exact integer sum), then gemv_digits' epilogue lane by lane (lanes = weight rows). The
+ * codes of a weight block are widened to bf16 B tiles once for all row blocks. Same value as the GEMV for
+ * every row. at/xe from digitize_rows. */
+static void gemm_digits_amx(const uint16_t *at, const int *xe, const uint8_t *pc, const uint16_t *pd, int64_t M,
+                            int64_t N, int64_t K, float *y, int nthreads) {
+    const int64_t G = K / 32, MB = (M + 15) / 16;
+    uint16_t lut[32];
+    for (int c = 0; c < 32; c++) lut[c] = bf16_trunc((float)((c & 15) - 8));
+    const __m512i table = _mm512_loadu_si512(lut);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        ProbeTileCfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 7; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+        _tile_loadconfig(&cfg);
+        uint16_t *bt = aligned_alloc(64, (size_t)G * 512 * 2);     /* a weight block's B tiles, every group */
+        float (*c)[16][16] = aligned_alloc(64, 3 * 16 * 16 * 4);
+        #pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < N / 16; nb++) {
+            for (int64_t g = 0; g < G; g++)
+                for (int k = 0; k < 16; k++) {
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pc + (nb * G + g) * 256 + 16 * k)));
+                    __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+                    _mm512_store_si512(bt + g * 512 + k * 32, _mm512_permutexvar_epi16(idx, table));
+                }
+            for (int64_t mb = 0; mb < MB; mb++) {
+                __m512 acc[16];
+                for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t g = 0; g < G; g++) {
+                    const uint16_t *a = at + ((mb * G + g) * 3) * 512;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2);
+                    _tile_loadd(6, bt + g * 512, 64);
+                    _tile_loadd(3, a, 64);
+                    _tile_loadd(4, a + 512, 64);
+                    _tile_loadd(5, a + 1024, 64);
+                    _tile_dpbf16ps(0, 3, 6);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(1, c[1], 64);
+                    _tile_stored(2, c[2], 64);
+                    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + (nb * G + g) * 16)));
+                    for (int r = 0; r < 16; r++) {
+                        int64_t m = mb * 16 + r;
+                        float e2 = m < M ? pow2f(xe[m * G + g] - 23) : 0.0f;
+                        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(c[0][r]), _mm512_set1_ps(65536.0f)),
+                                                               _mm512_mul_ps(_mm512_load_ps(c[1][r]), _mm512_set1_ps(256.0f))),
+                                                 _mm512_load_ps(c[2][r]));
+                        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(e2)), v, acc[r]);
+                    }
+                }
+                for (int r = 0; r < 16 && mb * 16 + r < M; r++) _mm512_storeu_ps(y + (mb * 16 + r) * N + 16 * nb, acc[r]);
+            }
+        }
+        free(bt);
+        free(c);
+        _tile_release();
+    }
+}
+
+static void amx_gemm(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) { puts("3. AMX: the OS did not grant the tiles"); return; }
+    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
+    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
+                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
+    const int64_t M = 256;
+    const int threads = 2, reps = 15;
+    puts("3. Q4_0 products at M = 256 (a prefill chunk), 2 threads, median of 15: the engine's AVX-512 kernel against "
+         "digits on AMX tiles (the digitizing of the rows, one thread of scalar code here, timed apart)");
+    for (int s = 0; s < 6; s++) {
+        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+        uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
+        uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2), *at = malloc((size_t)(M / 16) * G * 3 * 512 * 2);
+        float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), *y2 = malloc(N * 4), bias = -8.0f;
+        int *xe = malloc(M * G * sizeof(int)), *xe1 = malloc(G * sizeof(int));
+        uint32_t *xd = malloc(G * 48 * 4);
+        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
+        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
+        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        repack(codes, d, N, K, pc, pd);
+        digitize_rows(x, M, K, at, xe);
+        gemm_digits_amx(at, xe, pc, pd, M, N, K, y1, threads);
+        /* the same bits as the decode GEMV (VDPBF16PS) for every row checked, and near the fp32 path */
+        long cross = 0;
+        double worst = 0, ymax = 0;
+        tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+        for (int64_t m = 0; m < M; m += 17) {
+            digitize(x + m * K, K, xd, xe1);
+            gemv_digits(xd, xe1, pc, pd, N, K, y2, threads);
+            cross += memcmp(y2, y1 + m * N, N * 4) != 0;
+        }
+        for (int64_t i = 0; i < M * N; i++) { worst = fmax(worst, fabs(y1[i] - y0[i])); ymax = fmax(ymax, fabs(y0[i])); }
+        double t0[15], t1[15], t2[15];
+        for (int r = 0; r < reps; r++)
+            for (int i = 0; i < 2; i++) {
+                double t = now();
+                if ((r + i) & 1) {
+                    digitize_rows(x, M, K, at, xe);
+                    t2[r] = now() - t;
+                    t = now();
+                    gemm_digits_amx(at, xe, pc, pd, M, N, K, y1, threads);
+                } else {
+                    tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+                }
+                ((r + i) & 1 ? t1 : t0)[r] = now() - t;
+            }
+        qsort(t0, reps, sizeof(double), cmpd);
+        qsort(t1, reps, sizeof(double), cmpd);
+        qsort(t2, reps, sizeof(double), cmpd);
+        printf("   %-26s engine %8.1f us  AMX digits %8.1f us (%.2f)  + this probe's scalar digitizing %7.1f us  "
+               "rows whose bits differ from the decode GEMV's: %ld of %ld; largest difference from the fp32 path %.1e of max|y|\n",
+               names[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, cross,
+               (long)((M + 16) / 17), worst / ymax);
+        free(codes); free(pc); free(d); free(pd); free(at); free(x); free(y0); free(y1); free(y2); free(xe); free(xe1); free(xd);
+    }
+}
+#else
+static void amx_gemm(void) { puts("3. AMX: not an AMX build"); }
+#endif
+
 int main(int argc, char **argv) {
     const int warm = argc > 1 && strcmp(argv[1], "warm") == 0;   /* no sweep between calls: compute-bound */
     amx_rounding();
@@ -276,6 +429,7 @@ int main(int argc, char **argv) {
         free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1); free(xd); free(xe);
     }
     free(flush);
+    amx_gemm();
     return 0;
 }
 #endif
