@@ -19,7 +19,8 @@
  *    scalar model of the same formula (integer sums) and both against float64.
  * 3. Speed at M = 256 (a prefill chunk; AMX hosts): the engine's kernel against the same formula on AMX
  *    tiles (per 16 rows x 16 weight rows x group: three TDPBF16PS, one a digit, then the GEMV's epilogue
- *    lane by lane), and checks that every row it computes has the decode GEMV's bits.
+ *    lane by lane), the rows' digitizing (AVX-512, checked equal to the scalar one) timed apart, and checks
+ *    that every row it computes has the decode GEMV's bits.
  * Timing and checks for this machine only; not a test, not part of the product. Writes nothing.
  */
 #include "qmatmul.c"     /* the engine's kernel, as the engine builds it (AVX-512 path here) */
@@ -248,6 +249,40 @@ static void digitize_rows(const float *x, int64_t M, int64_t K, uint16_t *at, in
     free(xd);
 }
 
+/* digitize_rows' digits, 16 lanes at a time and rows split over the threads: the same values (the
+ * product x * 2^(23 - e) is exact and cvtps rounds to nearest even as rintf does; the digits are integer
+ * operations; a small integer converts to bf16 exactly). What a product would pay per input. */
+static void digitize_rows_vec(const float *x, int64_t M, int64_t K, uint16_t *at, int *xe, int nthreads) {
+    const int64_t G = K / 32, MB = (M + 15) / 16;
+    if (M % 16) memset(at, 0, (size_t)MB * G * 3 * 512 * 2);   /* rows past M: zero digits */
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + m * K + 32 * g;
+            __m512 v0 = _mm512_loadu_ps(xg), v1 = _mm512_loadu_ps(xg + 16);
+            float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            int e;
+            frexpf(mx, &e);
+            xe[m * G + g] = e;
+            const __m512 up = _mm512_set1_ps(pow2f(23 - e));
+            __m512i q[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(v0, up)), _mm512_cvtps_epi32(_mm512_mul_ps(v1, up))};
+            __m512 dg[3][2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+                __m512i d2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q[h], c128), c255), c128);
+                __m512i q1 = _mm512_srai_epi32(_mm512_sub_epi32(q[h], d2), 8);      /* exact: a multiple of 256 */
+                __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q1, c128), c255), c128);
+                __m512i d0 = _mm512_srai_epi32(_mm512_sub_epi32(q1, d1), 8);
+                dg[0][h] = _mm512_cvtepi32_ps(d0);
+                dg[1][h] = _mm512_cvtepi32_ps(d1);
+                dg[2][h] = _mm512_cvtepi32_ps(d2);
+            }
+            for (int p = 0; p < 3; p++)
+                _mm512_storeu_si512(at + (((m / 16) * G + g) * 3 + p) * 512 + (m % 16) * 32,
+                                    (__m512i)_mm512_cvtne2ps_pbh(dg[p][1], dg[p][0]));
+        }
+}
+
 /* y (M, N) = the digits formula, on tiles: per (16 rows, 16 weight rows, group) three TDPBF16PS (one per
  * digit, each an exact integer sum), then gemv_digits' epilogue lane by lane (lanes = weight rows). The
  * codes of a weight block are widened to bf16 B tiles once for all row blocks. Same value as the GEMV for
@@ -318,7 +353,7 @@ static void amx_gemm(void) {
     const int64_t M = 256;
     const int threads = 2, reps = 15;
     puts("3. Q4_0 products at M = 256 (a prefill chunk), 2 threads, median of 15: the engine's AVX-512 kernel against "
-         "digits on AMX tiles (the digitizing of the rows, one thread of scalar code here, timed apart)");
+         "digits on AMX tiles (the digitizing of the rows, AVX-512 on both threads, timed apart)");
     for (int s = 0; s < 6; s++) {
         const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
@@ -331,6 +366,13 @@ static void amx_gemm(void) {
         for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
         repack(codes, d, N, K, pc, pd);
         digitize_rows(x, M, K, at, xe);
+        uint16_t *at2 = malloc((size_t)(M / 16) * G * 3 * 512 * 2);
+        int *xe2 = malloc(M * G * sizeof(int));
+        digitize_rows_vec(x, M, K, at2, xe2, threads);
+        if (memcmp(at, at2, (size_t)(M / 16) * G * 3 * 512 * 2) || memcmp(xe, xe2, M * G * sizeof(int)))
+            printf("   %s: the vector digitizing differs from the scalar one\n", names[s]);
+        free(at2);
+        free(xe2);
         gemm_digits_amx(at, xe, pc, pd, M, N, K, y1, threads);
         /* the same bits as the decode GEMV (VDPBF16PS) for every row checked, and near the fp32 path */
         long cross = 0;
@@ -347,7 +389,7 @@ static void amx_gemm(void) {
             for (int i = 0; i < 2; i++) {
                 double t = now();
                 if ((r + i) & 1) {
-                    digitize_rows(x, M, K, at, xe);
+                    digitize_rows_vec(x, M, K, at, xe, threads);
                     t2[r] = now() - t;
                     t = now();
                     gemm_digits_amx(at, xe, pc, pd, M, N, K, y1, threads);
@@ -359,7 +401,7 @@ static void amx_gemm(void) {
         qsort(t0, reps, sizeof(double), cmpd);
         qsort(t1, reps, sizeof(double), cmpd);
         qsort(t2, reps, sizeof(double), cmpd);
-        printf("   %-26s engine %8.1f us  AMX digits %8.1f us (%.2f)  + this probe's scalar digitizing %7.1f us  "
+        printf("   %-26s engine %8.1f us  AMX digits %8.1f us (%.2f)  + digitizing %7.1f us  "
                "rows whose bits differ from the decode GEMV's: %ld of %ld; largest difference from the fp32 path %.1e of max|y|\n",
                names[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, cross,
                (long)((M + 16) / 17), worst / ymax);
