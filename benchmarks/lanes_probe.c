@@ -1,0 +1,234 @@
+/* Probe for a design not built yet: fp32 products with lanes over weight rows, one FMA chain per output.
+ *
+ *   cc -O3 -march=native -ffp-contract=off -fopenmp -std=gnu11 -Wno-psabi -Isrc/ternlm/kernels \
+ *      benchmarks/lanes_probe.c -o /tmp/lanes_probe -lm && /tmp/lanes_probe
+ *
+ * Today's kernels (qmatmul.c) put the inputs k in the vector lanes: each output is two 16-lane partial
+ * sums folded by a tree at the end, and a prefill tile pays a horizontal sum per (row, weight row) and
+ * loads its activations as vectors. The textbook GEMM puts weight rows n in the lanes instead: y[m][n] =
+ * fma(w[n][k], x[m][k], y[m][n]) for k = 0, 1, ... in order, one chain per output, x[m][k] broadcast.
+ * Its bits then depend on nothing but the order of k: the same for M = 1 and any M, any tile shape, any
+ * thread count, and any vector width (AVX-512, AVX2, scalar: a lane is a lane), while the activations
+ * stay fp32. This probe measures both sides on Q4_0 matrices of both models, 2 threads:
+ *   prefill (M = 256): the engine's kernel against a 12-row x 32-weight-row microkernel over weights
+ *   dequantized into a buffer of [block of 32 rows][k][32] (the dequantizing, scalar here, timed apart);
+ *   decode (M = 1, caches cold): the engine's kernel against the same chains over codes repacked 16 rows
+ *   interleaved at load (8 blocks' chains side by side: FMA latency);
+ * and checks every output it computes bit for bit against the single-row chain. Timing and checks for
+ * this machine only; not a test, not part of the product. Writes nothing.
+ */
+#include "qmatmul.c"     /* the engine's kernel, as the engine builds it */
+
+#include <math.h>
+#include <stdio.h>
+#include <time.h>
+
+#if !defined(__AVX512F__)
+
+int main(void) { puts("needs AVX-512 (this probe's microkernel)"); return 0; }
+#else
+
+#define NB 32            /* weight rows per block: two zmm */
+#define MR 12            /* activation rows per tile: 24 accumulators */
+
+static uint64_t rs = 88172645463325252ull;
+static uint64_t rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return rs; }
+static float frand(void) { return (float)((rnd() >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f; }
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static int cmpd(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
+
+/* Q4_0 element (n, k): d * (c - 8), GGML's layout (byte j of a group: element j low nibble, j + 16 high) */
+static float q4_0(const uint8_t *codes, const uint16_t *d, int64_t K, int64_t n, int64_t k) {
+    const uint8_t *row = codes + n * (K / 2) + 16 * (k / 32);
+    int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
+    return half_to_float(d[n * (K / 32) + k / 32]) * (float)(c - 8);
+}
+
+/* weights -> wb[(nb * K + k) * NB + j] = w[nb * NB + j][k] (N a multiple of NB) */
+static void dequant_blocks(const uint8_t *codes, const uint16_t *d, int64_t N, int64_t K, float *wb, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < N / NB; nb++)
+        for (int64_t j = 0; j < NB; j++)
+            for (int64_t k = 0; k < K; k++) wb[(nb * K + k) * NB + j] = q4_0(codes, d, K, nb * NB + j, k);
+}
+
+/* y (M, N) = x (M, K) w^T: per tile of MR rows x NB weight rows, acc = fma(w[.][k], x[m][k], acc) for
+ * k = 0 .. K-1, one chain per output. */
+static void gemm_lanes(const float *x, int64_t M, int64_t K, const float *wb, int64_t N, float *y, int nthreads) {
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < N / NB; nb++)
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            __m512 a[MR][2];
+            for (int r = 0; r < MR; r++) for (int c = 0; c < 2; c++) a[r][c] = _mm512_setzero_ps();
+            const float *w = wb + nb * K * NB;
+            const int R = (int)(M - m0 < MR ? M - m0 : MR);
+            if (R == MR) {
+                for (int64_t k = 0; k < K; k++) {
+                    __m512 w0 = _mm512_load_ps(w + k * NB), w1 = _mm512_load_ps(w + k * NB + 16);
+#pragma GCC unroll 12
+                    for (int r = 0; r < MR; r++) {
+                        __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+                        a[r][0] = _mm512_fmadd_ps(w0, xb, a[r][0]);
+                        a[r][1] = _mm512_fmadd_ps(w1, xb, a[r][1]);
+                    }
+                }
+            } else {
+                for (int64_t k = 0; k < K; k++) {
+                    __m512 w0 = _mm512_load_ps(w + k * NB), w1 = _mm512_load_ps(w + k * NB + 16);
+                    for (int r = 0; r < R; r++) {
+                        __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+                        a[r][0] = _mm512_fmadd_ps(w0, xb, a[r][0]);
+                        a[r][1] = _mm512_fmadd_ps(w1, xb, a[r][1]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 2; c++) _mm512_storeu_ps(y + (m0 + r) * N + nb * NB + 16 * c, a[r][c]);
+        }
+}
+
+/* ---- decode: the same chains at M = 1 over a repacked layout ------------------------------------------
+ * Codes repacked at load, 16 rows interleaved: per (block of 16 rows, pair of inputs k, k + 1) 16 bytes,
+ * byte j = row j's code at k (low nibble) and at k + 1 (high); per (block, group) the 16 rows' fp16 d. */
+static void repack16(const uint8_t *codes, const uint16_t *d, int64_t N, int64_t K, uint8_t *pc, uint16_t *pd) {
+    for (int64_t b = 0; b < N / 16; b++) {
+        for (int64_t k = 0; k < K; k += 2)
+            for (int j = 0; j < 16; j++) {
+                const uint8_t *row = codes + (b * 16 + j) * (K / 2) + 16 * (k / 32);
+                int e0 = (int)(k % 32), e1 = e0 + 1;
+                int c0 = e0 < 16 ? row[e0] & 15 : row[e0 - 16] >> 4, c1 = e1 < 16 ? row[e1] & 15 : row[e1 - 16] >> 4;
+                pc[(b * (K / 2) + k / 2) * 16 + j] = (uint8_t)(c0 | c1 << 4);
+            }
+        for (int64_t g = 0; g < K / 32; g++)
+            for (int j = 0; j < 16; j++) pd[(b * (K / 32) + g) * 16 + j] = d[(b * 16 + j) * (K / 32) + g];
+    }
+}
+
+#define CH 8             /* blocks of 16 rows whose chains run side by side (FMA latency x ports) */
+/* ch blocks of 16 rows from block b0: each row's weight d * (c - 8), then acc = fma(w, x[k], acc) for k
+ * in order: the GEMM's values and order, so its bits. */
+static inline __attribute__((always_inline)) void gemv_blocks(int ch, const float *x, int64_t K, const uint8_t *pc,
+                                                              const uint16_t *pd, int64_t b0, float *y) {
+    __m512 acc[CH], sc[CH];
+    for (int c = 0; c < ch; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / 32; g++) {
+        for (int c = 0; c < ch; c++)
+            sc[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + ((b0 + c) * (K / 32) + g) * 16)));
+        for (int64_t kp = 16 * g; kp < 16 * g + 16; kp++) {        /* pairs of inputs 2kp, 2kp + 1 */
+            const __m512 x0 = _mm512_set1_ps(x[2 * kp]), x1 = _mm512_set1_ps(x[2 * kp + 1]);
+#pragma GCC unroll 8
+            for (int c = 0; c < ch; c++) {
+                const uint8_t *q = pc + ((b0 + c) * (K / 2) + kp) * 16;
+                if ((kp & 3) == 0) _mm_prefetch((const char *)q + 4096, _MM_HINT_T0);
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_set1_epi32(8));
+                __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(8));
+                __m512 w0 = _mm512_mul_ps(sc[c], _mm512_cvtepi32_ps(lo)), w1 = _mm512_mul_ps(sc[c], _mm512_cvtepi32_ps(hi));
+                acc[c] = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, acc[c]));
+            }
+        }
+    }
+    for (int c = 0; c < ch; c++) _mm512_storeu_ps(y + (b0 + c) * 16, acc[c]);
+}
+
+/* y (N) = w x over repack16's layout, CH blocks a task and a last task of fewer. N a multiple of 16. */
+static void gemv_lanes(const float *x, int64_t K, const uint8_t *pc, const uint16_t *pd, int64_t N, float *y, int nthreads) {
+    const int64_t nb = N / 16;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b0 = 0; b0 < nb; b0 += CH) {
+        if (nb - b0 >= CH) gemv_blocks(CH, x, K, pc, pd, b0, y);
+        else if (nb - b0 >= 4) { gemv_blocks(4, x, K, pc, pd, b0, y); for (int64_t b = b0 + 4; b < nb; b++) gemv_blocks(1, x, K, pc, pd, b, y); }
+        else for (int64_t b = b0; b < nb; b++) gemv_blocks(1, x, K, pc, pd, b, y);
+    }
+}
+
+int main(void) {
+    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
+    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
+                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
+    const int64_t M = 256;
+    const int threads = 2, reps = 15;
+    puts("Q4_0 products at M = 256, 2 threads, median of 15: the engine's kernel (its own dequantizing included) "
+         "against lanes over weight rows (the dequantizing into blocks, scalar here, timed apart)");
+    for (int s = 0; s < 6; s++) {
+        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+        uint8_t *codes = malloc(N * K / 2);
+        uint16_t *d = malloc(N * G * 2);
+        float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), bias = -8.0f;
+        float *wb = aligned_alloc(64, (size_t)N * K * 4);
+        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
+        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
+        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        dequant_blocks(codes, d, N, K, wb, threads);
+        gemm_lanes(x, M, K, wb, N, y1, threads);
+        /* every output checked against the single-row chain (what a decode GEMV in this layout computes) */
+        long miss = 0;
+        for (int64_t m = 0; m < M; m += 5)
+            for (int64_t n = 0; n < N; n++) {
+                float acc = 0.0f;
+                for (int64_t k = 0; k < K; k++) acc = fmaf(q4_0(codes, d, K, n, k), x[m * K + k], acc);
+                miss += memcmp(&acc, &y1[m * N + n], 4) != 0;
+            }
+        double t0[15], t1[15], t2[15];
+        for (int r = 0; r < reps; r++)
+            for (int i = 0; i < 2; i++) {
+                double t = now();
+                if ((r + i) & 1) {
+                    dequant_blocks(codes, d, N, K, wb, threads);
+                    t2[r] = now() - t;
+                    t = now();
+                    gemm_lanes(x, M, K, wb, N, y1, threads);
+                } else {
+                    tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+                }
+                ((r + i) & 1 ? t1 : t0)[r] = now() - t;
+            }
+        qsort(t0, reps, sizeof(double), cmpd);
+        qsort(t1, reps, sizeof(double), cmpd);
+        qsort(t2, reps, sizeof(double), cmpd);
+        double gf = 2.0 * M * N * K / 1e9;
+        printf("   %-26s engine %8.1f us (%3.0f GFLOP/s)  lanes %8.1f us (%3.0f GFLOP/s, %.2f)  + dequantizing %7.1f us  "
+               "outputs that differ from the single-row chain: %ld of %ld\n",
+               names[s], t0[reps / 2] * 1e6, gf / t0[reps / 2], t1[reps / 2] * 1e6, gf / t1[reps / 2],
+               t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, miss, (long)(((M + 4) / 5) * N));
+        free(codes); free(d); free(x); free(y0); free(y1); free(wb);
+    }
+    puts("decode, M = 1, 2 threads, median of 301, caches cold (a 64 MB sweep between calls): the engine's kernel "
+         "against the same chains over codes repacked 16 rows interleaved");
+    float *flush = malloc(64 << 20);
+    memset(flush, 0, 64 << 20);
+    for (int s = 0; s < 6; s++) {
+        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+        uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
+        uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2);
+        float *x = malloc(K * 4), *y0 = malloc(N * 4), *y1 = malloc(N * 4), bias = -8.0f;
+        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
+        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
+        for (int64_t i = 0; i < K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        repack16(codes, d, N, K, pc, pd);
+        gemv_lanes(x, K, pc, pd, N, y1, threads);
+        long miss = 0;
+        for (int64_t n = 0; n < N; n++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(q4_0(codes, d, K, n, k), x[k], acc);
+            miss += memcmp(&acc, &y1[n], 4) != 0;
+        }
+        double t0[301], t1[301];
+        for (int r = 0; r < 301; r++)
+            for (int i = 0; i < 2; i++) {
+                for (int64_t j = 0; j < (16 << 20); j += 16) flush[j] += 1.0f;
+                double t = now();
+                if ((r + i) & 1) gemv_lanes(x, K, pc, pd, N, y1, threads);
+                else tq_q4g32_f16s_mm(x, 1, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+                ((r + i) & 1 ? t1 : t0)[r] = now() - t;
+            }
+        qsort(t0, 301, sizeof(double), cmpd);
+        qsort(t1, 301, sizeof(double), cmpd);
+        printf("   %-26s engine %7.1f us  lanes %7.1f us  lanes/engine %.2f   outputs that differ from the chain "
+               "(so from the GEMM): %ld of %ld\n", names[s], t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, (long)N);
+        free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1);
+    }
+    free(flush);
+    return 0;
+}
+#endif
