@@ -14,8 +14,11 @@
  *   dequantized into a buffer of [block of 32 rows][k][32] (the dequantizing, scalar here, timed apart);
  *   decode (M = 1, caches cold): the engine's kernel against the same chains over codes repacked 16 rows
  *   interleaved at load (8 blocks' chains side by side: FMA latency);
- * and checks every output it computes bit for bit against the single-row chain. Timing and checks for
- * this machine only; not a test, not part of the product. Writes nothing.
+ * and checks every output it computes bit for bit against the single-row chain. Then the two-level form
+ * (a chain per group of 32 inputs over the codes c - 8, the group's scale applied once into the total:
+ * GGML's structure, a tenth of the single chain's rounding error) on both sides, checked against its
+ * scalar model and GEMV rows against GEMM rows. Timing and checks for this machine only; not a test, not
+ * part of the product. Writes nothing.
  */
 #include "qmatmul.c"     /* the engine's kernel, as the engine builds it */
 
@@ -142,6 +145,181 @@ static void gemv_lanes(const float *x, int64_t K, const uint8_t *pc, const uint1
     }
 }
 
+/* ---- the same, two-level: per group of 32 inputs a chain s = fma(c - 8, x[k], s) from 0, then
+ * acc = fma(d, s, acc) in group order (GGML's own structure: the scale applied once per group). The
+ * error of one chain over K inputs becomes that of a chain over 32 plus one over K / 32. ------------- */
+static float chain2_model(const uint8_t *codes, const uint16_t *d, int64_t K, int64_t n, const float *x) {
+    float acc = 0.0f;
+    for (int64_t g = 0; g < K / 32; g++) {
+        float sg = 0.0f;
+        for (int64_t k = 32 * g; k < 32 * g + 32; k++) {
+            const uint8_t *row = codes + n * (K / 2) + 16 * g;
+            int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
+            sg = fmaf((float)(c - 8), x[k], sg);
+        }
+        acc = fmaf(half_to_float(d[n * (K / 32) + g]), sg, acc);
+    }
+    return acc;
+}
+
+/* codes as floats c - 8 in [block of 32 rows][k][32], d as floats [block][group][32] */
+static void codes_blocks(const uint8_t *codes, const uint16_t *d, int64_t N, int64_t K, float *cb, float *db, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < N / NB; nb++)
+        for (int64_t j = 0; j < NB; j++) {
+            const int64_t n = nb * NB + j;
+            for (int64_t k = 0; k < K; k++) {
+                const uint8_t *row = codes + n * (K / 2) + 16 * (k / 32);
+                int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
+                cb[(nb * K + k) * NB + j] = (float)(c - 8);
+            }
+            for (int64_t g = 0; g < K / 32; g++) db[(nb * (K / 32) + g) * NB + j] = half_to_float(d[n * (K / 32) + g]);
+        }
+}
+
+#define MR2 6            /* 12 group sums + 12 totals */
+static void gemm_lanes2(const float *x, int64_t M, int64_t K, const float *cb, const float *db, int64_t N, float *y, int nthreads) {
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < N / NB; nb++)
+        for (int64_t m0 = 0; m0 < M; m0 += MR2) {
+            const int R = (int)(M - m0 < MR2 ? M - m0 : MR2);
+            __m512 t[MR2][2];
+            for (int r = 0; r < MR2; r++) { t[r][0] = _mm512_setzero_ps(); t[r][1] = _mm512_setzero_ps(); }
+            const float *w = cb + nb * K * NB;
+            for (int64_t g = 0; g < K / 32; g++) {
+                __m512 a[MR2][2];
+                for (int r = 0; r < MR2; r++) { a[r][0] = _mm512_setzero_ps(); a[r][1] = _mm512_setzero_ps(); }
+                if (R == MR2) {
+                    for (int64_t k = 32 * g; k < 32 * g + 32; k++) {
+                        __m512 w0 = _mm512_load_ps(w + k * NB), w1 = _mm512_load_ps(w + k * NB + 16);
+#pragma GCC unroll 6
+                        for (int r = 0; r < MR2; r++) {
+                            __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+                            a[r][0] = _mm512_fmadd_ps(w0, xb, a[r][0]);
+                            a[r][1] = _mm512_fmadd_ps(w1, xb, a[r][1]);
+                        }
+                    }
+                } else {
+                    for (int64_t k = 32 * g; k < 32 * g + 32; k++) {
+                        __m512 w0 = _mm512_load_ps(w + k * NB), w1 = _mm512_load_ps(w + k * NB + 16);
+                        for (int r = 0; r < R; r++) {
+                            __m512 xb = _mm512_set1_ps(x[(m0 + r) * K + k]);
+                            a[r][0] = _mm512_fmadd_ps(w0, xb, a[r][0]);
+                            a[r][1] = _mm512_fmadd_ps(w1, xb, a[r][1]);
+                        }
+                    }
+                }
+                const __m512 d0 = _mm512_load_ps(db + (nb * (K / 32) + g) * NB), d1 = _mm512_load_ps(db + (nb * (K / 32) + g) * NB + 16);
+                for (int r = 0; r < MR2; r++) { t[r][0] = _mm512_fmadd_ps(d0, a[r][0], t[r][0]); t[r][1] = _mm512_fmadd_ps(d1, a[r][1], t[r][1]); }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < 2; c++) _mm512_storeu_ps(y + (m0 + r) * N + nb * NB + 16 * c, t[r][c]);
+        }
+}
+
+static inline __attribute__((always_inline)) void gemv_blocks2(int ch, const float *x, int64_t K, const uint8_t *pc,
+                                                               const uint16_t *pd, int64_t b0, float *y) {
+    __m512 acc[CH];
+    for (int c = 0; c < ch; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512 sg[CH];
+        for (int c = 0; c < ch; c++) sg[c] = _mm512_setzero_ps();
+        for (int64_t kp = 16 * g; kp < 16 * g + 16; kp++) {
+            const __m512 x0 = _mm512_set1_ps(x[2 * kp]), x1 = _mm512_set1_ps(x[2 * kp + 1]);
+#pragma GCC unroll 8
+            for (int c = 0; c < ch; c++) {
+                const uint8_t *q = pc + ((b0 + c) * (K / 2) + kp) * 16;
+                if ((kp & 3) == 0) _mm_prefetch((const char *)q + 4096, _MM_HINT_T0);
+                __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                __m512 c0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_set1_epi32(8)));
+                __m512 c1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(v, 4), _mm512_set1_epi32(8)));
+                sg[c] = _mm512_fmadd_ps(c1, x1, _mm512_fmadd_ps(c0, x0, sg[c]));
+            }
+        }
+        for (int c = 0; c < ch; c++)
+            acc[c] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pd + ((b0 + c) * (K / 32) + g) * 16))), sg[c], acc[c]);
+    }
+    for (int c = 0; c < ch; c++) _mm512_storeu_ps(y + (b0 + c) * 16, acc[c]);
+}
+
+static void gemv_lanes2(const float *x, int64_t K, const uint8_t *pc, const uint16_t *pd, int64_t N, float *y, int nthreads) {
+    const int64_t nb = N / 16;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b0 = 0; b0 < nb; b0 += CH) {
+        if (nb - b0 >= CH) gemv_blocks2(CH, x, K, pc, pd, b0, y);
+        else if (nb - b0 >= 4) { gemv_blocks2(4, x, K, pc, pd, b0, y); for (int64_t b = b0 + 4; b < nb; b++) gemv_blocks2(1, x, K, pc, pd, b, y); }
+        else for (int64_t b = b0; b < nb; b++) gemv_blocks2(1, x, K, pc, pd, b, y);
+    }
+}
+
+static void two_level(void) {
+    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
+    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
+                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
+    const int64_t M = 256;
+    const int threads = 2;
+    puts("two-level chains (a chain per group of 32, then the group's scale into the total), 2 threads: prefill M = 256 "
+         "(median of 15, codes as floats in blocks), decode M = 1 cold (median of 301)");
+    float *flush = malloc(64 << 20);
+    memset(flush, 0, 64 << 20);
+    for (int s = 0; s < 6; s++) {
+        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+        uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
+        uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2);
+        float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), *y2 = malloc(N * 4), *y3 = malloc(N * 4), bias = -8.0f;
+        float *cb = aligned_alloc(64, (size_t)N * K * 4), *db = aligned_alloc(64, (size_t)N * G * 4);
+        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
+        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
+        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        codes_blocks(codes, d, N, K, cb, db, threads);
+        repack16(codes, d, N, K, pc, pd);
+        gemm_lanes2(x, M, K, cb, db, N, y1, threads);
+        tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+        long miss = 0, missv = 0;
+        double err0 = 0, err1 = 0, ymax = 0;
+        for (int64_t m = 0; m < M; m += 5) {
+            gemv_lanes2(x + m * K, K, pc, pd, N, y2, threads);
+            missv += memcmp(y2, y1 + m * N, N * 4) != 0;
+            for (int64_t n = 0; n < N; n++) {
+                float mdl = chain2_model(codes, d, K, n, x + m * K);
+                double ref = 0.0;
+                for (int64_t k = 0; k < K; k++) ref += (double)q4_0(codes, d, K, n, k) * x[m * K + k];
+                miss += memcmp(&mdl, &y1[m * N + n], 4) != 0;
+                err0 = fmax(err0, fabs(y0[m * N + n] - ref));
+                err1 = fmax(err1, fabs(y1[m * N + n] - ref));
+                ymax = fmax(ymax, fabs(ref));
+            }
+        }
+        double t0[301], t1[301];
+        for (int r = 0; r < 15; r++)
+            for (int i = 0; i < 2; i++) {
+                double t = now();
+                if ((r + i) & 1) gemm_lanes2(x, M, K, cb, db, N, y1, threads);
+                else tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
+                ((r + i) & 1 ? t1 : t0)[r] = now() - t;
+            }
+        qsort(t0, 15, sizeof(double), cmpd);
+        qsort(t1, 15, sizeof(double), cmpd);
+        double p0 = t0[7], p1 = t1[7];
+        for (int r = 0; r < 301; r++)
+            for (int i = 0; i < 2; i++) {
+                for (int64_t j = 0; j < (16 << 20); j += 16) flush[j] += 1.0f;
+                double t = now();
+                if ((r + i) & 1) gemv_lanes2(x, K, pc, pd, N, y3, threads);
+                else tq_q4g32_f16s_mm(x, 1, K, codes, NULL, d, &bias, NULL, N, y2, N, threads);
+                ((r + i) & 1 ? t1 : t0)[r] = now() - t;
+            }
+        qsort(t0, 301, sizeof(double), cmpd);
+        qsort(t1, 301, sizeof(double), cmpd);
+        printf("   %-26s prefill engine %8.1f us  two-level %8.1f us (%.2f)   decode engine %6.1f us  two-level %6.1f us (%.2f)   "
+               "GEMM outputs != model: %ld, GEMV rows != GEMM rows: %ld of %ld; error / max|y|: engine %.1e, two-level %.1e\n",
+               names[s], p0 * 1e6, p1 * 1e6, p1 / p0, t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, missv,
+               (long)((M + 4) / 5), err0 / ymax, err1 / ymax);
+        free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1); free(y2); free(y3); free(cb); free(db);
+    }
+    free(flush);
+}
+
 int main(void) {
     const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
     const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
@@ -161,13 +339,23 @@ int main(void) {
         for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
         dequant_blocks(codes, d, N, K, wb, threads);
         gemm_lanes(x, M, K, wb, N, y1, threads);
-        /* every output checked against the single-row chain (what a decode GEMV in this layout computes) */
+        /* every output checked against the single-row chain (what a decode GEMV in this layout computes),
+         * and both kernels' errors against float64 */
         long miss = 0;
+        double err0 = 0, err1 = 0, ymax = 0;
+        tq_q4g32_f16s_mm(x, M, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
         for (int64_t m = 0; m < M; m += 5)
             for (int64_t n = 0; n < N; n++) {
                 float acc = 0.0f;
-                for (int64_t k = 0; k < K; k++) acc = fmaf(q4_0(codes, d, K, n, k), x[m * K + k], acc);
+                double ref = 0.0;
+                for (int64_t k = 0; k < K; k++) {
+                    acc = fmaf(q4_0(codes, d, K, n, k), x[m * K + k], acc);
+                    ref += (double)q4_0(codes, d, K, n, k) * x[m * K + k];
+                }
                 miss += memcmp(&acc, &y1[m * N + n], 4) != 0;
+                err0 = fmax(err0, fabs(y0[m * N + n] - ref));
+                err1 = fmax(err1, fabs(y1[m * N + n] - ref));
+                ymax = fmax(ymax, fabs(ref));
             }
         double t0[15], t1[15], t2[15];
         for (int r = 0; r < reps; r++)
@@ -188,9 +376,9 @@ int main(void) {
         qsort(t2, reps, sizeof(double), cmpd);
         double gf = 2.0 * M * N * K / 1e9;
         printf("   %-26s engine %8.1f us (%3.0f GFLOP/s)  lanes %8.1f us (%3.0f GFLOP/s, %.2f)  + dequantizing %7.1f us  "
-               "outputs that differ from the single-row chain: %ld of %ld\n",
+               "outputs that differ from the single-row chain: %ld of %ld; error / max|y|: engine %.1e, lanes %.1e\n",
                names[s], t0[reps / 2] * 1e6, gf / t0[reps / 2], t1[reps / 2] * 1e6, gf / t1[reps / 2],
-               t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, miss, (long)(((M + 4) / 5) * N));
+               t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, miss, (long)(((M + 4) / 5) * N), err0 / ymax, err1 / ymax);
         free(codes); free(d); free(x); free(y0); free(y1); free(wb);
     }
     puts("decode, M = 1, 2 threads, median of 301, caches cold (a 64 MB sweep between calls): the engine's kernel "
@@ -229,6 +417,7 @@ int main(void) {
         free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1);
     }
     free(flush);
+    two_level();
     return 0;
 }
 #endif
