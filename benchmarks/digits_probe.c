@@ -24,6 +24,7 @@
  * Timing and checks for this machine only; not a test, not part of the product. Writes nothing.
  */
 #include "qmatmul.c"     /* the engine's kernel, as the engine builds it (AVX-512 path here) */
+#include "probe_common.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -35,9 +36,6 @@
 int main(void) { puts("needs AVX-512 BF16 (this probe's digits GEMV)"); return 0; }
 #else
 
-static uint64_t rs = 88172645463325252ull;
-static uint64_t rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return rs; }
-static float frand(void) { return (float)((rnd() >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f; }
 static uint16_t bf16_trunc(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }
 static float bf16_val(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 
@@ -147,9 +145,7 @@ static void repack(const uint8_t *codes, const uint16_t *d, int64_t N, int64_t K
         for (int64_t g = 0; g < G; g++) {
             for (int k = 0; k < 16; k++)
                 for (int n = 0; n < 16; n++) {
-                    const uint8_t *row = codes + (nb * 16 + n) * (K / 2) + 16 * g;
-                    int e0 = 2 * k, e1 = 2 * k + 1;
-                    int c0 = e0 < 16 ? row[e0] & 15 : row[e0 - 16] >> 4, c1 = e1 < 16 ? row[e1] & 15 : row[e1 - 16] >> 4;
+                    int c0 = q4_code(codes, K, nb * 16 + n, 32 * g + 2 * k), c1 = q4_code(codes, K, nb * 16 + n, 32 * g + 2 * k + 1);
                     pc[((nb * G + g) * 16 + k) * 16 + n] = (uint8_t)(c0 | c1 << 4);
                 }
             for (int n = 0; n < 16; n++) pd[(nb * G + g) * 16 + n] = d[(nb * 16 + n) * G + g];
@@ -215,8 +211,7 @@ static float digits_model(const uint32_t *xd, const int *xe, const uint8_t *code
         long s[3] = {0, 0, 0};
         for (int p = 0; p < 3; p++)
             for (int e = 0; e < 32; e++) {
-                const uint8_t *row = codes + n * (K / 2) + 16 * g;
-                int c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
+                int c = q4_code(codes, K, n, 32 * g + e);
                 uint32_t pr = xd[(g * 3 + p) * 16 + e / 2];
                 int dg = (int)bf16_val((uint16_t)(e & 1 ? pr >> 16 : pr & 0xFFFF));
                 s[p] += (long)(c - 8) * dg;
@@ -228,8 +223,6 @@ static float digits_model(const uint32_t *xd, const int *xe, const uint8_t *code
     return acc;
 }
 
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
-static int cmpd(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
 /* ---- 3. a digits GEMM on AMX tiles (prefill) -------------------------------------------------------- */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -347,30 +340,26 @@ static void gemm_digits_amx(const uint16_t *at, const int *xe, const uint8_t *pc
 
 static void amx_gemm(void) {
     if (syscall(SYS_arch_prctl, 0x1023, 18)) { puts("3. AMX: the OS did not grant the tiles"); return; }
-    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
-    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
-                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
     const int64_t M = 256;
     const int threads = 2, reps = 15;
     puts("3. Q4_0 products at M = 256 (a prefill chunk), 2 threads, median of 15: the engine's AVX-512 kernel against "
          "digits on AMX tiles (the digitizing of the rows, AVX-512 on both threads, timed apart)");
-    for (int s = 0; s < 6; s++) {
-        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+    for (int s = 0; s < NSHAPES; s++) {
+        const int64_t N = SHAPES[s][0], K = SHAPES[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
         uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2), *at = malloc((size_t)(M / 16) * G * 3 * 512 * 2);
         float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), *y2 = malloc(N * 4), bias = -8.0f;
         int *xe = malloc(M * G * sizeof(int)), *xe1 = malloc(G * sizeof(int));
         uint32_t *xd = malloc(G * 48 * 4);
-        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
-        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
-        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        random_q4_0(codes, d, N, K);
+        random_x(x, M * K);
         repack(codes, d, N, K, pc, pd);
         digitize_rows(x, M, K, at, xe);
         uint16_t *at2 = malloc((size_t)(M / 16) * G * 3 * 512 * 2);
         int *xe2 = malloc(M * G * sizeof(int));
         digitize_rows_vec(x, M, K, at2, xe2, threads);
         if (memcmp(at, at2, (size_t)(M / 16) * G * 3 * 512 * 2) || memcmp(xe, xe2, M * G * sizeof(int)))
-            printf("   %s: the vector digitizing differs from the scalar one\n", names[s]);
+            printf("   %s: the vector digitizing differs from the scalar one\n", NAMES[s]);
         free(at2);
         free(xe2);
         gemm_digits_amx(at, xe, pc, pd, M, N, K, y1, threads);
@@ -403,7 +392,7 @@ static void amx_gemm(void) {
         qsort(t2, reps, sizeof(double), cmpd);
         printf("   %-26s engine %8.1f us  AMX digits %8.1f us (%.2f)  + digitizing %7.1f us  "
                "rows whose bits differ from the decode GEMV's: %ld of %ld; largest difference from the fp32 path %.1e of max|y|\n",
-               names[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, cross,
+               NAMES[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, cross,
                (long)((M + 16) / 17), worst / ymax);
         free(codes); free(pc); free(d); free(pd); free(at); free(x); free(y0); free(y1); free(y2); free(xe); free(xe1); free(xd);
     }
@@ -415,24 +404,20 @@ static void amx_gemm(void) { puts("3. AMX: not an AMX build"); }
 int main(int argc, char **argv) {
     const int warm = argc > 1 && strcmp(argv[1], "warm") == 0;   /* no sweep between calls: compute-bound */
     amx_rounding();
-    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
-    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
-                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
     const int threads = 2, reps = 301;
     printf("2. Q4_0 GEMV at M = 1, 2 threads, median of 301 calls, %s\n", warm ? "caches warm (`warm`: the same matrix "
            "again and again, compute-bound)" : "caches cold as in a decode step (a 64 MB sweep between calls)");
     float *flush = malloc(64 << 20);
     memset(flush, 0, 64 << 20);
-    for (int s = 0; s < 6; s++) {
-        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+    for (int s = 0; s < NSHAPES; s++) {
+        const int64_t N = SHAPES[s][0], K = SHAPES[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
         uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2);
         float *x = malloc(K * 4), *y0 = malloc(N * 4), *y1 = malloc(N * 4), bias = -8.0f;
         uint32_t *xd = malloc(G * 48 * 4);
         int *xe = malloc(G * sizeof(int));
-        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
-        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
-        for (int64_t i = 0; i < K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        random_q4_0(codes, d, N, K);
+        random_x(x, K);
         repack(codes, d, N, K, pc, pd);
         digitize(x, K, xd, xe);
         tq_q4g32_f16s_mm(x, 1, K, codes, NULL, d, &bias, NULL, N, y0, N, threads);
@@ -442,9 +427,7 @@ int main(int argc, char **argv) {
         for (int64_t n = 0; n < N; n++) {
             double ref = 0;
             for (int64_t k = 0; k < K; k++) {
-                const uint8_t *row = codes + n * (K / 2) + 16 * (k / 32);
-                int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
-                ref += (double)half_to_float(d[n * G + k / 32]) * (c - 8) * x[k];
+                ref += (double)half_to_float(d[n * G + k / 32]) * (q4_code(codes, K, n, k) - 8) * x[k];
             }
             ymax = fmax(ymax, fabs(ref));
             worst0 = fmax(worst0, fabs(y0[n] - ref));
@@ -466,7 +449,7 @@ int main(int argc, char **argv) {
         qsort(t1, reps, sizeof(double), cmpd);
         printf("   %-26s engine %7.1f us  digits %7.1f us  digits/engine %.2f   error / max|y|: engine %.1e, digits %.1e; "
                "digits != its integer model: %ld of %ld\n",
-               names[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], worst0 / ymax, worst1 / ymax,
+               NAMES[s], t0[reps / 2] * 1e6, t1[reps / 2] * 1e6, t1[reps / 2] / t0[reps / 2], worst0 / ymax, worst1 / ymax,
                model_miss, (long)N);
         free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1); free(xd); free(xe);
     }

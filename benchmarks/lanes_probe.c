@@ -21,6 +21,7 @@
  * part of the product. Writes nothing.
  */
 #include "qmatmul.c"     /* the engine's kernel, as the engine builds it */
+#include "probe_common.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -34,17 +35,10 @@ int main(void) { puts("needs AVX-512 (this probe's microkernel)"); return 0; }
 #define NB 32            /* weight rows per block: two zmm */
 #define MR 12            /* activation rows per tile: 24 accumulators */
 
-static uint64_t rs = 88172645463325252ull;
-static uint64_t rnd(void) { rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17; return rs; }
-static float frand(void) { return (float)((rnd() >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f; }
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
-static int cmpd(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
 
-/* Q4_0 element (n, k): d * (c - 8), GGML's layout (byte j of a group: element j low nibble, j + 16 high) */
+/* Q4_0 element (n, k): d * (c - 8) */
 static float q4_0(const uint8_t *codes, const uint16_t *d, int64_t K, int64_t n, int64_t k) {
-    const uint8_t *row = codes + n * (K / 2) + 16 * (k / 32);
-    int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
-    return half_to_float(d[n * (K / 32) + k / 32]) * (float)(c - 8);
+    return half_to_float(d[n * (K / 32) + k / 32]) * (float)(q4_code(codes, K, n, k) - 8);
 }
 
 /* weights -> wb[(nb * K + k) * NB + j] = w[nb * NB + j][k] (N a multiple of NB) */
@@ -97,9 +91,7 @@ static void repack16(const uint8_t *codes, const uint16_t *d, int64_t N, int64_t
     for (int64_t b = 0; b < N / 16; b++) {
         for (int64_t k = 0; k < K; k += 2)
             for (int j = 0; j < 16; j++) {
-                const uint8_t *row = codes + (b * 16 + j) * (K / 2) + 16 * (k / 32);
-                int e0 = (int)(k % 32), e1 = e0 + 1;
-                int c0 = e0 < 16 ? row[e0] & 15 : row[e0 - 16] >> 4, c1 = e1 < 16 ? row[e1] & 15 : row[e1 - 16] >> 4;
+                int c0 = q4_code(codes, K, b * 16 + j, k), c1 = q4_code(codes, K, b * 16 + j, k + 1);
                 pc[(b * (K / 2) + k / 2) * 16 + j] = (uint8_t)(c0 | c1 << 4);
             }
         for (int64_t g = 0; g < K / 32; g++)
@@ -134,16 +126,6 @@ static inline __attribute__((always_inline)) void gemv_blocks(int ch, const floa
     for (int c = 0; c < ch; c++) _mm512_storeu_ps(y + (b0 + c) * 16, acc[c]);
 }
 
-/* y (N) = w x over repack16's layout, CH blocks a task and a last task of fewer. N a multiple of 16. */
-static void gemv_lanes(const float *x, int64_t K, const uint8_t *pc, const uint16_t *pd, int64_t N, float *y, int nthreads) {
-    const int64_t nb = N / 16;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b0 = 0; b0 < nb; b0 += CH) {
-        if (nb - b0 >= CH) gemv_blocks(CH, x, K, pc, pd, b0, y);
-        else if (nb - b0 >= 4) { gemv_blocks(4, x, K, pc, pd, b0, y); for (int64_t b = b0 + 4; b < nb; b++) gemv_blocks(1, x, K, pc, pd, b, y); }
-        else for (int64_t b = b0; b < nb; b++) gemv_blocks(1, x, K, pc, pd, b, y);
-    }
-}
 
 /* ---- the same, two-level: per group of 32 inputs a chain s = fma(c - 8, x[k], s) from 0, then
  * acc = fma(d, s, acc) in group order (GGML's own structure: the scale applied once per group). The
@@ -153,9 +135,7 @@ static float chain2_model(const uint8_t *codes, const uint16_t *d, int64_t K, in
     for (int64_t g = 0; g < K / 32; g++) {
         float sg = 0.0f;
         for (int64_t k = 32 * g; k < 32 * g + 32; k++) {
-            const uint8_t *row = codes + n * (K / 2) + 16 * g;
-            int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
-            sg = fmaf((float)(c - 8), x[k], sg);
+            sg = fmaf((float)(q4_code(codes, K, n, k) - 8), x[k], sg);
         }
         acc = fmaf(half_to_float(d[n * (K / 32) + g]), sg, acc);
     }
@@ -169,9 +149,7 @@ static void codes_blocks(const uint8_t *codes, const uint16_t *d, int64_t N, int
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = nb * NB + j;
             for (int64_t k = 0; k < K; k++) {
-                const uint8_t *row = codes + n * (K / 2) + 16 * (k / 32);
-                int e = (int)(k % 32), c = e < 16 ? row[e] & 15 : row[e - 16] >> 4;
-                cb[(nb * K + k) * NB + j] = (float)(c - 8);
+                cb[(nb * K + k) * NB + j] = (float)(q4_code(codes, K, n, k) - 8);
             }
             for (int64_t g = 0; g < K / 32; g++) db[(nb * (K / 32) + g) * NB + j] = half_to_float(d[n * (K / 32) + g]);
         }
@@ -242,35 +220,37 @@ static inline __attribute__((always_inline)) void gemv_blocks2(int ch, const flo
     for (int c = 0; c < ch; c++) _mm512_storeu_ps(y + (b0 + c) * 16, acc[c]);
 }
 
-static void gemv_lanes2(const float *x, int64_t K, const uint8_t *pc, const uint16_t *pd, int64_t N, float *y, int nthreads) {
-    const int64_t nb = N / 16;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b0 = 0; b0 < nb; b0 += CH) {
-        if (nb - b0 >= CH) gemv_blocks2(CH, x, K, pc, pd, b0, y);
-        else if (nb - b0 >= 4) { gemv_blocks2(4, x, K, pc, pd, b0, y); for (int64_t b = b0 + 4; b < nb; b++) gemv_blocks2(1, x, K, pc, pd, b, y); }
-        else for (int64_t b = b0; b < nb; b++) gemv_blocks2(1, x, K, pc, pd, b, y);
+/* y (N) = w x over repack16's layout, single chains (blocks = gemv_blocks) or two-level (gemv_blocks2):
+ * CH blocks a task and a last task of fewer. N a multiple of 16. */
+#define GEMV(NAME, BLOCKS)                                                                                      \
+    static void NAME(const float *x, int64_t K, const uint8_t *pc, const uint16_t *pd, int64_t N, float *y, int nthreads) { \
+        const int64_t nb = N / 16;                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                      \
+        for (int64_t b0 = 0; b0 < nb; b0 += CH) {                                                               \
+            int64_t b = b0;                                                                                     \
+            if (nb - b >= CH) { BLOCKS(CH, x, K, pc, pd, b, y); continue; }                                     \
+            if (nb - b >= 4) { BLOCKS(4, x, K, pc, pd, b, y); b += 4; }                                         \
+            for (; b < nb; b++) BLOCKS(1, x, K, pc, pd, b, y);                                                  \
+        }                                                                                                       \
     }
-}
+GEMV(gemv_lanes, gemv_blocks)
+GEMV(gemv_lanes2, gemv_blocks2)
 
 static void two_level(void) {
-    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
-    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
-                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
     const int64_t M = 256;
     const int threads = 2;
     puts("two-level chains (a chain per group of 32, then the group's scale into the total), 2 threads: prefill M = 256 "
          "(median of 15, codes as floats in blocks), decode M = 1 cold (median of 301)");
     float *flush = malloc(64 << 20);
     memset(flush, 0, 64 << 20);
-    for (int s = 0; s < 6; s++) {
-        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+    for (int s = 0; s < NSHAPES; s++) {
+        const int64_t N = SHAPES[s][0], K = SHAPES[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
         uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2);
         float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), *y2 = malloc(N * 4), *y3 = malloc(N * 4), bias = -8.0f;
         float *cb = aligned_alloc(64, (size_t)N * K * 4), *db = aligned_alloc(64, (size_t)N * G * 4);
-        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
-        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
-        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        random_q4_0(codes, d, N, K);
+        random_x(x, M * K);
         codes_blocks(codes, d, N, K, cb, db, threads);
         repack16(codes, d, N, K, pc, pd);
         gemm_lanes2(x, M, K, cb, db, N, y1, threads);
@@ -313,7 +293,7 @@ static void two_level(void) {
         qsort(t1, 301, sizeof(double), cmpd);
         printf("   %-26s prefill engine %8.1f us  two-level %8.1f us (%.2f)   decode engine %6.1f us  two-level %6.1f us (%.2f)   "
                "GEMM outputs != model: %ld, GEMV rows != GEMM rows: %ld of %ld; error / max|y|: engine %.1e, two-level %.1e\n",
-               names[s], p0 * 1e6, p1 * 1e6, p1 / p0, t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, missv,
+               NAMES[s], p0 * 1e6, p1 * 1e6, p1 / p0, t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, missv,
                (long)((M + 4) / 5), err0 / ymax, err1 / ymax);
         free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1); free(y2); free(y3); free(cb); free(db);
     }
@@ -321,22 +301,18 @@ static void two_level(void) {
 }
 
 int main(void) {
-    const int64_t shapes[][2] = {{576, 576}, {1536, 576}, {576, 1536}, {896, 896}, {4864, 896}, {896, 4864}};
-    const char *names[] = {"smollm2 q/o 576x576", "smollm2 gate/up 1536x576", "smollm2 down 576x1536",
-                           "qwen q/o 896x896", "qwen gate/up 4864x896", "qwen down 896x4864"};
     const int64_t M = 256;
     const int threads = 2, reps = 15;
     puts("Q4_0 products at M = 256, 2 threads, median of 15: the engine's kernel (its own dequantizing included) "
          "against lanes over weight rows (the dequantizing into blocks, scalar here, timed apart)");
-    for (int s = 0; s < 6; s++) {
-        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+    for (int s = 0; s < NSHAPES; s++) {
+        const int64_t N = SHAPES[s][0], K = SHAPES[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2);
         uint16_t *d = malloc(N * G * 2);
         float *x = malloc(M * K * 4), *y0 = malloc(M * N * 4), *y1 = malloc(M * N * 4), bias = -8.0f;
         float *wb = aligned_alloc(64, (size_t)N * K * 4);
-        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
-        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
-        for (int64_t i = 0; i < M * K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        random_q4_0(codes, d, N, K);
+        random_x(x, M * K);
         dequant_blocks(codes, d, N, K, wb, threads);
         gemm_lanes(x, M, K, wb, N, y1, threads);
         /* every output checked against the single-row chain (what a decode GEMV in this layout computes),
@@ -377,7 +353,7 @@ int main(void) {
         double gf = 2.0 * M * N * K / 1e9;
         printf("   %-26s engine %8.1f us (%3.0f GFLOP/s)  lanes %8.1f us (%3.0f GFLOP/s, %.2f)  + dequantizing %7.1f us  "
                "outputs that differ from the single-row chain: %ld of %ld; error / max|y|: engine %.1e, lanes %.1e\n",
-               names[s], t0[reps / 2] * 1e6, gf / t0[reps / 2], t1[reps / 2] * 1e6, gf / t1[reps / 2],
+               NAMES[s], t0[reps / 2] * 1e6, gf / t0[reps / 2], t1[reps / 2] * 1e6, gf / t1[reps / 2],
                t1[reps / 2] / t0[reps / 2], t2[reps / 2] * 1e6, miss, (long)(((M + 4) / 5) * N), err0 / ymax, err1 / ymax);
         free(codes); free(d); free(x); free(y0); free(y1); free(wb);
     }
@@ -385,14 +361,13 @@ int main(void) {
          "against the same chains over codes repacked 16 rows interleaved");
     float *flush = malloc(64 << 20);
     memset(flush, 0, 64 << 20);
-    for (int s = 0; s < 6; s++) {
-        const int64_t N = shapes[s][0], K = shapes[s][1], G = K / 32;
+    for (int s = 0; s < NSHAPES; s++) {
+        const int64_t N = SHAPES[s][0], K = SHAPES[s][1], G = K / 32;
         uint8_t *codes = malloc(N * K / 2), *pc = malloc(N * K / 2);
         uint16_t *d = malloc(N * G * 2), *pd = malloc(N * G * 2);
         float *x = malloc(K * 4), *y0 = malloc(N * 4), *y1 = malloc(N * 4), bias = -8.0f;
-        for (int64_t i = 0; i < N * K / 2; i++) codes[i] = (uint8_t)rnd();
-        for (int64_t i = 0; i < N * G; i++) { _Float16 h = (_Float16)(0.01f + 0.02f * (float)(rnd() % 1000) / 1000.0f); memcpy(&d[i], &h, 2); }
-        for (int64_t i = 0; i < K; i++) x[i] = frand() * ldexpf(1.0f, (int)(rnd() % 6) - 3);
+        random_q4_0(codes, d, N, K);
+        random_x(x, K);
         repack16(codes, d, N, K, pc, pd);
         gemv_lanes(x, K, pc, pd, N, y1, threads);
         long miss = 0;
@@ -413,7 +388,7 @@ int main(void) {
         qsort(t0, 301, sizeof(double), cmpd);
         qsort(t1, 301, sizeof(double), cmpd);
         printf("   %-26s engine %7.1f us  lanes %7.1f us  lanes/engine %.2f   outputs that differ from the chain "
-               "(so from the GEMM): %ld of %ld\n", names[s], t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, (long)N);
+               "(so from the GEMM): %ld of %ld\n", NAMES[s], t0[150] * 1e6, t1[150] * 1e6, t1[150] / t0[150], miss, (long)N);
         free(codes); free(pc); free(d); free(pd); free(x); free(y0); free(y1);
     }
     free(flush);
