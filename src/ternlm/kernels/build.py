@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "attention.c", "layer.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "qlanes.c", "attention.c", "layer.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "qmatmul_amx.h")]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
@@ -38,7 +38,11 @@ MTUNE = os.environ.get("TERNLM_KERNEL_MTUNE")
 MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
                ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
                ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"),
-               ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
+               ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"),
+               # qlanes.c's: 16 weight rows interleaved (models/qweight.py to_lanes)
+               ("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "f16s"),
+               ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "f16s"),
+               ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"))
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
 # decode and prefill shapes of the attention's loops fused different products, and a request's logits
@@ -58,6 +62,12 @@ class Kernels:
     lib: ctypes.CDLL
     isa: str
     digest: str
+
+    @property
+    def lanes(self) -> bool:
+        """Whether the group-of-32 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take qlanes.c's layouts: everywhere
+        but the opt-in AMX build, whose products are all qmatmul_amx.h's (row layouts)."""
+        return self.isa != "amx"
 
     def attention(self, q: int, T: int, H: int, KV: int, D: int, k: int, v: int, cap: int, start: int,
                   out: int, ldo: int, threads: int) -> None:

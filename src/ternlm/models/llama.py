@@ -30,7 +30,7 @@ from ..config import ModelConfig
 from ..invariants import check
 from ..kernels.build import Kernels
 from .qlinear import projection
-from .qweight import QWeight
+from .qweight import QWeight, to_lanes
 
 if TYPE_CHECKING:
     from ..kernels.layer import NativeLayer
@@ -267,6 +267,8 @@ class Transformer(nn.Module):
             if name not in weights:
                 raise KeyError(f"missing weight {name!r}")
             t = weights[name]
+            if isinstance(t, QWeight) and quantized and kernels.lanes:
+                return to_lanes(t) or t      # here, once: a tied embedding and lm_head share one copy
             return t if isinstance(t, QWeight) else t.to(dtype).contiguous()
 
         embed = w("model.embed_tokens.weight")                                   # (vocab, hidden)

@@ -11,15 +11,18 @@ from __future__ import annotations
 import torch
 
 from ..kernels.build import Kernels
-from .qweight import QWeight
+from .qweight import QWeight, to_lanes
 
 
 class QLinear:
     """Not an nn.Module: a frozen projection whose weight is one or more QWeights stacked along the
     outputs (a fused q/k/v may mix layouts: Q4_K_M files keep some v projections in Q6_K).
-    parts: [(out_i, in)]; bias: fp32 (sum out_i,) or None."""
+    parts: [(out_i, in)]; bias: fp32 (sum out_i,) or None. Where the kernels take lanes layouts
+    (kernels.lanes), each part that has one is held in it (qweight.to_lanes; self.parts are those)."""
 
     def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: Kernels):
+        if kernels.lanes:
+            parts = [to_lanes(p) or p for p in parts]
         ins = {p.shape[1] for p in parts}
         if len(ins) != 1:
             raise ValueError(f"parts disagree on the input size: {sorted(ins)}")

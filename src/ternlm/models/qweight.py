@@ -38,23 +38,39 @@ from gguf import GGMLQuantizationType as QT
 from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles
 
 Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
-GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32}
-NIBBLES = (Q4, Q5)       # layouts whose codes are packed nibbles (GGML's order)
+# The lanes layouts (kernels/qlanes.c): the same codes and scales, 16 weight rows interleaved so that a
+# vector's lane j is row j of its block. Made at load by to_lanes(); see there.
+Q4L, Q5L, Q8L = "q4x16", "q5x16", "q8x16"
+LANES = {Q4: Q4L, Q5: Q5L, Q8W: Q8L}           # row layout -> its lanes layout
+LANES_MODES = ("f32", "f16", "f16s")           # the scale modes qlanes.c takes
+BLOCK_ROWS = 16
+GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32, Q4L: 32, Q5L: 32, Q8L: 32}
+NIBBLES = (Q4, Q5)       # row layouts whose codes are packed nibbles (GGML's order)
 
 
 @dataclass(frozen=True)
 class QWeight:
     """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
-    fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32"
-    codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts
-    scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6")
+    fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32" | lanes: "q4x16" | "q5x16" | "q8x16"
+    codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts;
+                               # lanes: (out/16, in/2, 16) q4x16, q5x16; (out/16, in, 16) q8x16
+    scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6");
+                               # lanes: (out/16, in/32, 16) fp32 | fp16
     bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); (1,) fp32 constant c ("f16s":
-                               # bias = c * scale); None for "k6" (-32 * scale)
-    high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32, else None
+                               # bias = c * scale); None for "k6" (-32 * scale); lanes: as scale, or (1,)
+    high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32; lanes q5x16: uint8 (out/16, in, 2),
+                                       # a little-endian uint16 per (block, input): bit j = row j's bit 4
     sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6")
 
     @property
+    def lanes(self) -> bool:
+        """Whether this is a lanes layout (16 weight rows interleaved: kernels/qlanes.c)."""
+        return self.fmt in (Q4L, Q5L, Q8L)
+
+    @property
     def shape(self) -> tuple[int, int]:
+        if self.lanes:
+            return self.scale.shape[0] * BLOCK_ROWS, self.scale.shape[1] * GROUP[self.fmt]
         return self.scale.shape[0], self.scale.shape[1] * GROUP[self.fmt]
 
     @property
@@ -74,6 +90,10 @@ class QWeight:
         """float64 (len(rows), groups) scale and bias of every group: exact (the products below are
         exact in float64, and equal the kernel's fp32 ones, which are exact too)."""
         mode = self.mode
+        if self.lanes:
+            block, lane = _block_lane(rows, self.shape[0])
+            sc = self.scale[block, :, lane].double()
+            return sc, (sc * float(self.bias[0]) if mode == "f16s" else self.bias[block, :, lane].double())
         sc = self.scale[rows].double()
         if mode in ("f32", "f16"):
             return sc, self.bias[rows].double()
@@ -88,6 +108,16 @@ class QWeight:
 
     def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Each weight's code, (len(rows), in) uint8, in input order."""
+        if self.lanes:
+            block, lane = _block_lane(rows, self.shape[0])
+            c = self.codes[block, :, lane]                                      # (n, in/2 or in)
+            if self.fmt == Q8L:
+                return c
+            q = torch.stack((c & 0x0F, c >> 4), dim=-1).reshape(c.shape[0], -1)  # (n, in): inputs 2p, 2p+1
+            if self.fmt == Q5L:
+                h = self.high[block, :, lane // 8]                              # (n, in): the byte with bit j
+                q = q | (((h >> (lane % 8).to(torch.uint8).unsqueeze(1)) & 1) << 4)
+            return q
         c = self.codes[rows]
         if self.fmt not in NIBBLES:
             return c
@@ -110,11 +140,54 @@ class QWeight:
         return w.float().reshape(n, -1)
 
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
-        """Rows reordered (output features): new row i is old row order[i]."""
+        """Rows reordered (output features): new row i is old row order[i]. Row layouts only (the
+        loader permutes before to_lanes)."""
+        if self.lanes:
+            raise ValueError("permute_rows needs a row layout: permute before to_lanes")
+
         def take(t):
             return None if t is None else t[order].contiguous()
         bias = self.bias if self.mode == "f16s" else take(self.bias)   # one constant: not per row
         return QWeight(self.fmt, take(self.codes), take(self.scale), bias, take(self.high), take(self.sup))
+
+
+def _block_lane(rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a lanes layout -> (block, lane) index tensors."""
+    r = torch.arange(n)[rows] if isinstance(rows, slice) else torch.as_tensor(rows).reshape(-1)
+    return r // BLOCK_ROWS, r % BLOCK_ROWS
+
+
+def to_lanes(q: QWeight) -> QWeight | None:
+    """q in its lanes layout (kernels/qlanes.c; the same codes, scales and biases, so the same weights,
+    with 16 rows interleaved), or None where qlanes.c has no kernel for it (K-quant modes, groups of 16,
+    an output count not a multiple of 16). Already lanes: q itself. Pure: q is not changed; the caller
+    drops it (the result holds no view of it), so memory is the same bytes once loading is done."""
+    if q.lanes:
+        return q
+    if q.fmt not in LANES or q.mode not in LANES_MODES or q.shape[0] % BLOCK_ROWS:
+        return None
+    n, k = q.shape
+    nb = n // BLOCK_ROWS
+
+    def interleave(t: torch.Tensor) -> torch.Tensor:        # (n, w) -> (n/16, w, 16)
+        return t.reshape(nb, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
+
+    codes, high = [], []
+    step = 4096                                            # rows at a time: bounds the (rows, in) temporaries
+    for r0 in range(0, n, step):
+        rows = q.codes_of_rows(slice(r0, min(n, r0 + step)))                     # (r, in) 0..255
+        t = rows.reshape(-1, BLOCK_ROWS, k).transpose(1, 2)                       # (r/16, in, 16)
+        if q.fmt == Q8W:
+            codes.append(t.contiguous())
+            continue
+        low = t & 0x0F
+        codes.append((low[:, 0::2] | (low[:, 1::2] << 4)).contiguous())           # (r/16, in/2, 16)
+        if q.fmt == Q5:
+            bits = ((t >> 4) & 1).reshape(t.shape[0], k, 2, 8)                    # lanes 0-7, 8-15
+            high.append((bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))  # (r/16, in, 2)
+    scale = interleave(q.scale)
+    bias = q.bias if q.mode == "f16s" else interleave(q.bias)
+    return QWeight(LANES[q.fmt], torch.cat(codes), scale, bias, torch.cat(high) if high else None)
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns

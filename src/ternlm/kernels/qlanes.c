@@ -1,0 +1,403 @@
+/* Weight-only quantized matmul with weight rows in the vector lanes ("lanes" layouts): y[m, n] =
+ * sum_k x[m, k] * w[n, k] for GGML's group-of-32 types with a per-group scale (and bias): Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0 (models/qweight.py's q4x16, q5x16, q8x16). Activations and accumulation stay fp32.
+ *
+ * Why lanes: qmatmul.c puts the inputs k in the lanes, so every output ends in a horizontal sum and a
+ * prefill tile ran at 123-278 GFLOP/s against a measured 477 peak (benchmarks/RESULTS.md, the lanes
+ * probe). Here lane j of a vector is weight row j of a block of 16, an activation is broadcast, and every
+ * output is one chain of FMAs in the order of k: no horizontal sum, and a row's bits depend on nothing but
+ * that order.
+ *
+ * The value, per output (m, n), groups g = 0 .. K/32-1 in order (GGML's own two-level structure):
+ *     S_g = 0; S_g = fma(c'_k, x[m, k], S_g) for the 32 inputs k of g, in order
+ *     T = fma(s_g, S_g, T)                     (T starts at 0)
+ *     T = fma(b_g, X_g[m], T)                  (modes with a bias; X_g[m] = x's 32 inputs of g added in order)
+ *     y[m, n] = T
+ * where c' is the code minus the layout's own offset (8, 16, 128) when the matrix's bias is exactly that
+ * offset times its scale (Q4_0, Q5_0, Q8_0: mode "f16s" with constant -8/-16/-128; then there is no bias
+ * term), else the raw code. So w = s * c' (+ b) is GGML's dequantized weight, and the scale is applied
+ * once per group, which keeps the error near qmatmul.c's (the probe: 1.4-4.6e-7 of max|y|, against
+ * 0.8-2.2e-6 for one chain over all of K).
+ *
+ * [BATCH-INVARIANT] Every path below (the GEMV for small M, the buffered GEMM for large M, any tile, any
+ * thread count) computes each output by exactly that sequence: lanes never mix, so neither the number
+ * of rows nor the vector width (AVX-512, AVX2, SSE: VN lanes, vec.h) changes a bit. Threads split the
+ * blocks of weight rows, never k. (A build without FMA rounds fman twice: its own bits, in its own digest.)
+ *
+ * Layouts (N a multiple of 16, K of 32; block b = weight rows 16b .. 16b+15, lane j = row 16b + j):
+ *   q4x16: codes (N/16, K/2, 16) bytes: [b][p][j] = code(16b+j, 2p) | code(16b+j, 2p+1) << 4
+ *   q5x16: q4x16's codes (the low four bits) plus high (N/16, K) uint16 (little-endian): bit j of [b][k]
+ *          is the fifth bit (value 16) of code(16b+j, k)
+ *   q8x16: codes (N/16, K, 16) bytes 0..255: [b][k][j] = code(16b+j, k)
+ *   scale: (N/16, K/32, 16) fp32 ("f32") or fp16 ("f16", "f16s"); bias: the same shape ("f32", "f16"),
+ *          or for "f16s" one fp32 constant C (bias = scale * C, the product in fp32 as qmatmul.c's).
+ * Decode reads every weight byte once a token: these hold exactly GGML's bytes per weight.
+ *
+ * Built with qmatmul.c by kernels/build.py (cc -O3 -march=native -ffp-contract=off -fopenmp).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "vec.h"
+
+#define LINLINE static inline __attribute__((always_inline))
+
+enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds */
+enum { LM_F32 = 0, LM_F16 = 1, LM_F16S = 4, LM_F16I = 5 };   /* scale modes (qmatmul.c's SM_* numbers) */
+
+#define BLK 16                  /* weight rows a block (interleaved in the layout) */
+#define NV (BLK / VN)           /* vectors a block */
+
+/* ---- codes --------------------------------------------------------------------------------------- */
+
+/* VN bytes at p, widened to int32 lanes (zero-extended). GCC builds a byte vector loaded with memcpy
+ * byte by byte (measured: the Q8 GEMV 3.7x slower), hence the intrinsics. */
+LINLINE vfi widen_u8(const uint8_t *p) {
+#if VN == 16
+    return (vfi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VN == 8
+    return (vfi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vfi r;
+    for (int j = 0; j < VN; j++) r[j] = p[j];
+    return r;
+#endif
+}
+
+/* The nibbles of VN bytes at p: low -> *lo, high -> *hi, as int32 lanes. */
+LINLINE void widen_nibbles(const uint8_t *p, vfi *lo, vfi *hi) {
+#if VN == 16
+    const __m128i q = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    *lo = (vfi)_mm512_cvtepu8_epi32(_mm_and_si128(q, m));
+    *hi = (vfi)_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m));
+#else
+    const vfi q = widen_u8(p);
+    *lo = q & 15;
+    *hi = q >> 4;
+#endif
+}
+
+/* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above). */
+LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t *high, int64_t K, int64_t b,
+                        int64_t p, int v, vf *c0, vf *c1) {
+    vfi i0, i1;
+    if (kind == L8) {
+        i0 = widen_u8(codes + (b * K + 2 * p) * BLK + v * VN);
+        i1 = widen_u8(codes + (b * K + 2 * p + 1) * BLK + v * VN);
+    } else {
+        widen_nibbles(codes + (b * (K / 2) + p) * BLK + v * VN, &i0, &i1);
+        if (kind == L5) {          /* the fifth bits: lane j's bit j of the 16-bit mask, times 16 */
+            const uint16_t *h = high + b * K + 2 * p;
+#if VN == 16
+            i0 = (vfi)_mm512_mask_add_epi32((__m512i)i0, (__mmask16)h[0], (__m512i)i0, _mm512_set1_epi32(16));
+            i1 = (vfi)_mm512_mask_add_epi32((__m512i)i1, (__mmask16)h[1], (__m512i)i1, _mm512_set1_epi32(16));
+#else
+            vfi bit, h0 = {0}, h1 = {0};
+            for (int j = 0; j < VN; j++) bit[j] = 1 << (v * VN + j);
+            h0 += (int32_t)h[0];
+            h1 += (int32_t)h[1];
+            i0 += ((h0 & bit) != 0) & 16;    /* a lane's comparison is -1 (all bits) or 0 */
+            i1 += ((h1 & bit) != 0) & 16;
+#endif
+        }
+    }
+    if (mode == LM_F16I) {
+        const int32_t off = kind == L8 ? 128 : kind == L5 ? 16 : 8;
+        i0 -= off;
+        i1 -= off;
+    }
+    *c0 = __builtin_convertvector(i0, vf);
+    *c1 = __builtin_convertvector(i1, vf);
+}
+
+/* Lanes (v * VN ..) of block b's scale and bias for group g. */
+LINLINE vf scale_at(int mode, const void *scale, int64_t G, int64_t b, int64_t g, int v) {
+    const int64_t i = (b * G + g) * BLK + v * VN;
+    return mode == LM_F32 ? loadn((const float *)scale + i) : loadnh((const _Float16 *)scale + i);
+}
+
+LINLINE vf bias_at(int mode, const void *scale, const void *bias, int64_t G, int64_t b, int64_t g, int v) {
+    if (mode == LM_F16S) return scale_at(mode, scale, G, b, g, v) * splatn(((const float *)bias)[0]);
+    const int64_t i = (b * G + g) * BLK + v * VN;
+    return mode == LM_F32 ? loadn((const float *)bias + i) : loadnh((const _Float16 *)bias + i);
+}
+
+#define HAS_BIAS(mode) ((mode) != LM_F16I)
+
+/* X[m * G + g] = x[m, 32g] + x[m, 32g+1] + ... + x[m, 32g+31], added in that order (the bias term's input). */
+static void group_sums(const float *x, int64_t M, int64_t K, float *X) {
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += x[m * K + 32 * g + k];
+            X[m * G + g] = s;
+        }
+}
+
+/* T (the outputs' running total, kept in y) += the group's sums: the epilogue of both paths. */
+LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X) {
+    vf T = fman(s, S, loadn(t));
+    if (HAS_BIAS(mode)) T = fman(b, splatn(X), T);
+    storen(t, T);
+}
+
+/* ---- small M: straight from the codes ------------------------------------------------------------ */
+
+#define GV_ACC 8        /* S accumulators a GEMV tile holds: R rows x CB blocks x NV vectors */
+#define PF_AHEAD 4096   /* software prefetch distance in a block's code stream (the probe: without it the
+                         * hardware prefetcher left decode well below the memory's bandwidth) */
+
+/* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y (zeroed by the
+ * caller). */
+LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, int64_t K, const uint8_t *codes,
+                       const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t b0,
+                       float *y, int64_t ldy) {
+    const int64_t G = K / 32;
+    const int64_t stream = kind == L8 ? K * BLK : K / 2 * BLK;     /* a block's code bytes */
+    for (int64_t g = 0; g < G; g++) {
+        vf S[4][GV_ACC];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < CB * NV; i++) S[r][i] = splatn(0.0f);
+        for (int64_t p = 16 * g; p < 16 * g + 16; p++) {
+            vf x0[4], x1[4];
+            for (int r = 0; r < R; r++) { x0[r] = splatn(x[r * K + 2 * p]); x1[r] = splatn(x[r * K + 2 * p + 1]); }
+#pragma GCC unroll 8
+            for (int c = 0; c < CB; c++) {
+                if ((p & (kind == L8 ? 1 : 3)) == 0)      /* once per 64-byte line of the stream */
+                    __builtin_prefetch(codes + (b0 + c) * stream + (kind == L8 ? 2 * p : p) * BLK + PF_AHEAD);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    vf c0, c1;
+                    codes_pair(kind, mode, codes, high, K, b0 + c, p, v, &c0, &c1);
+                    for (int r = 0; r < R; r++) S[r][c * NV + v] = fman(c1, x1[r], fman(c0, x0[r], S[r][c * NV + v]));
+                }
+            }
+        }
+        for (int c = 0; c < CB; c++)
+            for (int v = 0; v < NV; v++) {
+                const vf s = scale_at(mode, scale, G, b0 + c, g, v);
+                const vf b = HAS_BIAS(mode) ? bias_at(mode, scale, bias, G, b0 + c, g, v) : splatn(0.0f);
+                for (int r = 0; r < R; r++)
+                    add_group(mode, y + r * ldy + (b0 + c) * BLK + v * VN, s, S[r][c * NV + v], b,
+                              HAS_BIAS(mode) ? X[r * G + g] : 0.0f);
+            }
+    }
+}
+
+/* blocks per GEMV tile for R rows: as many as GV_ACC accumulators hold */
+#define GV_CB(R) (GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
+
+#define GV_C(R_, C_) case C_:                                                                   \
+    if ((C_) <= GV_CB(R_)) gemv_tile(kind, mode, R_, C_, xm, K, codes, high, scale, bias, Xm, b, ym, ldy); \
+    break;
+#define GV_R(R_) case R_:                                                                       \
+    switch (CB) { GV_C(R_, 1) GV_C(R_, 2) GV_C(R_, 3) GV_C(R_, 4) GV_C(R_, 5) GV_C(R_, 6) GV_C(R_, 7) GV_C(R_, 8) } \
+    break;
+
+/* Blocks [b0, b1) for every row, R <= 4 rows at a time. */
+LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                         const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t b0,
+                         int64_t b1, float *y, int64_t ldy) {
+    const int64_t G = K / 32;
+    for (int64_t m = 0; m < M; m += 4) {
+        const int R = (int)(M - m < 4 ? M - m : 4);
+        const float *xm = x + m * K, *Xm = X ? X + m * G : NULL;
+        float *ym = y + m * ldy;
+        for (int64_t b = b0; b < b1;) {
+            const int full = GV_CB(R);
+            const int CB = b1 - b >= full ? full : (int)(b1 - b);
+            switch (R) { GV_R(1) GV_R(2) GV_R(3) GV_R(4) }
+            b += CB;
+        }
+    }
+}
+
+/* ---- large M: codes converted to floats once, every row tile over them --------------------------- */
+
+#define NW (2 * VN)                     /* weight rows a GEMM tile: two vectors */
+#define MR (VN == 16 ? 12 : 6)          /* rows a GEMM tile: 2 MR accumulators (24 of 32 zmm, 12 of 16 ymm) */
+#ifndef LANES_GEMM_M
+#define LANES_GEMM_M 4                  /* from this M on, the buffered path */
+#endif
+#ifndef KC_BYTES
+#define KC_BYTES 131072                 /* a thread's converted codes: NW rows x KC inputs of fp32 */
+#endif
+
+/* Weight rows [n0, n0 + NW), inputs [k0, k0 + kc) -> buf[(k - k0) * NW + j] = c' of row n0 + j at k (the
+ * values codes_pair gives); their groups' scales and biases -> sb, bb [(g - k0/32) * NW + j]. */
+LINLINE void convert_tile(int kind, int mode, const uint8_t *codes, const uint16_t *high, const void *scale,
+                          const void *bias, int64_t K, int64_t n0, int64_t k0, int64_t kc, float *buf, float *sb,
+                          float *bb) {
+    const int64_t G = K / 32;
+    for (int h = 0; h < NW / VN; h++) {          /* vector h of the tile: block (n0 + h VN) / 16, lanes v */
+        const int64_t b = (n0 + h * VN) / BLK;
+        const int v = (int)((n0 + h * VN) % BLK) / VN;
+        for (int64_t p = k0 / 2; p < (k0 + kc) / 2; p++) {
+            vf c0, c1;
+            codes_pair(kind, mode, codes, high, K, b, p, v, &c0, &c1);
+            storen(buf + (2 * p - k0) * NW + h * VN, c0);
+            storen(buf + (2 * p + 1 - k0) * NW + h * VN, c1);
+        }
+        for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
+            storen(sb + (g - k0 / 32) * NW + h * VN, scale_at(mode, scale, G, b, g, v));
+            if (HAS_BIAS(mode)) storen(bb + (g - k0 / 32) * NW + h * VN, bias_at(mode, scale, bias, G, b, g, v));
+        }
+    }
+}
+
+/* R rows x NW weight rows over groups [g0, g1) of the converted tile (buf's group 0 is g0). xt: the R rows
+packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
+row GCC ran out of registers and reloaded them from the stack in the inner loop). */
+LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float *buf, const float *sb,
+                       const float *bb, const float *X, int64_t g0, int64_t g1, float *y, int64_t ldy) {
+    const int64_t G = K / 32;
+    for (int64_t g = g0; g < g1; g++) {
+        vf S[MR][2];
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) { S[r][0] = splatn(0.0f); S[r][1] = splatn(0.0f); }
+        const float *w = buf + (g - g0) * 32 * NW;
+        for (int k = 0; k < 32; k++) {
+            const vf w0 = loadn(w + k * NW), w1 = loadn(w + k * NW + VN);
+#pragma GCC unroll 12
+            for (int r = 0; r < R; r++) {
+                const vf xb = splatn(xt[(32 * g + k) * R + r]);
+                S[r][0] = fman(w0, xb, S[r][0]);
+                S[r][1] = fman(w1, xb, S[r][1]);
+            }
+        }
+        const float *s = sb + (g - g0) * NW, *b = bb + (g - g0) * NW;
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+                add_group(mode, y + r * ldy + h * VN, loadn(s + h * VN), S[r][h],
+                          HAS_BIAS(mode) ? loadn(b + h * VN) : splatn(0.0f), HAS_BIAS(mode) ? X[r * G + g] : 0.0f);
+    }
+}
+
+/* Rows of row tile t when M rows are cut into ceil(M / MR) tiles as even as can be (qmatmul.c's
+ * tile_rows: timing only). */
+LINLINE int lanes_tile_rows(int64_t M, int64_t t) {
+    int64_t tiles = (M + MR - 1) / MR;
+    return (int)(M / tiles + (t < M % tiles));
+}
+
+/* x (M, K) -> xp: row tile t (rows m .. m+R-1) at xp + m K, packed as gemm_tile reads it. Tiles
+ * [t0, t1) only (threads share the work). */
+static void pack_tiles(const float *x, int64_t M, int64_t K, float *xp, int64_t t0, int64_t t1) {
+    int64_t m = 0, t = 0;
+    for (; t < t0; t++) m += lanes_tile_rows(M, t);
+    for (; t < t1; m += lanes_tile_rows(M, t), t++) {
+        const int R = lanes_tile_rows(M, t);
+        for (int64_t k = 0; k < K; k++)
+            for (int r = 0; r < R; r++) xp[m * K + k * R + r] = x[(m + r) * K + k];
+    }
+}
+
+#define GM_CASE(R_) case R_: gemm_tile(mode, R_, xm, K, buf, sb, bb, Xm, g0, g1, ym, ldy); break;
+
+/* Weight rows [n0, n1) (multiples of NW apart from a last block of 16 on AVX-512, taken by the GEMV
+ * path: same bits) for all M rows. bufs: this thread's KC_BYTES + 2 scale tiles. */
+LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int64_t M, int64_t K, const uint8_t *codes,
+                       const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t n0,
+                       int64_t n1, float *y, int64_t ldy, float *buf) {
+    const int64_t G = K / 32;
+    const int64_t kc_max = (KC_BYTES / (4 * NW)) / 32 * 32 < 32 ? 32 : (KC_BYTES / (4 * NW)) / 32 * 32;
+    float *sb = buf + kc_max * NW, *bb = sb + kc_max / 32 * NW;
+    int64_t n = n0;
+    for (; n + NW <= n1; n += NW)
+        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max, g0 = k0 / 32, g1 = (k0 + kc) / 32;
+            convert_tile(kind, mode, codes, high, scale, bias, K, n, k0, kc, buf, sb, bb);
+            for (int64_t m = 0, t = 0; m < M; m += lanes_tile_rows(M, t++)) {
+                const int R = lanes_tile_rows(M, t);
+                const float *xm = xp + m * K, *Xm = X ? X + m * G : NULL;
+                float *ym = y + m * ldy + n;
+                switch (R) {
+#if MR == 12
+                    GM_CASE(1) GM_CASE(2) GM_CASE(3) GM_CASE(4) GM_CASE(5) GM_CASE(6)
+                    GM_CASE(7) GM_CASE(8) GM_CASE(9) GM_CASE(10) GM_CASE(11) default: GM_CASE(12)
+#else
+                    GM_CASE(1) GM_CASE(2) GM_CASE(3) GM_CASE(4) GM_CASE(5) default: GM_CASE(6)
+#endif
+                }
+            }
+        }
+    if (n < n1)          /* a last block of 16 rows narrower than a tile: the GEMV, the same chains */
+        gemv_blocks(kind, mode, x, M, K, codes, high, scale, bias, X, n / BLK, n1 / BLK, y, ldy);
+}
+
+/* ---- the entries ---------------------------------------------------------------------------------- */
+
+/* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); codes,
+ * high, scale, bias: the layout above (sup: unused, the signature is qmatmul.c's). nthreads: passed in. */
+static void lanes_mm(int kind, int mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                     const uint16_t *high, const void *scale, const void *bias, int64_t N, float *y, int64_t ldy,
+                     int nthreads) {
+    const int64_t G = K / 32, nb = N / BLK;
+    if (M <= 0 || nb <= 0) return;
+    float *X = NULL;
+    if (HAS_BIAS(mode)) {
+        X = malloc((size_t)(M * G) * sizeof(float));
+        if (!X) abort();         /* a few KB: no path without it */
+        group_sums(x, M, K, X);
+    }
+    const int gemm = M >= LANES_GEMM_M;
+    const size_t per_thread = KC_BYTES + 2 * (KC_BYTES / 32) + 256;
+    char *bufs = gemm ? aligned_alloc(64, (size_t)nthreads * per_thread) : NULL;
+    float *xp = gemm ? aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64) : NULL;
+    if (gemm && !(bufs && xp)) abort();
+    const int64_t tiles = (M + MR - 1) / MR;
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (gemm) {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            pack_tiles(x, M, K, xp, tiles * t / nt, tiles * (t + 1) / nt);
+#pragma omp barrier
+        }
+        /* thread t's blocks: an even share, whole GEMM tiles where the path takes them */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t unit = gemm ? NW / BLK > 0 ? NW / BLK : 1 : 1;   /* blocks a tile */
+        const int64_t units = (nb + unit - 1) / unit;
+        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+        const int64_t b0 = u0 * unit, b1 = u1 * unit < nb ? u1 * unit : nb;
+        if (b0 < b1) {
+            for (int64_t m = 0; m < M; m++) memset(y + m * ldy + b0 * BLK, 0, (size_t)(b1 - b0) * BLK * sizeof(float));
+            if (gemm)
+                gemm_rows(kind, mode, x, xp, M, K, codes, high, scale, bias, X, b0 * BLK, b1 * BLK, y, ldy,
+                          (float *)(bufs + (size_t)t * per_thread));
+            else
+                gemv_blocks(kind, mode, x, M, K, codes, high, scale, bias, X, b0, b1, y, ldy);
+        }
+    }
+    free(bufs);
+    free(xp);
+    free(X);
+}
+
+#define LANES_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
+    const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
+#define LANES_EXPORT(NAME, KIND, MODE) void NAME(LANES_ARGS) { \
+    (void)sup; lanes_mm(KIND, MODE, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); }
+/* f16s: the layout's own offset (GGML's Q4_0 / Q5_0 / Q8_0) takes the integer codes c - offset */
+#define LANES_EXPORT_F16S(NAME, KIND) \
+    static void NAME##_i(LANES_ARGS) { (void)sup; lanes_mm(KIND, LM_F16I, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); } \
+    static void NAME##_s(LANES_ARGS) { (void)sup; lanes_mm(KIND, LM_F16S, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); } \
+    void NAME(LANES_ARGS) { \
+        const float off = (KIND) == L8 ? 128.0f : (KIND) == L5 ? 16.0f : 8.0f; \
+        if (((const float *)bias)[0] == -off) NAME##_i(x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); \
+        else NAME##_s(x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); \
+    }
+
+LANES_EXPORT(tq_q4x16_f32_mm, L4, LM_F32)
+LANES_EXPORT(tq_q4x16_f16_mm, L4, LM_F16)
+LANES_EXPORT_F16S(tq_q4x16_f16s_mm, L4)
+LANES_EXPORT(tq_q5x16_f32_mm, L5, LM_F32)
+LANES_EXPORT(tq_q5x16_f16_mm, L5, LM_F16)
+LANES_EXPORT_F16S(tq_q5x16_f16s_mm, L5)
+LANES_EXPORT(tq_q8x16_f32_mm, L8, LM_F32)
+LANES_EXPORT(tq_q8x16_f16_mm, L8, LM_F16)
+LANES_EXPORT_F16S(tq_q8x16_f16s_mm, L8)
