@@ -79,6 +79,21 @@ LINLINE void widen_nibbles(const uint8_t *p, vfi *lo, vfi *hi) {
 #endif
 }
 
+#if VN < 16
+/* FIFTH[m][j] = 16 if bit j of m is set, else 0: the fifth bits of VN lanes from one load (the AVX2 Q5
+ * GEMV spent 4 vector ops a vector on them, 1.27x the row layout's time; AVX-512 uses a mask add). */
+static int32_t FIFTH[1 << VN][VN] __attribute__((aligned(64)));
+__attribute__((constructor)) static void fill_fifth(void) {
+    for (int m = 0; m < (1 << VN); m++)
+        for (int j = 0; j < VN; j++) FIFTH[m][j] = (m >> j & 1) ? 16 : 0;
+}
+LINLINE vfi fifth_bits(unsigned m) {
+    vfi r;
+    memcpy(&r, FIFTH[m & ((1u << VN) - 1)], sizeof r);
+    return r;
+}
+#endif
+
 /* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above). */
 LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t *high, int64_t K, int64_t b,
                         int64_t p, int v, vf *c0, vf *c1) {
@@ -94,12 +109,8 @@ LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t
             i0 = (vfi)_mm512_mask_add_epi32((__m512i)i0, (__mmask16)h[0], (__m512i)i0, _mm512_set1_epi32(16));
             i1 = (vfi)_mm512_mask_add_epi32((__m512i)i1, (__mmask16)h[1], (__m512i)i1, _mm512_set1_epi32(16));
 #else
-            vfi bit, h0 = {0}, h1 = {0};
-            for (int j = 0; j < VN; j++) bit[j] = 1 << (v * VN + j);
-            h0 += (int32_t)h[0];
-            h1 += (int32_t)h[1];
-            i0 += ((h0 & bit) != 0) & 16;    /* a lane's comparison is -1 (all bits) or 0 */
-            i1 += ((h1 & bit) != 0) & 16;
+            i0 += fifth_bits(h[0] >> (v * VN));
+            i1 += fifth_bits(h[1] >> (v * VN));
 #endif
         }
     }
@@ -219,8 +230,12 @@ LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, int64_t 
 
 #define NW (2 * VN)                     /* weight rows a GEMM tile: two vectors */
 #define MR (VN == 16 ? 12 : 6)          /* rows a GEMM tile: 2 MR accumulators (24 of 32 zmm, 12 of 16 ymm) */
+/* From this M on, the buffered path: converting every code once costs about a GEMV pass, so the GEMV
+ * (re-reading the codes once per 4 rows) wins below it. Measured on Sapphire Rapids, 2 threads, both
+ * models' shapes: Q4_1 / Q8_0 GEMV faster up to M = 8-11, Q5_0's (its fifth bits cost a mask add per
+ * input) only to ~7. Only timing depends on it ([BATCH-INVARIANT]). */
 #ifndef LANES_GEMM_M
-#define LANES_GEMM_M 4                  /* from this M on, the buffered path */
+#define LANES_GEMM_M(kind) ((kind) == L5 ? 8 : 12)
 #endif
 #ifndef KC_BYTES
 #define KC_BYTES 131072                 /* a thread's converted codes: NW rows x KC inputs of fp32 */
@@ -259,6 +274,7 @@ LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float 
 #pragma GCC unroll 12
         for (int r = 0; r < R; r++) { S[r][0] = splatn(0.0f); S[r][1] = splatn(0.0f); }
         const float *w = buf + (g - g0) * 32 * NW;
+#pragma GCC unroll 4
         for (int k = 0; k < 32; k++) {
             const vf w0 = loadn(w + k * NW), w1 = loadn(w + k * NW + VN);
 #pragma GCC unroll 12
@@ -345,7 +361,7 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, int64_t K, c
         if (!X) abort();         /* a few KB: no path without it */
         group_sums(x, M, K, X);
     }
-    const int gemm = M >= LANES_GEMM_M;
+    const int gemm = M >= LANES_GEMM_M(kind);
     const size_t per_thread = KC_BYTES + 2 * (KC_BYTES / 32) + 256;
     char *bufs = gemm ? aligned_alloc(64, (size_t)nthreads * per_thread) : NULL;
     float *xp = gemm ? aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64) : NULL;
