@@ -40,9 +40,9 @@ MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f1
                ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"),
                ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"),
                # qlanes.c's: 16 weight rows interleaved (models/qweight.py to_lanes)
-               ("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "f16s"),
-               ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "f16s"),
-               ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"))
+               ("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "k"), ("q4x16", "f16s"),
+               ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "k"), ("q5x16", "f16s"),
+               ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"), ("q6x16", "k6"))
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
 # decode and prefill shapes of the attention's loops fused different products, and a request's logits
@@ -65,8 +65,8 @@ class Kernels:
 
     @property
     def lanes(self) -> bool:
-        """Whether the group-of-32 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take qlanes.c's layouts: everywhere
-        but the opt-in AMX build, whose products are all qmatmul_amx.h's (row layouts)."""
+        """Whether GGML's types take qlanes.c's layouts (models/qweight.py to_lanes): everywhere but the
+        opt-in AMX build, whose products are all qmatmul_amx.h's (row layouts)."""
         return self.isa != "amx"
 
     def attention(self, q: int, T: int, H: int, KV: int, D: int, k: int, v: int, cap: int, start: int,

@@ -27,23 +27,24 @@ MM_DECL(tq_q4g32_f32_mm) MM_DECL(tq_q4g32_f16_mm) MM_DECL(tq_q4g32_k_mm) MM_DECL
 MM_DECL(tq_q5g32_f32_mm) MM_DECL(tq_q5g32_f16_mm) MM_DECL(tq_q5g32_k_mm) MM_DECL(tq_q5g32_f16s_mm)
 MM_DECL(tq_q8g16_f32_mm) MM_DECL(tq_q8g16_f16_mm) MM_DECL(tq_q8g16_k6_mm)
 MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
-MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_f16s_mm)
-MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_f16s_mm)
-MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm)
+MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
+MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
+MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm) MM_DECL(tq_q6x16_k6_mm)
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                           int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half);
 
 /* [layout][scale mode]: layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32, and qlanes.c's 4 q4x16, 5 q5x16,
- * 6 q8x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
+ * 6 q8x16, 7 q6x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
  * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
-static const mm_fn MM[7][5] = {
+static const mm_fn MM[8][5] = {
     {tq_q4g32_f32_mm, tq_q4g32_f16_mm, tq_q4g32_k_mm, NULL, tq_q4g32_f16s_mm},
     {tq_q5g32_f32_mm, tq_q5g32_f16_mm, tq_q5g32_k_mm, NULL, tq_q5g32_f16s_mm},
     {tq_q8g16_f32_mm, tq_q8g16_f16_mm, NULL, tq_q8g16_k6_mm, NULL},
     {tq_q8g32_f32_mm, tq_q8g32_f16_mm, NULL, NULL, tq_q8g32_f16s_mm},
-    {tq_q4x16_f32_mm, tq_q4x16_f16_mm, NULL, NULL, tq_q4x16_f16s_mm},
-    {tq_q5x16_f32_mm, tq_q5x16_f16_mm, NULL, NULL, tq_q5x16_f16s_mm},
+    {tq_q4x16_f32_mm, tq_q4x16_f16_mm, tq_q4x16_k_mm, NULL, tq_q4x16_f16s_mm},
+    {tq_q5x16_f32_mm, tq_q5x16_f16_mm, tq_q5x16_k_mm, NULL, tq_q5x16_f16s_mm},
     {tq_q8x16_f32_mm, tq_q8x16_f16_mm, NULL, NULL, tq_q8x16_f16s_mm},
+    {NULL, NULL, NULL, tq_q6x16_k6_mm, NULL},
 };
 
 /* Mirrored by ctypes Structures in kernels/layer.py: every field 8 bytes, no padding. */

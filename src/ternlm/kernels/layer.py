@@ -13,7 +13,7 @@ import torch
 
 from .build import MM_VARIANTS, Kernels
 
-LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6}   # layer.c's MM table: [layout][mode]
+LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7}   # layer.c's MM table: [layout][mode]
 MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
 MAXPARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

@@ -45,10 +45,25 @@
 #define LINLINE static inline __attribute__((always_inline))
 
 enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds */
-enum { LM_F32 = 0, LM_F16 = 1, LM_F16S = 4, LM_F16I = 5 };   /* scale modes (qmatmul.c's SM_* numbers) */
+/* Scale modes (qmatmul.c's SM_* numbers): LM_F16I is LM_F16S whose constant is the layout's own offset
+ * (picked per call); LM_K: Q4_K / Q5_K's uint8 sc and m per group of 32 under an fp16 (d, dmin) per 256
+ * inputs (scale d*sc, bias -(dmin*m): exact fp32 products); LM_K6: Q6_K's int8 sc per group of 16 under an
+ * fp16 d per 256 (scale d*sc, codes c - 32, no bias). */
+enum { LM_F32 = 0, LM_F16 = 1, LM_K = 2, LM_K6 = 3, LM_F16S = 4, LM_F16I = 5 };
 
 #define BLK 16                  /* weight rows a block (interleaved in the layout) */
 #define NV (BLK / VN)           /* vectors a block */
+#define GS(mode) ((mode) == LM_K6 ? 16 : 32)          /* inputs a group */
+#define HAS_BIAS(mode) ((mode) != LM_F16I && (mode) != LM_K6)
+
+/* One matrix in a lanes layout (see the top of the file), K inputs. */
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *high;       /* q5x16's fifth bits, else NULL */
+    const void *scale, *bias;
+    const uint16_t *sup;        /* LM_K: fp16 (N/16, K/256, 2, 16) d, dmin; LM_K6: (N/16, K/256, 16) d */
+    int64_t K;
+} LMat;
 
 /* ---- codes --------------------------------------------------------------------------------------- */
 
@@ -59,6 +74,18 @@ LINLINE vfi widen_u8(const uint8_t *p) {
     return (vfi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 #elif VN == 8
     return (vfi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vfi r;
+    for (int j = 0; j < VN; j++) r[j] = p[j];
+    return r;
+#endif
+}
+
+LINLINE vfi widen_i8(const int8_t *p) {
+#if VN == 16
+    return (vfi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VN == 8
+    return (vfi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 #else
     vfi r;
     for (int j = 0; j < VN; j++) r[j] = p[j];
@@ -95,16 +122,16 @@ LINLINE vfi fifth_bits(unsigned m) {
 #endif
 
 /* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above). */
-LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t *high, int64_t K, int64_t b,
-                        int64_t p, int v, vf *c0, vf *c1) {
+LINLINE void codes_pair(int kind, int mode, const LMat *w, int64_t b, int64_t p, int v, vf *c0, vf *c1) {
+    const int64_t K = w->K;
     vfi i0, i1;
     if (kind == L8) {
-        i0 = widen_u8(codes + (b * K + 2 * p) * BLK + v * VN);
-        i1 = widen_u8(codes + (b * K + 2 * p + 1) * BLK + v * VN);
+        i0 = widen_u8(w->codes + (b * K + 2 * p) * BLK + v * VN);
+        i1 = widen_u8(w->codes + (b * K + 2 * p + 1) * BLK + v * VN);
     } else {
-        widen_nibbles(codes + (b * (K / 2) + p) * BLK + v * VN, &i0, &i1);
+        widen_nibbles(w->codes + (b * (K / 2) + p) * BLK + v * VN, &i0, &i1);
         if (kind == L5) {          /* the fifth bits: lane j's bit j of the 16-bit mask, times 16 */
-            const uint16_t *h = high + b * K + 2 * p;
+            const uint16_t *h = w->high + b * K + 2 * p;
 #if VN == 16
             i0 = (vfi)_mm512_mask_add_epi32((__m512i)i0, (__mmask16)h[0], (__m512i)i0, _mm512_set1_epi32(16));
             i1 = (vfi)_mm512_mask_add_epi32((__m512i)i1, (__mmask16)h[1], (__m512i)i1, _mm512_set1_epi32(16));
@@ -114,8 +141,8 @@ LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t
 #endif
         }
     }
-    if (mode == LM_F16I) {
-        const int32_t off = kind == L8 ? 128 : kind == L5 ? 16 : 8;
+    if (mode == LM_F16I || mode == LM_K6) {
+        const int32_t off = mode == LM_K6 ? 32 : kind == L8 ? 128 : kind == L5 ? 16 : 8;
         i0 -= off;
         i1 -= off;
     }
@@ -123,21 +150,32 @@ LINLINE void codes_pair(int kind, int mode, const uint8_t *codes, const uint16_t
     *c1 = __builtin_convertvector(i1, vf);
 }
 
-/* Lanes (v * VN ..) of block b's scale and bias for group g. */
-LINLINE vf scale_at(int mode, const void *scale, int64_t G, int64_t b, int64_t g, int v) {
-    const int64_t i = (b * G + g) * BLK + v * VN;
-    return mode == LM_F32 ? loadn((const float *)scale + i) : loadnh((const _Float16 *)scale + i);
+/* Lanes (v * VN ..) of block b's scale and bias for group g: the values qmatmul.c's lds / ldb give. */
+LINLINE vf scale_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
+    const int64_t G = w->K / GS(mode), i = (b * G + g) * BLK + v * VN;
+    switch (mode) {
+    case LM_F32: return loadn((const float *)w->scale + i);
+    case LM_K:   return loadnh((const _Float16 *)w->sup + ((b * (w->K / 256) + g / 8) * 2) * BLK + v * VN)
+                        * __builtin_convertvector(widen_u8((const uint8_t *)w->scale + i), vf);
+    case LM_K6:  return loadnh((const _Float16 *)w->sup + (b * (w->K / 256) + g / 16) * BLK + v * VN)
+                        * __builtin_convertvector(widen_i8((const int8_t *)w->scale + i), vf);
+    default:     return loadnh((const _Float16 *)w->scale + i);
+    }
 }
 
-LINLINE vf bias_at(int mode, const void *scale, const void *bias, int64_t G, int64_t b, int64_t g, int v) {
-    if (mode == LM_F16S) return scale_at(mode, scale, G, b, g, v) * splatn(((const float *)bias)[0]);
-    const int64_t i = (b * G + g) * BLK + v * VN;
-    return mode == LM_F32 ? loadn((const float *)bias + i) : loadnh((const _Float16 *)bias + i);
+LINLINE vf bias_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
+    const int64_t G = w->K / GS(mode), i = (b * G + g) * BLK + v * VN;
+    switch (mode) {
+    case LM_F32:  return loadn((const float *)w->bias + i);
+    case LM_F16S: return scale_at(mode, w, b, g, v) * splatn(((const float *)w->bias)[0]);
+    case LM_K:    return -(loadnh((const _Float16 *)w->sup + ((b * (w->K / 256) + g / 8) * 2 + 1) * BLK + v * VN)
+                           * __builtin_convertvector(widen_u8((const uint8_t *)w->bias + i), vf));
+    default:      return loadnh((const _Float16 *)w->bias + i);
+    }
 }
 
-#define HAS_BIAS(mode) ((mode) != LM_F16I)
-
-/* X[m * G + g] = x[m, 32g] + x[m, 32g+1] + ... + x[m, 32g+31], added in that order (the bias term's input). */
+/* X[m * G + g] = x[m, 32g] + x[m, 32g+1] + ... + x[m, 32g+31], added in that order (the bias term's
+ * input; every bias mode has groups of 32). */
 static void group_sums(const float *x, int64_t M, int64_t K, float *X) {
     const int64_t G = K / 32;
     for (int64_t m = 0; m < M; m++)
@@ -162,35 +200,34 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X) {
                          * hardware prefetcher left decode well below the memory's bandwidth) */
 
 /* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y (zeroed by the
- * caller). */
-LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, int64_t K, const uint8_t *codes,
-                       const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t b0,
-                       float *y, int64_t ldy) {
-    const int64_t G = K / 32;
-    const int64_t stream = kind == L8 ? K * BLK : K / 2 * BLK;     /* a block's code bytes */
+ * caller). X: the rows' group sums (bias modes). */
+LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const LMat *w, const float *X,
+                       int64_t b0, float *y, int64_t ldy) {
+    const int64_t K = w->K, G = K / GS(mode), PG = GS(mode) / 2;       /* input pairs a group */
+    const int64_t stream = kind == L8 ? K * BLK : K / 2 * BLK;          /* a block's code bytes */
     for (int64_t g = 0; g < G; g++) {
         vf S[4][GV_ACC];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < CB * NV; i++) S[r][i] = splatn(0.0f);
-        for (int64_t p = 16 * g; p < 16 * g + 16; p++) {
+        for (int64_t p = PG * g; p < PG * g + PG; p++) {
             vf x0[4], x1[4];
             for (int r = 0; r < R; r++) { x0[r] = splatn(x[r * K + 2 * p]); x1[r] = splatn(x[r * K + 2 * p + 1]); }
 #pragma GCC unroll 8
             for (int c = 0; c < CB; c++) {
                 if ((p & (kind == L8 ? 1 : 3)) == 0)      /* once per 64-byte line of the stream */
-                    __builtin_prefetch(codes + (b0 + c) * stream + (kind == L8 ? 2 * p : p) * BLK + PF_AHEAD);
+                    __builtin_prefetch(w->codes + (b0 + c) * stream + (kind == L8 ? 2 * p : p) * BLK + PF_AHEAD);
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     vf c0, c1;
-                    codes_pair(kind, mode, codes, high, K, b0 + c, p, v, &c0, &c1);
+                    codes_pair(kind, mode, w, b0 + c, p, v, &c0, &c1);
                     for (int r = 0; r < R; r++) S[r][c * NV + v] = fman(c1, x1[r], fman(c0, x0[r], S[r][c * NV + v]));
                 }
             }
         }
         for (int c = 0; c < CB; c++)
             for (int v = 0; v < NV; v++) {
-                const vf s = scale_at(mode, scale, G, b0 + c, g, v);
-                const vf b = HAS_BIAS(mode) ? bias_at(mode, scale, bias, G, b0 + c, g, v) : splatn(0.0f);
+                const vf s = scale_at(mode, w, b0 + c, g, v);
+                const vf b = HAS_BIAS(mode) ? bias_at(mode, w, b0 + c, g, v) : splatn(0.0f);
                 for (int r = 0; r < R; r++)
                     add_group(mode, y + r * ldy + (b0 + c) * BLK + v * VN, s, S[r][c * NV + v], b,
                               HAS_BIAS(mode) ? X[r * G + g] : 0.0f);
@@ -202,17 +239,16 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, int64_
 #define GV_CB(R) (GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
 
 #define GV_C(R_, C_) case C_:                                                                   \
-    if ((C_) <= GV_CB(R_)) gemv_tile(kind, mode, R_, C_, xm, K, codes, high, scale, bias, Xm, b, ym, ldy); \
+    if ((C_) <= GV_CB(R_)) gemv_tile(kind, mode, R_, C_, xm, w, Xm, b, ym, ldy);               \
     break;
 #define GV_R(R_) case R_:                                                                       \
     switch (CB) { GV_C(R_, 1) GV_C(R_, 2) GV_C(R_, 3) GV_C(R_, 4) GV_C(R_, 5) GV_C(R_, 6) GV_C(R_, 7) GV_C(R_, 8) } \
     break;
 
 /* Blocks [b0, b1) for every row, R <= 4 rows at a time. */
-LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                         const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t b0,
-                         int64_t b1, float *y, int64_t ldy) {
-    const int64_t G = K / 32;
+LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, const LMat *w, const float *X,
+                         int64_t b0, int64_t b1, float *y, int64_t ldy) {
+    const int64_t K = w->K, G = K / 32;
     for (int64_t m = 0; m < M; m += 4) {
         const int R = (int)(M - m < 4 ? M - m : 4);
         const float *xm = x + m * K, *Xm = X ? X + m * G : NULL;
@@ -240,46 +276,45 @@ LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, int64_t 
 #ifndef KC_BYTES
 #define KC_BYTES 131072                 /* a thread's converted codes: NW rows x KC inputs of fp32 */
 #endif
+#define KC_MAX ((KC_BYTES / (4 * NW)) / 256 * 256 < 256 ? 256 : (KC_BYTES / (4 * NW)) / 256 * 256)
 
 /* Weight rows [n0, n0 + NW), inputs [k0, k0 + kc) -> buf[(k - k0) * NW + j] = c' of row n0 + j at k (the
- * values codes_pair gives); their groups' scales and biases -> sb, bb [(g - k0/32) * NW + j]. */
-LINLINE void convert_tile(int kind, int mode, const uint8_t *codes, const uint16_t *high, const void *scale,
-                          const void *bias, int64_t K, int64_t n0, int64_t k0, int64_t kc, float *buf, float *sb,
-                          float *bb) {
-    const int64_t G = K / 32;
+ * values codes_pair gives); their groups' scales and biases -> sb, bb [(g - k0/GS) * NW + j]. */
+LINLINE void convert_tile(int kind, int mode, const LMat *w, int64_t n0, int64_t k0, int64_t kc, float *buf,
+                          float *sb, float *bb) {
+    const int64_t gs = GS(mode);
     for (int h = 0; h < NW / VN; h++) {          /* vector h of the tile: block (n0 + h VN) / 16, lanes v */
         const int64_t b = (n0 + h * VN) / BLK;
         const int v = (int)((n0 + h * VN) % BLK) / VN;
         for (int64_t p = k0 / 2; p < (k0 + kc) / 2; p++) {
             vf c0, c1;
-            codes_pair(kind, mode, codes, high, K, b, p, v, &c0, &c1);
+            codes_pair(kind, mode, w, b, p, v, &c0, &c1);
             storen(buf + (2 * p - k0) * NW + h * VN, c0);
             storen(buf + (2 * p + 1 - k0) * NW + h * VN, c1);
         }
-        for (int64_t g = k0 / 32; g < (k0 + kc) / 32; g++) {
-            storen(sb + (g - k0 / 32) * NW + h * VN, scale_at(mode, scale, G, b, g, v));
-            if (HAS_BIAS(mode)) storen(bb + (g - k0 / 32) * NW + h * VN, bias_at(mode, scale, bias, G, b, g, v));
+        for (int64_t g = k0 / gs; g < (k0 + kc) / gs; g++) {
+            storen(sb + (g - k0 / gs) * NW + h * VN, scale_at(mode, w, b, g, v));
+            if (HAS_BIAS(mode)) storen(bb + (g - k0 / gs) * NW + h * VN, bias_at(mode, w, b, g, v));
         }
     }
 }
 
 /* R rows x NW weight rows over groups [g0, g1) of the converted tile (buf's group 0 is g0). xt: the R rows
-packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
-row GCC ran out of registers and reloaded them from the stack in the inner loop). */
+ * packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
+ * row GCC ran out of registers and reloaded them from the stack in the inner loop). */
 LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float *buf, const float *sb,
                        const float *bb, const float *X, int64_t g0, int64_t g1, float *y, int64_t ldy) {
-    const int64_t G = K / 32;
+    const int gs = GS(mode);
     for (int64_t g = g0; g < g1; g++) {
         vf S[MR][2];
 #pragma GCC unroll 12
         for (int r = 0; r < R; r++) { S[r][0] = splatn(0.0f); S[r][1] = splatn(0.0f); }
-        const float *w = buf + (g - g0) * 32 * NW;
-#pragma GCC unroll 4
-        for (int k = 0; k < 32; k++) {
-            const vf w0 = loadn(w + k * NW), w1 = loadn(w + k * NW + VN);
+        const float *wk = buf + (g - g0) * gs * NW;
+        for (int k = 0; k < gs; k++) {
+            const vf w0 = loadn(wk + k * NW), w1 = loadn(wk + k * NW + VN);
 #pragma GCC unroll 12
             for (int r = 0; r < R; r++) {
-                const vf xb = splatn(xt[(32 * g + k) * R + r]);
+                const vf xb = splatn(xt[(gs * g + k) * R + r]);
                 S[r][0] = fman(w0, xb, S[r][0]);
                 S[r][1] = fman(w1, xb, S[r][1]);
             }
@@ -290,7 +325,7 @@ LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float 
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
                 add_group(mode, y + r * ldy + h * VN, loadn(s + h * VN), S[r][h],
-                          HAS_BIAS(mode) ? loadn(b + h * VN) : splatn(0.0f), HAS_BIAS(mode) ? X[r * G + g] : 0.0f);
+                          HAS_BIAS(mode) ? loadn(b + h * VN) : splatn(0.0f), HAS_BIAS(mode) ? X[r * (K / 32) + g] : 0.0f);
     }
 }
 
@@ -316,21 +351,19 @@ static void pack_tiles(const float *x, int64_t M, int64_t K, float *xp, int64_t 
 #define GM_CASE(R_) case R_: gemm_tile(mode, R_, xm, K, buf, sb, bb, Xm, g0, g1, ym, ldy); break;
 
 /* Weight rows [n0, n1) (multiples of NW apart from a last block of 16 on AVX-512, taken by the GEMV
- * path: same bits) for all M rows. bufs: this thread's KC_BYTES + 2 scale tiles. */
-LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int64_t M, int64_t K, const uint8_t *codes,
-                       const uint16_t *high, const void *scale, const void *bias, const float *X, int64_t n0,
-                       int64_t n1, float *y, int64_t ldy, float *buf) {
-    const int64_t G = K / 32;
-    const int64_t kc_max = (KC_BYTES / (4 * NW)) / 32 * 32 < 32 ? 32 : (KC_BYTES / (4 * NW)) / 32 * 32;
-    float *sb = buf + kc_max * NW, *bb = sb + kc_max / 32 * NW;
+ * path: same bits) for all M rows. buf: this thread's KC_BYTES, then room for two scale tiles. */
+LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int64_t M, const LMat *w,
+                       const float *X, int64_t n0, int64_t n1, float *y, int64_t ldy, float *buf) {
+    const int64_t K = w->K, G32 = K / 32, gs = GS(mode);
+    float *sb = buf + KC_MAX * NW, *bb = sb + KC_MAX / 16 * NW;
     int64_t n = n0;
     for (; n + NW <= n1; n += NW)
-        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-            const int64_t kc = K - k0 < kc_max ? K - k0 : kc_max, g0 = k0 / 32, g1 = (k0 + kc) / 32;
-            convert_tile(kind, mode, codes, high, scale, bias, K, n, k0, kc, buf, sb, bb);
+        for (int64_t k0 = 0; k0 < K; k0 += KC_MAX) {
+            const int64_t kc = K - k0 < KC_MAX ? K - k0 : KC_MAX, g0 = k0 / gs, g1 = (k0 + kc) / gs;
+            convert_tile(kind, mode, w, n, k0, kc, buf, sb, bb);
             for (int64_t m = 0, t = 0; m < M; m += lanes_tile_rows(M, t++)) {
                 const int R = lanes_tile_rows(M, t);
-                const float *xm = xp + m * K, *Xm = X ? X + m * G : NULL;
+                const float *xm = xp + m * K, *Xm = X ? X + m * G32 : NULL;
                 float *ym = y + m * ldy + n;
                 switch (R) {
 #if MR == 12
@@ -343,50 +376,49 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
             }
         }
     if (n < n1)          /* a last block of 16 rows narrower than a tile: the GEMV, the same chains */
-        gemv_blocks(kind, mode, x, M, K, codes, high, scale, bias, X, n / BLK, n1 / BLK, y, ldy);
+        gemv_blocks(kind, mode, x, M, w, X, n / BLK, n1 / BLK, y, ldy);
 }
 
 /* ---- the entries ---------------------------------------------------------------------------------- */
 
-/* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); codes,
- * high, scale, bias: the layout above (sup: unused, the signature is qmatmul.c's). nthreads: passed in. */
-static void lanes_mm(int kind, int mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                     const uint16_t *high, const void *scale, const void *bias, int64_t N, float *y, int64_t ldy,
-                     int nthreads) {
-    const int64_t G = K / 32, nb = N / BLK;
+/* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); w: the
+ * layout above. nthreads: passed in (the caller is often not the thread torch.set_num_threads ran on).
+ * Side effects: writes y[:, :N] only; allocates and frees its scratch. */
+static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *w, int64_t N, float *y,
+                     int64_t ldy, int nthreads) {
+    const int64_t K = w->K, nb = N / BLK;
     if (M <= 0 || nb <= 0) return;
     float *X = NULL;
     if (HAS_BIAS(mode)) {
-        X = malloc((size_t)(M * G) * sizeof(float));
-        if (!X) abort();         /* a few KB: no path without it */
+        X = malloc((size_t)(M * (K / 32)) * sizeof(float));
+        if (!X) abort();         /* M x K/32 floats: a 32nd of x */
         group_sums(x, M, K, X);
     }
     const int gemm = M >= LANES_GEMM_M(kind);
-    const size_t per_thread = KC_BYTES + 2 * (KC_BYTES / 32) + 256;
+    const size_t per_thread = KC_BYTES + 2 * (KC_MAX / 16 * NW * sizeof(float)) + 256;
     char *bufs = gemm ? aligned_alloc(64, (size_t)nthreads * per_thread) : NULL;
-    float *xp = gemm ? aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64) : NULL;
+    float *xp = gemm ? aligned_alloc(64, ((size_t)(M * K) * sizeof(float) + 63) / 64 * 64) : NULL;
     if (gemm && !(bufs && xp)) abort();
     const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel num_threads(nthreads)
     {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (gemm) {
-            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
             pack_tiles(x, M, K, xp, tiles * t / nt, tiles * (t + 1) / nt);
 #pragma omp barrier
         }
         /* thread t's blocks: an even share, whole GEMM tiles where the path takes them */
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t unit = gemm ? NW / BLK > 0 ? NW / BLK : 1 : 1;   /* blocks a tile */
+        const int64_t unit = gemm && NW > BLK ? NW / BLK : 1;          /* blocks a tile */
         const int64_t units = (nb + unit - 1) / unit;
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
         const int64_t b0 = u0 * unit, b1 = u1 * unit < nb ? u1 * unit : nb;
         if (b0 < b1) {
             for (int64_t m = 0; m < M; m++) memset(y + m * ldy + b0 * BLK, 0, (size_t)(b1 - b0) * BLK * sizeof(float));
             if (gemm)
-                gemm_rows(kind, mode, x, xp, M, K, codes, high, scale, bias, X, b0 * BLK, b1 * BLK, y, ldy,
+                gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
             else
-                gemv_blocks(kind, mode, x, M, K, codes, high, scale, bias, X, b0, b1, y, ldy);
+                gemv_blocks(kind, mode, x, M, w, X, b0, b1, y, ldy);
         }
     }
     free(bufs);
@@ -396,24 +428,25 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, int64_t K, c
 
 #define LANES_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
+#define LANES_MAT {codes, (const uint16_t *)high, scale, bias, sup, K}
 #define LANES_EXPORT(NAME, KIND, MODE) void NAME(LANES_ARGS) { \
-    (void)sup; lanes_mm(KIND, MODE, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); }
+    const LMat w = LANES_MAT; lanes_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
 /* f16s: the layout's own offset (GGML's Q4_0 / Q5_0 / Q8_0) takes the integer codes c - offset */
-#define LANES_EXPORT_F16S(NAME, KIND) \
-    static void NAME##_i(LANES_ARGS) { (void)sup; lanes_mm(KIND, LM_F16I, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); } \
-    static void NAME##_s(LANES_ARGS) { (void)sup; lanes_mm(KIND, LM_F16S, x, M, K, codes, (const uint16_t *)high, scale, bias, N, y, ldy, nthreads); } \
-    void NAME(LANES_ARGS) { \
-        const float off = (KIND) == L8 ? 128.0f : (KIND) == L5 ? 16.0f : 8.0f; \
-        if (((const float *)bias)[0] == -off) NAME##_i(x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); \
-        else NAME##_s(x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); \
-    }
+#define LANES_EXPORT_F16S(NAME, KIND) void NAME(LANES_ARGS) { \
+    const LMat w = LANES_MAT; \
+    const float off = (KIND) == L8 ? 128.0f : (KIND) == L5 ? 16.0f : 8.0f; \
+    if (((const float *)bias)[0] == -off) lanes_mm(KIND, LM_F16I, x, M, &w, N, y, ldy, nthreads); \
+    else lanes_mm(KIND, LM_F16S, x, M, &w, N, y, ldy, nthreads); }
 
 LANES_EXPORT(tq_q4x16_f32_mm, L4, LM_F32)
 LANES_EXPORT(tq_q4x16_f16_mm, L4, LM_F16)
+LANES_EXPORT(tq_q4x16_k_mm, L4, LM_K)
 LANES_EXPORT_F16S(tq_q4x16_f16s_mm, L4)
 LANES_EXPORT(tq_q5x16_f32_mm, L5, LM_F32)
 LANES_EXPORT(tq_q5x16_f16_mm, L5, LM_F16)
+LANES_EXPORT(tq_q5x16_k_mm, L5, LM_K)
 LANES_EXPORT_F16S(tq_q5x16_f16s_mm, L5)
 LANES_EXPORT(tq_q8x16_f32_mm, L8, LM_F32)
 LANES_EXPORT(tq_q8x16_f16_mm, L8, LM_F16)
 LANES_EXPORT_F16S(tq_q8x16_f16s_mm, L8)
+LANES_EXPORT(tq_q6x16_k6_mm, L8, LM_K6)

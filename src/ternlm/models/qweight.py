@@ -40,11 +40,12 @@ from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles
 Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
 # The lanes layouts (kernels/qlanes.c): the same codes and scales, 16 weight rows interleaved so that a
 # vector's lane j is row j of its block. Made at load by to_lanes(); see there.
-Q4L, Q5L, Q8L = "q4x16", "q5x16", "q8x16"
-LANES = {Q4: Q4L, Q5: Q5L, Q8W: Q8L}           # row layout -> its lanes layout
-LANES_MODES = ("f32", "f16", "f16s")           # the scale modes qlanes.c takes
+Q4L, Q5L, Q8L, Q6L = "q4x16", "q5x16", "q8x16", "q6x16"
+# (row layout, scale mode) -> its lanes layout: every GGML type's (Q6_K's q8g16 "k6" is q6x16: groups of 16)
+LANES = {(Q4, m): Q4L for m in ("f32", "f16", "f16s", "k")} | {(Q5, m): Q5L for m in ("f32", "f16", "f16s", "k")} \
+    | {(Q8W, m): Q8L for m in ("f32", "f16", "f16s")} | {(Q8, "k6"): Q6L}
 BLOCK_ROWS = 16
-GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32, Q4L: 32, Q5L: 32, Q8L: 32}
+GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32, Q4L: 32, Q5L: 32, Q8L: 32, Q6L: 16}
 NIBBLES = (Q4, Q5)       # row layouts whose codes are packed nibbles (GGML's order)
 
 
@@ -65,7 +66,7 @@ class QWeight:
     @property
     def lanes(self) -> bool:
         """Whether this is a lanes layout (16 weight rows interleaved: kernels/qlanes.c)."""
-        return self.fmt in (Q4L, Q5L, Q8L)
+        return self.fmt in (Q4L, Q5L, Q8L, Q6L)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -90,28 +91,38 @@ class QWeight:
         """float64 (len(rows), groups) scale and bias of every group: exact (the products below are
         exact in float64, and equal the kernel's fp32 ones, which are exact too)."""
         mode = self.mode
-        if self.lanes:
-            block, lane = _block_lane(rows, self.shape[0])
-            sc = self.scale[block, :, lane].double()
-            return sc, (sc * float(self.bias[0]) if mode == "f16s" else self.bias[block, :, lane].double())
-        sc = self.scale[rows].double()
+        scale, bias, sup = self._row_fields(rows)
+        sc = scale.double()
         if mode in ("f32", "f16"):
-            return sc, self.bias[rows].double()
+            return sc, bias.double()
         if mode == "f16s":
             return sc, sc * float(self.bias[0])
-        sup = self.sup[rows].double()
+        sup = sup.double()
         if mode == "k":                                  # (n, in/256, 2) -> per group of 32: 8 a block
             d, dmin = sup[..., 0].repeat_interleave(8, dim=1), sup[..., 1].repeat_interleave(8, dim=1)
-            return d * sc, -(dmin * self.bias[rows].double())
+            return d * sc, -(dmin * bias.double())
         s = sup.repeat_interleave(16, dim=1) * sc        # "k6": groups of 16, 16 a block
         return s, s * -32.0
+
+    def _row_fields(self, rows: torch.Tensor | slice):
+        """(scale, bias, sup) of `rows` as a row layout holds them: (n, groups), (n, groups) or the
+        "f16s" constant or None, (n, in/256, 2) / (n, in/256) or None."""
+        if not self.lanes:
+            bias = self.bias if self.bias is None or self.bias.dim() == 1 else self.bias[rows]
+            return self.scale[rows], bias, None if self.sup is None else self.sup[rows]
+        block, lane = _block_lane(rows, self.shape[0])
+        bias = self.bias if self.bias is None or self.bias.dim() == 1 else self.bias[block, :, lane]
+        sup = None
+        if self.sup is not None:        # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
+            sup = self.sup[block, :, :, lane] if self.sup.dim() == 4 else self.sup[block, :, lane]
+        return self.scale[block, :, lane], bias, sup
 
     def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Each weight's code, (len(rows), in) uint8, in input order."""
         if self.lanes:
             block, lane = _block_lane(rows, self.shape[0])
             c = self.codes[block, :, lane]                                      # (n, in/2 or in)
-            if self.fmt == Q8L:
+            if self.fmt in (Q8L, Q6L):
                 return c
             q = torch.stack((c & 0x0F, c >> 4), dim=-1).reshape(c.shape[0], -1)  # (n, in): inputs 2p, 2p+1
             if self.fmt == Q5L:
@@ -159,35 +170,37 @@ def _block_lane(rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch
 
 def to_lanes(q: QWeight) -> QWeight | None:
     """q in its lanes layout (kernels/qlanes.c; the same codes, scales and biases, so the same weights,
-    with 16 rows interleaved), or None where qlanes.c has no kernel for it (K-quant modes, groups of 16,
-    an output count not a multiple of 16). Already lanes: q itself. Pure: q is not changed; the caller
-    drops it (the result holds no view of it), so memory is the same bytes once loading is done."""
+    with 16 rows interleaved), or None where qlanes.c has no kernel for it (q8g16 but Q6_K's "k6", an
+    output count not a multiple of 16). Already lanes: q itself. Pure: q is not changed and the result
+    holds no view of it (the caller drops q: the same bytes once loading is done)."""
     if q.lanes:
         return q
-    if q.fmt not in LANES or q.mode not in LANES_MODES or q.shape[0] % BLOCK_ROWS:
+    fmt = LANES.get((q.fmt, q.mode))
+    if fmt is None or q.shape[0] % BLOCK_ROWS:
         return None
     n, k = q.shape
     nb = n // BLOCK_ROWS
 
-    def interleave(t: torch.Tensor) -> torch.Tensor:        # (n, w) -> (n/16, w, 16)
-        return t.reshape(nb, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
+    def interleave(t: torch.Tensor) -> torch.Tensor:        # (n, w...) -> (n/16, w..., 16)
+        t = t.reshape(nb, BLOCK_ROWS, *t.shape[1:])
+        return t.permute(0, *range(2, t.dim()), 1).contiguous()
 
     codes, high = [], []
     step = 4096                                            # rows at a time: bounds the (rows, in) temporaries
     for r0 in range(0, n, step):
         rows = q.codes_of_rows(slice(r0, min(n, r0 + step)))                     # (r, in) 0..255
         t = rows.reshape(-1, BLOCK_ROWS, k).transpose(1, 2)                       # (r/16, in, 16)
-        if q.fmt == Q8W:
+        if fmt in (Q8L, Q6L):
             codes.append(t.contiguous())
             continue
         low = t & 0x0F
         codes.append((low[:, 0::2] | (low[:, 1::2] << 4)).contiguous())           # (r/16, in/2, 16)
-        if q.fmt == Q5:
+        if fmt == Q5L:
             bits = ((t >> 4) & 1).reshape(t.shape[0], k, 2, 8)                    # lanes 0-7, 8-15
             high.append((bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))  # (r/16, in, 2)
-    scale = interleave(q.scale)
-    bias = q.bias if q.mode == "f16s" else interleave(q.bias)
-    return QWeight(LANES[q.fmt], torch.cat(codes), scale, bias, torch.cat(high) if high else None)
+    bias = q.bias if q.bias is None or q.mode == "f16s" else interleave(q.bias)
+    sup = None if q.sup is None else interleave(q.sup)   # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
+    return QWeight(fmt, torch.cat(codes), interleave(q.scale), bias, torch.cat(high) if high else None, sup)
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
