@@ -67,88 +67,117 @@ typedef struct {
 
 /* ---- codes --------------------------------------------------------------------------------------- */
 
-/* VN bytes at p, widened to int32 lanes (zero-extended). GCC builds a byte vector loaded with memcpy
- * byte by byte (measured: the Q8 GEMV 3.7x slower), hence the intrinsics. */
-LINLINE vfi widen_u8(const uint8_t *p) {
+/* ---- codes: the byte work on VN bytes (16 on AVX-512: one xmm), then one widening to int32 lanes (the
+ * GEMV's cost per weight: doing the offset and the fifth bits on the bytes instead of the int32 lanes
+ * took 4 of 10 zmm operations a pair off the decode loop). ---- */
 #if VN == 16
-    return (vfi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+typedef __m128i bytes_t;
+LINLINE bytes_t ld_bytes(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)p); }
 #elif VN == 8
-    return (vfi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+typedef __m128i bytes_t;             /* the low 8 bytes */
+LINLINE bytes_t ld_bytes(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)p); }
 #else
-    vfi r;
-    for (int j = 0; j < VN; j++) r[j] = p[j];
+typedef struct { int8_t b[VN]; } bytes_t;
+LINLINE bytes_t ld_bytes(const uint8_t *p) { bytes_t r; memcpy(r.b, p, VN); return r; }
+#endif
+
+/* signed bytes -> int32 lanes -> floats */
+LINLINE vf widen_s(bytes_t q) {
+#if VN == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+#elif VN == 8
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+#else
+    vf r;
+    for (int j = 0; j < VN; j++) r[j] = (float)q.b[j];
     return r;
 #endif
 }
 
-LINLINE vfi widen_i8(const int8_t *p) {
+/* unsigned bytes -> floats */
+LINLINE vf widen_u(bytes_t q) {
 #if VN == 16
-    return (vfi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
 #elif VN == 8
-    return (vfi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
 #else
-    vfi r;
-    for (int j = 0; j < VN; j++) r[j] = p[j];
+    vf r;
+    for (int j = 0; j < VN; j++) r[j] = (float)(uint8_t)q.b[j];
     return r;
 #endif
 }
 
-/* The nibbles of VN bytes at p: low -> *lo, high -> *hi, as int32 lanes. */
-LINLINE void widen_nibbles(const uint8_t *p, vfi *lo, vfi *hi) {
-#if VN == 16
-    const __m128i q = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
-    *lo = (vfi)_mm512_cvtepu8_epi32(_mm_and_si128(q, m));
-    *hi = (vfi)_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m));
+LINLINE bytes_t sub_bytes(bytes_t q, int k) {
+#if VN >= 8
+    return _mm_sub_epi8(q, _mm_set1_epi8((char)k));
 #else
-    const vfi q = widen_u8(p);
-    *lo = q & 15;
-    *hi = q >> 4;
+    for (int j = 0; j < VN; j++) q.b[j] = (int8_t)(uint8_t)((uint8_t)q.b[j] - k);
+    return q;
+#endif
+}
+
+LINLINE void nibbles(bytes_t q, bytes_t *lo, bytes_t *hi) {
+#if VN >= 8
+    const __m128i m = _mm_set1_epi8(0x0F);
+    *lo = _mm_and_si128(q, m);
+    *hi = _mm_and_si128(_mm_srli_epi16(q, 4), m);
+#else
+    for (int j = 0; j < VN; j++) { lo->b[j] = (int8_t)((uint8_t)q.b[j] & 15); hi->b[j] = (int8_t)((uint8_t)q.b[j] >> 4); }
 #endif
 }
 
 #if VN < 16
-/* FIFTH[m][j] = 16 if bit j of m is set, else 0: the fifth bits of VN lanes from one load (the AVX2 Q5
- * GEMV spent 4 vector ops a vector on them, 1.27x the row layout's time; AVX-512 uses a mask add). */
-static int32_t FIFTH[1 << VN][VN] __attribute__((aligned(64)));
+/* FIFTH[m] = VN bytes, byte j 16 if bit j of m is set, else 0: a lane's fifth bit from one load (AVX-512
+ * uses a masked add instead). */
+static uint8_t FIFTH[1 << VN][VN] __attribute__((aligned(64)));
 __attribute__((constructor)) static void fill_fifth(void) {
     for (int m = 0; m < (1 << VN); m++)
         for (int j = 0; j < VN; j++) FIFTH[m][j] = (m >> j & 1) ? 16 : 0;
 }
-LINLINE vfi fifth_bits(unsigned m) {
-    vfi r;
-    memcpy(&r, FIFTH[m & ((1u << VN) - 1)], sizeof r);
-    return r;
-}
 #endif
+
+/* + 16 on the bytes whose bit in m (lanes v * VN ..) is set */
+LINLINE bytes_t add_fifth(bytes_t q, unsigned m, int v) {
+#if VN == 16
+    (void)v;
+    return _mm_mask_add_epi8(q, (__mmask16)m, q, _mm_set1_epi8(16));
+#elif VN == 8
+    return _mm_add_epi8(q, _mm_loadl_epi64((const __m128i *)FIFTH[(m >> (8 * v)) & 0xFF]));
+#else
+    const uint8_t *f = FIFTH[(m >> (VN * v)) & ((1u << VN) - 1)];
+    for (int j = 0; j < VN; j++) q.b[j] = (int8_t)(uint8_t)((uint8_t)q.b[j] + f[j]);
+    return q;
+#endif
+}
 
 /* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above). */
 LINLINE void codes_pair(int kind, int mode, const LMat *w, int64_t b, int64_t p, int v, vf *c0, vf *c1) {
     const int64_t K = w->K;
-    vfi i0, i1;
+    const int off = mode == LM_K6 ? 32 : mode != LM_F16I ? 0 : kind == L8 ? 128 : kind == L5 ? 16 : 8;
+    bytes_t q0, q1;
     if (kind == L8) {
-        i0 = widen_u8(w->codes + (b * K + 2 * p) * BLK + v * VN);
-        i1 = widen_u8(w->codes + (b * K + 2 * p + 1) * BLK + v * VN);
+        q0 = ld_bytes(w->codes + (b * K + 2 * p) * BLK + v * VN);
+        q1 = ld_bytes(w->codes + (b * K + 2 * p + 1) * BLK + v * VN);
     } else {
-        widen_nibbles(w->codes + (b * (K / 2) + p) * BLK + v * VN, &i0, &i1);
+        nibbles(ld_bytes(w->codes + (b * (K / 2) + p) * BLK + v * VN), &q0, &q1);
         if (kind == L5) {          /* the fifth bits: lane j's bit j of the 16-bit mask, times 16 */
             const uint16_t *h = w->high + b * K + 2 * p;
-#if VN == 16
-            i0 = (vfi)_mm512_mask_add_epi32((__m512i)i0, (__mmask16)h[0], (__m512i)i0, _mm512_set1_epi32(16));
-            i1 = (vfi)_mm512_mask_add_epi32((__m512i)i1, (__mmask16)h[1], (__m512i)i1, _mm512_set1_epi32(16));
-#else
-            i0 += fifth_bits(h[0] >> (v * VN));
-            i1 += fifth_bits(h[1] >> (v * VN));
-#endif
+            q0 = add_fifth(q0, h[0], v);
+            q1 = add_fifth(q1, h[1], v);
         }
     }
-    if (mode == LM_F16I || mode == LM_K6) {
-        const int32_t off = mode == LM_K6 ? 32 : kind == L8 ? 128 : kind == L5 ? 16 : 8;
-        i0 -= off;
-        i1 -= off;
+    if (off) {                     /* c - off fits a signed byte: Q8_0's -128..127, Q4 -8..7, Q5 -16..15, Q6_K -32..31 */
+        *c0 = widen_s(sub_bytes(q0, off));
+        *c1 = widen_s(sub_bytes(q1, off));
+    } else {
+        *c0 = widen_u(q0);
+        *c1 = widen_u(q1);
     }
-    *c0 = __builtin_convertvector(i0, vf);
-    *c1 = __builtin_convertvector(i1, vf);
 }
+
+/* VN unsigned / signed bytes at p as float lanes (the K-quants' sub-block scales) */
+LINLINE vf bytes_u(const uint8_t *p) { return widen_u(ld_bytes(p)); }
+LINLINE vf bytes_s(const int8_t *p) { return widen_s(ld_bytes((const uint8_t *)p)); }
 
 /* Lanes (v * VN ..) of block b's scale and bias for group g: the values qmatmul.c's lds / ldb give. */
 LINLINE vf scale_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
@@ -156,9 +185,9 @@ LINLINE vf scale_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
     switch (mode) {
     case LM_F32: return loadn((const float *)w->scale + i);
     case LM_K:   return loadnh((const _Float16 *)w->sup + ((b * (w->K / 256) + g / 8) * 2) * BLK + v * VN)
-                        * __builtin_convertvector(widen_u8((const uint8_t *)w->scale + i), vf);
+                        * bytes_u((const uint8_t *)w->scale + i);
     case LM_K6:  return loadnh((const _Float16 *)w->sup + (b * (w->K / 256) + g / 16) * BLK + v * VN)
-                        * __builtin_convertvector(widen_i8((const int8_t *)w->scale + i), vf);
+                        * bytes_s((const int8_t *)w->scale + i);
     default:     return loadnh((const _Float16 *)w->scale + i);
     }
 }
@@ -169,7 +198,7 @@ LINLINE vf bias_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
     case LM_F32:  return loadn((const float *)w->bias + i);
     case LM_F16S: return scale_at(mode, w, b, g, v) * splatn(((const float *)w->bias)[0]);
     case LM_K:    return -(loadnh((const _Float16 *)w->sup + ((b * (w->K / 256) + g / 8) * 2 + 1) * BLK + v * VN)
-                           * __builtin_convertvector(widen_u8((const uint8_t *)w->bias + i), vf));
+                           * bytes_u((const uint8_t *)w->bias + i));
     default:      return loadnh((const _Float16 *)w->bias + i);
     }
 }
@@ -195,16 +224,21 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X) {
 
 /* ---- small M: straight from the codes ------------------------------------------------------------ */
 
-#define GV_ACC 8        /* S accumulators a GEMV tile holds: R rows x CB blocks x NV vectors */
-#define PF_AHEAD 4096   /* software prefetch distance in a block's code stream (the probe: without it the
-                         * hardware prefetcher left decode well below the memory's bandwidth) */
+/* S accumulators a GEMV tile holds: R rows x CB blocks x NV vectors (at most 8 blocks: GV_C's cases).
+ * 8 measured best on Sapphire Rapids (2 and 4: 6-15% slower at M = 1). No software prefetch: unlike
+ * qmatmul.c's GEMV this one measured slower with every kind tried (4 KB, 1 KB or 512 B ahead in a
+ * block's own stream, or the next tile's blocks at the same input; to L1 or L2): qwen's Q5_0 layers
+ * 1.22-1.36x the time without, in a pass over 24 layers' matrices. */
+#define GV_ACC 8
+#if GV_ACC / NV > 8
+#error "GV_ACC: at most 8 blocks a GEMV tile"
+#endif
 
 /* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y (zeroed by the
  * caller). X: the rows' group sums (bias modes). */
 LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const LMat *w, const float *X,
                        int64_t b0, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / GS(mode), PG = GS(mode) / 2;       /* input pairs a group */
-    const int64_t stream = kind == L8 ? K * BLK : K / 2 * BLK;          /* a block's code bytes */
     for (int64_t g = 0; g < G; g++) {
         vf S[4][GV_ACC];
         for (int r = 0; r < R; r++)
@@ -214,8 +248,6 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const 
             for (int r = 0; r < R; r++) { x0[r] = splatn(x[r * K + 2 * p]); x1[r] = splatn(x[r * K + 2 * p + 1]); }
 #pragma GCC unroll 8
             for (int c = 0; c < CB; c++) {
-                if ((p & (kind == L8 ? 1 : 3)) == 0)      /* once per 64-byte line of the stream */
-                    __builtin_prefetch(w->codes + (b0 + c) * stream + (kind == L8 ? 2 * p : p) * BLK + PF_AHEAD);
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     vf c0, c1;
