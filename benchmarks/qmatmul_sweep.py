@@ -1,12 +1,14 @@
-"""qmatmul.c at two git revisions, side by side on a real model's quantized matrices.
+"""The quantized products (qmatmul.c, qlanes.c) at two git revisions, side by side on a real model's matrices.
 
     python benchmarks/qmatmul_sweep.py -m qwen2.5-coder-0.5b --base HEAD~1 [--new WORKTREE] [--march native]
     python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --amx new --timed-m 1,8,37,256
     python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --cflags-new="-DKCHAIN=1 -DNBUF_BYTES=393216" --no-lm-head --timed-m 37,256
 
-Builds src/ternlm/kernels/qmatmul.c as it is at --base and at --new (a revision, or WORKTREE for the
-file on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the AVX2 path),
-loads the model with --weights gguf and then, for every matrix in model order:
+Builds src/ternlm/kernels/qmatmul.c and qlanes.c as they are at --base and at --new (a revision, or
+WORKTREE for the files on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the
+AVX2 path), loads the model with --weights gguf (its matrices in the layouts the engine holds: lanes where
+they have one, so a --base from before qlanes.c has no kernel for them: compare such revisions with
+`ternlm bench engine`) and then, for every matrix in model order:
   1. checks that both builds give the same output bits at M = 1, 3, 8, 13, 16, 37, 100 (a kernel change that is
      meant to be a speed change only must pass this; so must a tile constant set by --cflags-new);
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
@@ -32,8 +34,8 @@ import torch
 from ternlm.engine import Engine
 from ternlm.models.qlinear import QLinear
 
-SRC = "src/ternlm/kernels/qmatmul.c"
-HEADERS = ["src/ternlm/kernels/qmatmul_amx.h"]      # qmatmul.c's own includes, where the revision has them
+SOURCES = ["src/ternlm/kernels/qmatmul.c", "src/ternlm/kernels/qlanes.c"]     # those the revision has
+HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h"]   # their includes, likewise
 
 
 def build(rev: str, march: str, out: Path, tag: str, cflags: list[str]) -> ctypes.CDLL:
@@ -47,11 +49,14 @@ def build(rev: str, march: str, out: Path, tag: str, cflags: list[str]) -> ctype
     for h in HEADERS:
         if (t := text(h)) is not None:
             (d / Path(h).name).write_text(t)
-    src = d / "qmatmul.c"
-    src.write_text(text(SRC))
-    so = src.with_suffix(".so")
+    srcs = []
+    for s in SOURCES:
+        if (t := text(s)) is not None:
+            srcs.append(d / Path(s).name)
+            srcs[-1].write_text(t)
+    so = d / "kernels.so"
     subprocess.run(["cc", "-O3", f"-march={march}", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi",
-                    *cflags, str(src), "-o", str(so)], check=True)
+                    *cflags, *map(str, srcs), "-o", str(so), "-lm"], check=True)
     return ctypes.CDLL(str(so))
 
 

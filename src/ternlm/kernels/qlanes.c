@@ -215,9 +215,10 @@ static void group_sums(const float *x, int64_t M, int64_t K, float *X) {
         }
 }
 
-/* T (the outputs' running total, kept in y) += the group's sums: the epilogue of both paths. */
-LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X) {
-    vf T = fman(s, S, loadn(t));
+/* T (the outputs' running total, kept in y) += the group's sums: the epilogue of both paths. The first
+ * group starts T at +0, which y is not zeroed for (y's old values are never read). */
+LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X, int first) {
+    vf T = fman(s, S, first ? splatn(0.0f) : loadn(t));
     if (HAS_BIAS(mode)) T = fman(b, splatn(X), T);
     storen(t, T);
 }
@@ -234,8 +235,8 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X) {
 #error "GV_ACC: at most 8 blocks a GEMV tile"
 #endif
 
-/* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y (zeroed by the
- * caller). X: the rows' group sums (bias modes). */
+/* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y. X: the rows' group
+ * sums (bias modes). */
 LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const LMat *w, const float *X,
                        int64_t b0, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / GS(mode), PG = GS(mode) / 2;       /* input pairs a group */
@@ -262,7 +263,7 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const 
                 const vf b = HAS_BIAS(mode) ? bias_at(mode, w, b0 + c, g, v) : splatn(0.0f);
                 for (int r = 0; r < R; r++)
                     add_group(mode, y + r * ldy + (b0 + c) * BLK + v * VN, s, S[r][c * NV + v], b,
-                              HAS_BIAS(mode) ? X[r * G + g] : 0.0f);
+                              HAS_BIAS(mode) ? X[r * G + g] : 0.0f, g == 0);
             }
     }
 }
@@ -357,7 +358,8 @@ LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float 
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
                 add_group(mode, y + r * ldy + h * VN, loadn(s + h * VN), S[r][h],
-                          HAS_BIAS(mode) ? loadn(b + h * VN) : splatn(0.0f), HAS_BIAS(mode) ? X[r * (K / 32) + g] : 0.0f);
+                          HAS_BIAS(mode) ? loadn(b + h * VN) : splatn(0.0f), HAS_BIAS(mode) ? X[r * (K / 32) + g] : 0.0f,
+                          g == 0);
     }
 }
 
@@ -426,11 +428,11 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
         if (!X) abort();         /* M x K/32 floats: a 32nd of x */
         group_sums(x, M, K, X);
     }
-    const int gemm = M >= LANES_GEMM_M(kind);
+    int gemm = M >= LANES_GEMM_M(kind);
     const size_t per_thread = KC_BYTES + 2 * (KC_MAX / 16 * NW * sizeof(float)) + 256;
     char *bufs = gemm ? aligned_alloc(64, (size_t)nthreads * per_thread) : NULL;
     float *xp = gemm ? aligned_alloc(64, ((size_t)(M * K) * sizeof(float) + 63) / 64 * 64) : NULL;
-    if (gemm && !(bufs && xp)) abort();
+    if (gemm && !(bufs && xp)) gemm = 0;     /* out of memory: the GEMV path, the same bits, no buffers */
     const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -445,7 +447,6 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
         const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
         const int64_t b0 = u0 * unit, b1 = u1 * unit < nb ? u1 * unit : nb;
         if (b0 < b1) {
-            for (int64_t m = 0; m < M; m++) memset(y + m * ldy + b0 * BLK, 0, (size_t)(b1 - b0) * BLK * sizeof(float));
             if (gemm)
                 gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
