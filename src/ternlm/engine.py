@@ -163,7 +163,9 @@ class Engine:
         with loading():                          # the loader's large temporaries leave the process
             if r.kind == "gguf":
                 from .models.gguf import load_gguf
-                loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=wchoice.mode == "gguf")
+                quantized = wchoice.mode == "gguf"
+                loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
+                                   lanes=quantized and wchoice.kernels.lanes)
             else:
                 from .models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
