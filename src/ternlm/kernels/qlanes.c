@@ -230,30 +230,33 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X, int first)
  * qmatmul.c's GEMV this one measured slower with every kind tried (4 KB, 1 KB or 512 B ahead in a
  * block's own stream, or the next tile's blocks at the same input; to L1 or L2): qwen's Q5_0 layers
  * 1.22-1.36x the time without, in a pass over 24 layers' matrices. */
-#define GV_ACC 8
-#if GV_ACC / NV > 8
-#error "GV_ACC: at most 8 blocks a GEMV tile"
-#endif
+#define GV_ACC (VN == 16 ? 16 : 8)
+#define GV_RMAX (VN == 16 ? 8 : 4)      /* rows a GEMV tile: R x NV accumulators must fit beside the codes */
 
-/* R rows (x, stride K) x CB blocks from b0: every output's chain, T accumulated in y. X: the rows' group
- * sums (bias modes). */
-LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const LMat *w, const float *X,
+/* R rows x CB blocks from b0: every output's chain, T accumulated in y. xt: the R rows packed input by
+ * input (xt[k * R + r] = x[r, k]: one base address for all the broadcasts; 8 row pointers left GCC short
+ * of registers, the output projection of 8 streams 1.4x slower; a single row is its own packing).
+ * X: the rows' group sums (bias modes). */
+LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *xt, const LMat *w, const float *X,
                        int64_t b0, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / GS(mode), PG = GS(mode) / 2;       /* input pairs a group */
     for (int64_t g = 0; g < G; g++) {
-        vf S[4][GV_ACC];
+        vf S[GV_RMAX][8 * NV];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < CB * NV; i++) S[r][i] = splatn(0.0f);
         for (int64_t p = PG * g; p < PG * g + PG; p++) {
-            vf x0[4], x1[4];
-            for (int r = 0; r < R; r++) { x0[r] = splatn(x[r * K + 2 * p]); x1[r] = splatn(x[r * K + 2 * p + 1]); }
+            const float *x0 = xt + 2 * p * R, *x1 = x0 + R;
 #pragma GCC unroll 8
             for (int c = 0; c < CB; c++) {
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     vf c0, c1;
                     codes_pair(kind, mode, w, b0 + c, p, v, &c0, &c1);
-                    for (int r = 0; r < R; r++) S[r][c * NV + v] = fman(c1, x1[r], fman(c0, x0[r], S[r][c * NV + v]));
+                    /* broadcasts from memory, inside the FMAs: held in registers they left no room
+                     * for 16 accumulators */
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; r++)
+                        S[r][c * NV + v] = fman(c1, splatn(x1[r]), fman(c0, splatn(x0[r]), S[r][c * NV + v]));
                 }
             }
         }
@@ -269,7 +272,7 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const 
 }
 
 /* blocks per GEMV tile for R rows: as many as GV_ACC accumulators hold */
-#define GV_CB(R) (GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
+#define GV_CB(R) (GV_ACC / ((R) * NV) > 8 ? 8 : GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
 
 #define GV_C(R_, C_) case C_:                                                                   \
     if ((C_) <= GV_CB(R_)) gemv_tile(kind, mode, R_, C_, xm, w, Xm, b, ym, ldy);               \
@@ -278,18 +281,26 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *x, const 
     switch (CB) { GV_C(R_, 1) GV_C(R_, 2) GV_C(R_, 3) GV_C(R_, 4) GV_C(R_, 5) GV_C(R_, 6) GV_C(R_, 7) GV_C(R_, 8) } \
     break;
 
-/* Blocks [b0, b1) for every row, R <= 4 rows at a time. */
-LINLINE void gemv_blocks(int kind, int mode, const float *x, int64_t M, const LMat *w, const float *X,
-                         int64_t b0, int64_t b1, float *y, int64_t ldy) {
-    const int64_t K = w->K, G = K / 32;
-    for (int64_t m = 0; m < M; m += 4) {
-        const int R = (int)(M - m < 4 ? M - m : 4);
-        const float *xm = x + m * K, *Xm = X ? X + m * G : NULL;
+/* Blocks [b0, b1) for every row. xp: x packed by pack_rows in groups of GV_RMAX rows (each pass reads
+ * every code of the blocks once, so a product below LANES_GEMM_M takes one pass where the registers
+ * allow: on AVX-512 8 rows x 1 block, 8 chains; the output projection of 8 decoding streams read twice
+ * measured 1.45x the row kernel's time), or NULL: x's rows one at a time (same bits, M passes). */
+LINLINE void gemv_blocks(int kind, int mode, const float *x, const float *xp, int64_t M, const LMat *w,
+                         const float *X, int64_t b0, int64_t b1, float *y, int64_t ldy) {
+    const int64_t K = w->K, G = K / 32, rmax = xp ? GV_RMAX : 1;
+    for (int64_t m = 0; m < M; m += rmax) {
+        const int R = (int)(M - m < rmax ? M - m : rmax);
+        const float *xm = (xp ? xp : x) + m * K, *Xm = X ? X + m * G : NULL;
         float *ym = y + m * ldy;
         for (int64_t b = b0; b < b1;) {
             const int full = GV_CB(R);
             const int CB = b1 - b >= full ? full : (int)(b1 - b);
-            switch (R) { GV_R(1) GV_R(2) GV_R(3) GV_R(4) }
+            switch (R) {
+                GV_R(1) GV_R(2) GV_R(3) GV_R(4)
+#if GV_RMAX == 8
+                GV_R(5) GV_R(6) GV_R(7) GV_R(8)
+#endif
+            }
             b += CB;
         }
     }
@@ -370,16 +381,18 @@ LINLINE int lanes_tile_rows(int64_t M, int64_t t) {
     return (int)(M / tiles + (t < M % tiles));
 }
 
-/* x (M, K) -> xp: row tile t (rows m .. m+R-1) at xp + m K, packed as gemm_tile reads it. Tiles
- * [t0, t1) only (threads share the work). */
+/* R rows of x (stride K) -> dst[k * R + r]: how gemm_tile and gemv_tile read a tile's rows. */
+static void pack_rows(const float *x, int64_t K, int R, float *dst) {
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < R; r++) dst[k * R + r] = x[r * K + k];
+}
+
+/* x (M, K) -> xp: row tile t (rows m .. m+R-1) at xp + m K, packed. Tiles [t0, t1) only (threads share
+ * the work). */
 static void pack_tiles(const float *x, int64_t M, int64_t K, float *xp, int64_t t0, int64_t t1) {
     int64_t m = 0, t = 0;
     for (; t < t0; t++) m += lanes_tile_rows(M, t);
-    for (; t < t1; m += lanes_tile_rows(M, t), t++) {
-        const int R = lanes_tile_rows(M, t);
-        for (int64_t k = 0; k < K; k++)
-            for (int r = 0; r < R; r++) xp[m * K + k * R + r] = x[(m + r) * K + k];
-    }
+    for (; t < t1; m += lanes_tile_rows(M, t), t++) pack_rows(x + m * K, K, lanes_tile_rows(M, t), xp + m * K);
 }
 
 #define GM_CASE(R_) case R_: gemm_tile(mode, R_, xm, K, buf, sb, bb, Xm, g0, g1, ym, ldy); break;
@@ -410,7 +423,7 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
             }
         }
     if (n < n1)          /* a last block of 16 rows narrower than a tile: the GEMV, the same chains */
-        gemv_blocks(kind, mode, x, M, w, X, n / BLK, n1 / BLK, y, ldy);
+        gemv_blocks(kind, mode, x, NULL, M, w, X, n / BLK, n1 / BLK, y, ldy);
 }
 
 /* ---- the entries ---------------------------------------------------------------------------------- */
@@ -431,8 +444,11 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
     int gemm = M >= LANES_GEMM_M(kind);
     const size_t per_thread = KC_BYTES + 2 * (KC_MAX / 16 * NW * sizeof(float)) + 256;
     char *bufs = gemm ? aligned_alloc(64, (size_t)nthreads * per_thread) : NULL;
-    float *xp = gemm ? aligned_alloc(64, ((size_t)(M * K) * sizeof(float) + 63) / 64 * 64) : NULL;
+    /* x packed: by GEMM tiles, or in groups of GV_RMAX rows for the GEMV (M > 1) */
+    float *xp = M > 1 ? aligned_alloc(64, ((size_t)(M * K) * sizeof(float) + 63) / 64 * 64) : NULL;
     if (gemm && !(bufs && xp)) gemm = 0;     /* out of memory: the GEMV path, the same bits, no buffers */
+    if (!gemm && xp)
+        for (int64_t m = 0; m < M; m += GV_RMAX) pack_rows(x + m * K, K, (int)(M - m < GV_RMAX ? M - m : GV_RMAX), xp + m * K);
     const int64_t tiles = (M + MR - 1) / MR;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -451,7 +467,7 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
                 gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
             else
-                gemv_blocks(kind, mode, x, M, w, X, b0, b1, y, ldy);
+                gemv_blocks(kind, mode, x, xp, M, w, X, b0, b1, y, ldy);
         }
     }
     free(bufs);
