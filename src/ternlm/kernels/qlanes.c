@@ -126,9 +126,9 @@ LINLINE void nibbles(bytes_t q, bytes_t *lo, bytes_t *hi) {
 #endif
 }
 
-#if VN < 16
+#if VN < 8
 /* FIFTH[m] = VN bytes, byte j 16 if bit j of m is set, else 0: a lane's fifth bit from one load (AVX-512
- * uses a masked add instead). */
+ * uses a masked add instead, AVX2 FIFTH32 below). */
 static uint8_t FIFTH[1 << VN][VN] __attribute__((aligned(64)));
 __attribute__((constructor)) static void fill_fifth(void) {
     for (int m = 0; m < (1 << VN); m++)
@@ -136,24 +136,76 @@ __attribute__((constructor)) static void fill_fifth(void) {
 }
 #endif
 
+#if VN != 8
 /* + 16 on the bytes whose bit in m (lanes v * VN ..) is set */
 LINLINE bytes_t add_fifth(bytes_t q, unsigned m, int v) {
 #if VN == 16
     (void)v;
     return _mm_mask_add_epi8(q, (__mmask16)m, q, _mm_set1_epi8(16));
-#elif VN == 8
-    return _mm_add_epi8(q, _mm_loadl_epi64((const __m128i *)FIFTH[(m >> (8 * v)) & 0xFF]));
 #else
     const uint8_t *f = FIFTH[(m >> (VN * v)) & ((1u << VN) - 1)];
     for (int j = 0; j < VN; j++) q.b[j] = (int8_t)(uint8_t)((uint8_t)q.b[j] + f[j]);
     return q;
 #endif
 }
+#endif
 
-/* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above). */
-LINLINE void codes_pair(int kind, int mode, const LMat *w, int64_t b, int64_t p, int v, vf *c0, vf *c1) {
+#if VN == 8
+/* AVX2's codes work in the int32 lanes instead (no mask add to make the byte work pay): eight bytes widen
+ * straight from memory (vpmovzxbd), a pair of 4-bit codes splits there (and / shift: 2 operations for 16
+ * codes where the bytes took 3 and a widening each), and Q5's fifth bits come from FIFTH32, whose words
+ * are 2^23's float bits (0x4B000000) with 16 added where the lane's bit is set: or-ed onto the code, the
+ * float is exactly 2^23 + c, and subtracting 2^23 + offset leaves c' (exact: every value an integer below
+ * 2^24). The same values as the byte path, so the same bits. */
+static uint32_t FIFTH32[256][8] __attribute__((aligned(32)));
+__attribute__((constructor)) static void fill_fifth32(void) {
+    for (int m = 0; m < 256; m++)
+        for (int j = 0; j < 8; j++) FIFTH32[m][j] = 0x4B000000u | ((m >> j & 1) ? 16u : 0u);
+}
+
+LINLINE __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* int32 lanes c -> the floats c - off */
+LINLINE vf int_codes(__m256i c, int hasoff, int off) {
+    const vf f = (vf)_mm256_cvtepi32_ps(c);
+    return hasoff ? f - splatn((float)off) : f;
+}
+
+LINLINE void codes_pair8(int kind, int hasoff, int off, const LMat *w, int64_t b, int64_t p, int v, vf *c0, vf *c1) {
     const int64_t K = w->K;
-    const int off = mode == LM_K6 ? 32 : mode != LM_F16I ? 0 : kind == L8 ? 128 : kind == L5 ? 16 : 8;
+    if (kind == L8) {
+        *c0 = int_codes(widen8(w->codes + (b * K + 2 * p) * BLK + v * VN), hasoff, off);
+        *c1 = int_codes(widen8(w->codes + (b * K + 2 * p + 1) * BLK + v * VN), hasoff, off);
+        return;
+    }
+    const __m256i q = widen8(w->codes + (b * (K / 2) + p) * BLK + v * VN);
+    const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi32(0x0F)), hi = _mm256_srli_epi32(q, 4);
+    if (kind == L5) {        /* byte v of the little-endian uint16 at (b, k): lanes 8v .. 8v + 7's bits */
+        const uint8_t *h = (const uint8_t *)(w->high + b * K + 2 * p);
+        const vf bias = splatn(8388608.0f + (float)off);
+        *c0 = (vf)_mm256_castsi256_ps(_mm256_or_si256(lo, _mm256_load_si256((const __m256i *)FIFTH32[h[v]]))) - bias;
+        *c1 = (vf)_mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_load_si256((const __m256i *)FIFTH32[h[2 + v]]))) - bias;
+        return;
+    }
+    *c0 = int_codes(lo, hasoff, off);
+    *c1 = int_codes(hi, hasoff, off);
+}
+#endif
+
+/* The offset subtracted from the codes of (kind, mode): see the top of the file. */
+LINLINE int code_off(int kind, int mode) {
+    return mode == LM_K6 ? 32 : mode != LM_F16I ? 0 : kind == L8 ? 128 : kind == L5 ? 16 : 8;
+}
+
+/* The VN lanes (v * VN ..) of block b's codes at inputs k = 2p and 2p + 1, as floats c' (see above).
+ * off: code_off's; hasoff: off != 0, a separate argument so that a caller can make it a constant (the
+ * GEMV does: gemv_part). */
+LINLINE void codes_pair(int kind, int hasoff, int off, const LMat *w, int64_t b, int64_t p, int v, vf *c0, vf *c1) {
+    if (!hasoff) off = 0;
+#if VN == 8
+    codes_pair8(kind, hasoff, off, w, b, p, v, c0, c1);
+#else
+    const int64_t K = w->K;
     bytes_t q0, q1;
     if (kind == L8) {
         q0 = ld_bytes(w->codes + (b * K + 2 * p) * BLK + v * VN);
@@ -166,13 +218,14 @@ LINLINE void codes_pair(int kind, int mode, const LMat *w, int64_t b, int64_t p,
             q1 = add_fifth(q1, h[1], v);
         }
     }
-    if (off) {                     /* c - off fits a signed byte: Q8_0's -128..127, Q4 -8..7, Q5 -16..15, Q6_K -32..31 */
+    if (hasoff) {                  /* c - off fits a signed byte: Q8_0's -128..127, Q4 -8..7, Q5 -16..15, Q6_K -32..31 */
         *c0 = widen_s(sub_bytes(q0, off));
         *c1 = widen_s(sub_bytes(q1, off));
     } else {
         *c0 = widen_u(q0);
         *c1 = widen_u(q1);
     }
+#endif
 }
 
 /* VN unsigned / signed bytes at p as float lanes (the K-quants' sub-block scales) */
@@ -237,9 +290,10 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X, int first)
  * input (xt[k * R + r] = x[r, k]: one base address for all the broadcasts; 8 row pointers left GCC short
  * of registers, the output projection of 8 streams 1.4x slower; a single row is its own packing).
  * X: the rows' group sums (bias modes). */
-LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *xt, const LMat *w, const float *X,
-                       int64_t b0, float *y, int64_t ldy) {
+LINLINE void gemv_tile(int kind, int hasoff, int mode, int R, int CB, const float *xt, const LMat *w,
+                       const float *X, int64_t b0, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / GS(mode), PG = GS(mode) / 2;       /* input pairs a group */
+    const int off = code_off(kind, mode);
     for (int64_t g = 0; g < G; g++) {
         vf S[GV_RMAX][8 * NV];
         for (int r = 0; r < R; r++)
@@ -251,7 +305,7 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *xt, const
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
                     vf c0, c1;
-                    codes_pair(kind, mode, w, b0 + c, p, v, &c0, &c1);
+                    codes_pair(kind, hasoff, off, w, b0 + c, p, v, &c0, &c1);
                     /* broadcasts from memory, inside the FMAs: held in registers they left no room
                      * for 16 accumulators */
 #pragma GCC unroll 8
@@ -275,18 +329,32 @@ LINLINE void gemv_tile(int kind, int mode, int R, int CB, const float *xt, const
 #define GV_CB(R) (GV_ACC / ((R) * NV) > 8 ? 8 : GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
 
 #define GV_C(R_, C_) case C_:                                                                   \
-    if ((C_) <= GV_CB(R_)) gemv_tile(kind, mode, R_, C_, xm, w, Xm, b, ym, ldy);               \
+    if ((C_) <= GV_CB(R_)) gemv_tile(kind, hasoff, mode, R_, C_, xm, w, Xm, b, ym, ldy);       \
     break;
 #define GV_R(R_) case R_:                                                                       \
     switch (CB) { GV_C(R_, 1) GV_C(R_, 2) GV_C(R_, 3) GV_C(R_, 4) GV_C(R_, 5) GV_C(R_, 6) GV_C(R_, 7) GV_C(R_, 8) } \
     break;
 
+/* Rows a GEMV tile up to which gemv_part's copies hold the code kind as a constant. Above it one copy
+ * with the kind at run time (gemv_tile_rt): there R rows' FMAs share each code pair's tests, and six
+ * copies of AVX-512's 3-8-row tiles more than doubled qlanes.c's compile time (40 -> 112 s). */
+#define GV_SPEC_R (VN == 16 ? 2 : GV_RMAX)
+
+#if GV_RMAX > GV_SPEC_R
+static __attribute__((noinline)) void gemv_tile_rt(int kind, int hasoff, int mode, int R, int CB, const float *xm,
+                                                   const LMat *w, const float *Xm, int64_t b, float *ym, int64_t ldy) {
+    switch (R) {
+        GV_R(3) GV_R(4) GV_R(5) GV_R(6) GV_R(7) GV_R(8)
+    }
+}
+#endif
+
 /* Blocks [b0, b1) for every row. xp: x packed by pack_rows in groups of GV_RMAX rows (each pass reads
  * every code of the blocks once, so a product below LANES_GEMM_M takes one pass where the registers
  * allow: on AVX-512 8 rows x 1 block, 8 chains; the output projection of 8 decoding streams read twice
  * measured 1.45x the row kernel's time), or NULL: x's rows one at a time (same bits, M passes). */
-LINLINE void gemv_blocks(int kind, int mode, const float *x, const float *xp, int64_t M, const LMat *w,
-                         const float *X, int64_t b0, int64_t b1, float *y, int64_t ldy) {
+LINLINE void gemv_blocks(int kind, int hasoff, int mode, const float *x, const float *xp, int64_t M,
+                         const LMat *w, const float *X, int64_t b0, int64_t b1, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / 32, rmax = xp ? GV_RMAX : 1;
     for (int64_t m = 0; m < M; m += rmax) {
         const int R = (int)(M - m < rmax ? M - m : rmax);
@@ -295,15 +363,38 @@ LINLINE void gemv_blocks(int kind, int mode, const float *x, const float *xp, in
         for (int64_t b = b0; b < b1;) {
             const int full = GV_CB(R);
             const int CB = b1 - b >= full ? full : (int)(b1 - b);
+#if GV_RMAX > GV_SPEC_R
+            if (R > GV_SPEC_R) {
+                gemv_tile_rt(kind, hasoff, mode, R, CB, xm, w, Xm, b, ym, ldy);
+                b += CB;
+                continue;
+            }
+#endif
             switch (R) {
-                GV_R(1) GV_R(2) GV_R(3) GV_R(4)
-#if GV_RMAX == 8
-                GV_R(5) GV_R(6) GV_R(7) GV_R(8)
+                GV_R(1) GV_R(2)
+#if GV_SPEC_R == 4
+                GV_R(3) GV_R(4)
 #endif
             }
             b += CB;
         }
     }
+}
+
+/* gemv_blocks with the code kind and whether it has an offset as constants (6 copies): left to run time,
+ * every code pair tested both (the tests and the branches were most of the instructions of an AVX2 GEMV:
+ * ~27 for 16 weights of Q4_1 against ~8 of arithmetic, counted by callgrind). The mode stays a run-time
+ * value: it decides only the group's epilogue. */
+static __attribute__((noinline)) void gemv_part(int kind, int mode, const float *x, const float *xp, int64_t M,
+                                                const LMat *w, const float *X, int64_t b0, int64_t b1, float *y,
+                                                int64_t ldy) {
+    const int hasoff = code_off(kind, mode) != 0;
+#define GV_KIND(K_) if (kind == K_) {                                                              \
+        if (hasoff) gemv_blocks(K_, 1, mode, x, xp, M, w, X, b0, b1, y, ldy);                    \
+        else gemv_blocks(K_, 0, mode, x, xp, M, w, X, b0, b1, y, ldy);                           \
+        return; }
+    GV_KIND(L4) GV_KIND(L5) GV_KIND(L8)
+#undef GV_KIND
 }
 
 /* ---- large M: codes converted to floats once, every row tile over them --------------------------- */
@@ -327,12 +418,13 @@ LINLINE void gemv_blocks(int kind, int mode, const float *x, const float *xp, in
 LINLINE void convert_tile(int kind, int mode, const LMat *w, int64_t n0, int64_t k0, int64_t kc, float *buf,
                           float *sb, float *bb) {
     const int64_t gs = GS(mode);
+    const int off = code_off(kind, mode);
     for (int h = 0; h < NW / VN; h++) {          /* vector h of the tile: block (n0 + h VN) / 16, lanes v */
         const int64_t b = (n0 + h * VN) / BLK;
         const int v = (int)((n0 + h * VN) % BLK) / VN;
         for (int64_t p = k0 / 2; p < (k0 + kc) / 2; p++) {
             vf c0, c1;
-            codes_pair(kind, mode, w, b, p, v, &c0, &c1);
+            codes_pair(kind, off != 0, off, w, b, p, v, &c0, &c1);
             storen(buf + (2 * p - k0) * NW + h * VN, c0);
             storen(buf + (2 * p + 1 - k0) * NW + h * VN, c1);
         }
@@ -423,7 +515,7 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
             }
         }
     if (n < n1)          /* a last block of 16 rows narrower than a tile: the GEMV, the same chains */
-        gemv_blocks(kind, mode, x, NULL, M, w, X, n / BLK, n1 / BLK, y, ldy);
+        gemv_part(kind, mode, x, NULL, M, w, X, n / BLK, n1 / BLK, y, ldy);
 }
 
 /* ---- the entries ---------------------------------------------------------------------------------- */
@@ -467,7 +559,7 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
                 gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
             else
-                gemv_blocks(kind, mode, x, xp, M, w, X, b0, b1, y, ldy);
+                gemv_part(kind, mode, x, xp, M, w, X, b0, b1, y, ldy);
         }
     }
     free(bufs);

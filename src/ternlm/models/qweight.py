@@ -52,16 +52,17 @@ NIBBLES = (Q4, Q5)       # row layouts whose codes are packed nibbles (GGML's or
 @dataclass(frozen=True)
 class QWeight:
     """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
-    fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32" | lanes: "q4x16" | "q5x16" | "q8x16"
+    fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32" | lanes: "q4x16" | "q5x16" | "q8x16" | "q6x16"
     codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts;
-                               # lanes: (out/16, in/2, 16) q4x16, q5x16; (out/16, in, 16) q8x16
+                               # lanes: (out/16, in/2, 16) q4x16, q5x16; (out/16, in, 16) q8x16, q6x16
     scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6");
-                               # lanes: (out/16, in/32, 16) fp32 | fp16
+                               # lanes: (out/16, in/group, 16) of the same types
     bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); (1,) fp32 constant c ("f16s":
                                # bias = c * scale); None for "k6" (-32 * scale); lanes: as scale, or (1,)
     high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32; lanes q5x16: uint8 (out/16, in, 2),
                                        # a little-endian uint16 per (block, input): bit j = row j's bit 4
-    sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6")
+    sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6");
+                                       # lanes: (out/16, in/256, 2, 16) "k", (out/16, in/256, 16) "k6"
 
     @property
     def lanes(self) -> bool:
