@@ -404,9 +404,11 @@ static __attribute__((noinline)) void gemv_part(int kind, int mode, const float 
 /* From this M on, the buffered path: converting every code once costs about a GEMV pass, so the GEMV
  * (re-reading the codes once per 4 rows) wins below it. Measured on Sapphire Rapids, 2 threads, both
  * models' shapes: Q4_1 / Q8_0 GEMV faster up to M = 8-11, Q5_0's (its fifth bits cost a mask add per
- * input) only to ~7. Only timing depends on it ([BATCH-INVARIANT]). */
+ * input) only to ~7. On AVX2 (Zen 3), with gemv_part's constant kinds, Q5_0 too up to 11 (qwen's
+ * matrices at M = 8: 0.82-0.85x the GEMM's time; at 12 1.1x). Only timing depends on it
+ * ([BATCH-INVARIANT]). */
 #ifndef LANES_GEMM_M
-#define LANES_GEMM_M(kind) ((kind) == L5 ? 8 : 12)
+#define LANES_GEMM_M(kind) ((kind) == L5 && VN == 16 ? 8 : 12)
 #endif
 #ifndef KC_BYTES
 #define KC_BYTES 131072                 /* a thread's converted codes: NW rows x KC inputs of fp32 */
