@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter, RopeScalingType
+from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize as np_dequantize
 
 from ternlm.config import SUPPORTED_ARCHS, UnsupportedModelError
@@ -144,6 +144,44 @@ def test_sha256_is_computed_when_not_given(smollm2_path, tmp_path, monkeypatch):
     loaded = load_gguf(smollm2_path, torch.bfloat16)
     assert loaded.sha256 == REGISTRY["smollm2-135m"].sha256
     assert (tmp_path / "ternlm" / "sha256-index.json").is_file()
+
+
+def assert_same_fields(path: Path) -> None:
+    """FastGGUFReader's metadata fields are the gguf package's own, part for part."""
+    stock, fast = GGUFReader(path, "c"), ggufmod.FastGGUFReader(path)
+    assert list(stock.fields) == list(fast.fields)
+    for key, a in stock.fields.items():
+        b = fast.fields[key]
+        assert (a.offset, a.name, a.data, a.types) == (b.offset, b.name, b.data, b.types), key
+        assert len(a.parts) == len(b.parts), key
+        for x, y in zip(a.parts, b.parts):
+            assert (x.dtype, x.shape, x.tobytes()) == (y.dtype, y.shape, y.tobytes()), key
+        assert a.contents() == b.contents(), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in stock.tensors] == \
+        [(t.name, t.data_offset, t.n_bytes) for t in fast.tensors]
+
+
+def test_fast_reader_fields_equal_the_packages_smollm2(smollm2_path):
+    assert_same_fields(smollm2_path)    # a 49,152-token vocabulary and its merges
+
+
+def test_fast_reader_fields_equal_the_packages_every_array_kind(tmp_path):
+    path = tmp_path / "arrays.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("t.strings", ["", "a", "ünï", "x" * 300, "\n"])
+    w.add_array("t.empty", [])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_uint32("t.scalar", 7)
+    w.add_string("t.string", "solo")
+    w.add_tensor("w", np.zeros((2, 3), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_same_fields(path)
 
 
 # ---------------------------------------------------------------------------------------------
