@@ -17,13 +17,15 @@ only kept the loader's freed temporaries resident (qwen gguf: load adds 1,020 Mi
 606-725 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
 Loader temporaries returned (`loading`, around every model load): glibc's mmap threshold is dynamic —
 freeing an mmap'ed block raises it to that block's size (up to 32 MiB), so the loader's next converted-
-then-freed temporaries of that size come from the heap and, fragmented, stay there. Fixed at 1 MiB while
-loading, they get their own mappings and leave on free. What the load adds (`ternlm bench quality`'s
-measurement, dynamic -> fixed): qwen2.5-0.5b gguf 720 -> 581 MiB (597-720 over runs before), bf16
-1,515 -> 1,303, fp32 2,561 -> 2,525; smollm2 gguf 147 -> 145, bf16 447 -> 418, fp32 786 -> 714. (Fixed
-at 4-32 MiB it helped gguf but left the dense modes' mid-size temporaries in the heap: smollm2 bf16
-594-600.) After the load the thresholds are set where the dynamic ones end up (32 MiB, trim 64 MiB),
-so serving keeps its large buffers as it did.
+then-freed temporaries of that size come from the heap and, fragmented, stay there. An earlier fix
+gave every block of 1 MiB and more its own mapping while loading (returned on free), but then every
+temporary was page-faulted in afresh: qwen2.5 gguf's load took 2.2 million faults and 8 s of system
+time, 16 s in all. Now the loader reuses the heap (thresholds 256 MiB / 1 GiB while loading: few
+faults) and `malloc_trim(0)` hands the freed pages back at the end (glibc releases every whole free
+page inside the heap, not only its top): the same load 8.9 s, 0.46 M faults, and a lower RSS after it
+(771 against 810 MiB in the same process; benchmarks/RESULTS.md, load time). After the load the
+thresholds are set where the dynamic ones end up (32 MiB, trim 64 MiB), so serving keeps its large
+buffers as it did.
 TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.
 """
 from __future__ import annotations
@@ -41,22 +43,28 @@ _M_TRIM_THRESHOLD = -1     # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _LIMIT = 1 << 30
-_LOAD_MMAP = 1 << 20       # while loading (see the module docstring)
+_LOAD_MMAP = 256 << 20     # while loading: temporaries reuse the heap (see the module docstring)
 _SERVE_MMAP = 32 << 20     # after: glibc's own dynamic maximum (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 _state = {"arena": False, "large": False}
 
 
-def _mallopt():
-    """glibc's mallopt, or None (not glibc: musl, macOS; or TERNLM_MALLOC_TUNE=0)."""
+def _libc():
+    """glibc, or None (not glibc: musl, macOS; or TERNLM_MALLOC_TUNE=0)."""
     if os.environ.get("TERNLM_MALLOC_TUNE", "1") == "0":
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
+    return libc
+
+
+def _mallopt():
+    """glibc's mallopt, or None (see _libc)."""
+    libc = _libc()
+    return libc.mallopt if libc else None
 
 
 def one_arena() -> bool:
@@ -87,16 +95,22 @@ def large_buffers_kept() -> bool:
 
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
-    """Around a model load: blocks of 1 MiB and more get their own mmap (returned on free); after it,
-    fixed thresholds where glibc's dynamic ones end up (mmap 32 MiB, trim 64 MiB). Side effects:
-    process-wide allocator settings, and glibc's threshold stops adapting; no-op off glibc, with
-    TERNLM_MALLOC_TUNE=0, or once keep_large_buffers is in force (its 1 GiB thresholds stay)."""
-    mallopt = None if _state["large"] else _mallopt()
-    if mallopt:
-        mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP)
+    """Around a model load: blocks below 256 MiB come from the heap and nothing is trimmed while it
+    runs (the loader's temporaries reuse pages instead of faulting fresh ones in); after it, the freed
+    pages go back to the system (malloc_trim) and the thresholds are fixed where glibc's dynamic ones
+    end up (mmap 32 MiB, trim 64 MiB). Side effects: process-wide allocator settings, and glibc's
+    threshold stops adapting; off glibc or with TERNLM_MALLOC_TUNE=0 a no-op; once keep_large_buffers
+    is in force its 1 GiB thresholds stay, and only the trim runs."""
+    libc = _libc()
+    tune = libc is not None and not _state["large"]
+    if tune:
+        libc.mallopt(_M_MMAP_THRESHOLD, _LOAD_MMAP)
+        libc.mallopt(_M_TRIM_THRESHOLD, _LIMIT)
     try:
         yield
     finally:
-        if mallopt and not _state["large"]:
-            mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP)
-            mallopt(_M_TRIM_THRESHOLD, 2 * _SERVE_MMAP)
+        if libc is not None:
+            libc.malloc_trim(0)       # every whole free page of the heap back to the system
+        if tune and not _state["large"]:
+            libc.mallopt(_M_MMAP_THRESHOLD, _SERVE_MMAP)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _SERVE_MMAP)

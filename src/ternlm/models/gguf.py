@@ -112,10 +112,21 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
-def _bits(qh: torch.Tensor, n_bits: int) -> torch.Tensor:
-    """(n, k) bytes -> (n, k * n_bits) where element i is bit (i % n_bits) of byte i // n_bits."""
-    shifts = torch.arange(n_bits, dtype=torch.uint8)
-    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], -1)
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes -> (n, 8k) uint8 0/1 where element i is bit (i % 8) of byte i // 8 (numpy's
+    unpackbits, flat: one C pass, where shifting every byte eight ways took ~1.3 s of qwen2.5's load)."""
+    flat = np.unpackbits(qh.contiguous().numpy().reshape(-1), bitorder="little")
+    return torch.from_numpy(flat).reshape(qh.shape[0], -1)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(..., 8m) uint8 0/1 -> (..., m) bytes, bit j of byte i = bits[..., 8i + j]: _bits' inverse.
+    Packed flat (numpy's fast path; along a short last axis it was ~10x slower), which gives the same
+    bytes because each row's length is a multiple of 8."""
+    if bits.shape[-1] % 8:
+        raise ValueError(f"pack_bits: a last axis of {bits.shape[-1]} is not whole bytes")
+    flat = np.packbits(bits.contiguous().numpy().reshape(-1), bitorder="little")
+    return torch.from_numpy(flat).reshape(*bits.shape[:-1], bits.shape[-1] // 8)
 
 
 def _deq_q8_0(b: torch.Tensor) -> torch.Tensor:   # 34 bytes: d f16, q int8[32]
@@ -131,12 +142,12 @@ def _deq_q4_1(b: torch.Tensor) -> torch.Tensor:   # 20 bytes: d, m, qs[16]
 
 
 def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:   # 22 bytes: d, qh u32 (5th bits), qs[16] (offset 16)
-    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6], 8) << 4)
+    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6]) << 4)
     return _f16(b, 0) * (q.float() - 16.0)
 
 
 def _deq_q5_1(b: torch.Tensor) -> torch.Tensor:   # 24 bytes: d, m, qh u32, qs[16]
-    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8], 8) << 4)
+    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8]) << 4)
     return _f16(b, 0) * q.float() + _f16(b, 2)
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles
+from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits
 
 Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
 # The lanes layouts (kernels/qlanes.c): the same codes and scales, 16 weight rows interleaved so that a
@@ -190,15 +190,14 @@ def to_lanes(q: QWeight) -> QWeight | None:
     step = 4096                                            # rows at a time: bounds the (rows, in) temporaries
     for r0 in range(0, n, step):
         rows = q.codes_of_rows(slice(r0, min(n, r0 + step)))                     # (r, in) 0..255
-        t = rows.reshape(-1, BLOCK_ROWS, k).transpose(1, 2)                       # (r/16, in, 16)
+        t = rows.reshape(-1, BLOCK_ROWS, k).transpose(1, 2).contiguous()          # (r/16, in, 16)
         if fmt in (Q8L, Q6L):
             codes.append(t.contiguous())
             continue
         low = t & 0x0F
         codes.append((low[:, 0::2] | (low[:, 1::2] << 4)).contiguous())           # (r/16, in/2, 16)
         if fmt == Q5L:
-            bits = ((t >> 4) & 1).reshape(t.shape[0], k, 2, 8)                    # lanes 0-7, 8-15
-            high.append((bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8))  # (r/16, in, 2)
+            high.append(pack_bits((t >> 4) & 1))                                  # (r/16, in, 2): lanes 0-7, 8-15
     bias = q.bias if q.bias is None or q.mode == "f16s" else interleave(q.bias)
     sup = None if q.sup is None else interleave(q.sup)   # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
     return QWeight(fmt, torch.cat(codes), interleave(q.scale), bias, torch.cat(high) if high else None, sup)
@@ -216,9 +215,8 @@ def _pack_q5(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, k) values 0..31, k a multiple of 32 -> (nibbles (n, k/2), high (n, k/8)): bit j of a
     group's 4 high bytes (little-endian) is element j's bit 4."""
     g = q.reshape(q.shape[0], -1, 32)
-    bits = ((g >> 4) & 1).reshape(q.shape[0], -1, 4, 8)                         # (n, groups, 4, 8)
-    high = (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-    return _pack_nibbles(g & 0x0F), high.reshape(q.shape[0], -1)
+    high = pack_bits((q >> 4) & 1)                                               # (n, k/8)
+    return _pack_nibbles(g & 0x0F), high
 
 
 def _q4_0(b):
@@ -245,13 +243,13 @@ def _q8_0(b):
 
 # The 5-bit converters return each element's full code 0..31 (n, 32 or 256): from_gguf packs them.
 def _q5_0(b):
-    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6], 8) << 4)
+    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6]) << 4)
     d = _f16(b, 0)
     return q, d, d * -16.0
 
 
 def _q5_1(b):
-    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8], 8) << 4)
+    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8]) << 4)
     return q, _f16(b, 0), _f16(b, 2)
 
 
