@@ -144,9 +144,9 @@ class Engine:
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         an unknown or unsupported choice raises ValueError before any weight is read.
-        Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (low
-        while loading, so the loader's temporaries leave; raised to 1 GiB when the torch attention
-        runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
+        Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (high
+        while loading, so the loader's temporaries reuse the heap, which is trimmed after; raised to
+        1 GiB when the torch attention runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
         from .malloc import loading, one_arena
         from .models.registry import resolve
         cpu = cpu or probe()
@@ -160,7 +160,7 @@ class Engine:
         log.info("%s; %s", choice.log_line, wchoice.log_line)
         one_arena()
         tdtype = DTYPES[choice.dtype]
-        with loading():                          # the loader's large temporaries leave the process
+        with loading():                          # the loader's temporaries reuse the heap, returned after
             if r.kind == "gguf":
                 from .models.gguf import load_gguf
                 quantized = wchoice.mode == "gguf"
