@@ -476,9 +476,24 @@ LINLINE int lanes_tile_rows(int64_t M, int64_t t) {
 }
 
 /* R rows of x (stride K) -> dst[k * R + r]: how gemm_tile and gemv_tile read a tile's rows. */
-static void pack_rows(const float *x, int64_t K, int R, float *dst) {
+LINLINE void pack_rows_r(const float *x, int64_t K, int R, float *dst) {
     for (int64_t k = 0; k < K; k++)
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) dst[k * R + r] = x[r * K + k];
+}
+
+/* pack_rows_r with R a constant up to 12 (every tile height here): the row loop unrolls into R
+ * independent loads and stores an input. With R a run-time count the packing of a prefill chunk's x
+ * was ~6% of a 1,024-token smollm2 prefill on the AVX2 Zen 3 (perf: a counted loop over the strided
+ * rows, once per matrix and chunk). Data movement only: no bit changes. */
+static void pack_rows(const float *x, int64_t K, int R, float *dst) {
+    switch (R) {
+#define PACK_R(R_) case R_: pack_rows_r(x, K, R_, dst); return;
+    PACK_R(1) PACK_R(2) PACK_R(3) PACK_R(4) PACK_R(5) PACK_R(6)
+    PACK_R(7) PACK_R(8) PACK_R(9) PACK_R(10) PACK_R(11) PACK_R(12)
+#undef PACK_R
+    default: pack_rows_r(x, K, R, dst);
+    }
 }
 
 /* x (M, K) -> xp: row tile t (rows m .. m+R-1) at xp + m K, packed. Tiles [t0, t1) only (threads share
