@@ -440,6 +440,21 @@ LINLINE void convert_tile(int kind, int mode, const LMat *w, int64_t n0, int64_t
 /* R rows x NW weight rows over groups [g0, g1) of the converted tile (buf's group 0 is g0). xt: the R rows
  * packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
  * row GCC ran out of registers and reloaded them from the stack in the inner loop). */
+/* One group's S for R rows: GS_ inputs from wk (converted weights) and xk (the rows' packed inputs).
+ * GS_ a constant (32, or 16 for Q6_K), so the input loop unrolls. */
+LINLINE void gemm_group(int R, int GS_, const float *xk, const float *wk, vf (*S)[2]) {
+#pragma GCC unroll 8
+    for (int k = 0; k < GS_; k++) {
+        const vf w0 = loadn(wk + k * NW), w1 = loadn(wk + k * NW + VN);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const vf xb = splatn(xk[k * R + r]);
+            S[r][0] = fman(w0, xb, S[r][0]);
+            S[r][1] = fman(w1, xb, S[r][1]);
+        }
+    }
+}
+
 LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float *buf, const float *sb,
                        const float *bb, const float *X, int64_t g0, int64_t g1, float *y, int64_t ldy) {
     const int gs = GS(mode);
@@ -447,16 +462,9 @@ LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float 
         vf S[MR][2];
 #pragma GCC unroll 12
         for (int r = 0; r < R; r++) { S[r][0] = splatn(0.0f); S[r][1] = splatn(0.0f); }
-        const float *wk = buf + (g - g0) * gs * NW;
-        for (int k = 0; k < gs; k++) {
-            const vf w0 = loadn(wk + k * NW), w1 = loadn(wk + k * NW + VN);
-#pragma GCC unroll 12
-            for (int r = 0; r < R; r++) {
-                const vf xb = splatn(xt[(gs * g + k) * R + r]);
-                S[r][0] = fman(w0, xb, S[r][0]);
-                S[r][1] = fman(w1, xb, S[r][1]);
-            }
-        }
+        const float *wk = buf + (g - g0) * gs * NW, *xk = xt + gs * g * R;
+        if (gs == 32) gemm_group(R, 32, xk, wk, S);
+        else gemm_group(R, 16, xk, wk, S);
         const float *s = sb + (g - g0) * NW, *b = bb + (g - g0) * NW;
 #pragma GCC unroll 12
         for (int r = 0; r < R; r++)
