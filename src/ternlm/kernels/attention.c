@@ -34,13 +34,23 @@
  * of them). 16 of the 32 zmm on AVX-512: a prefill task's 24 pairs (smollm2) take two passes instead of
  * three. Measured on Sapphire Rapids against 8 (attention_sweep.py, two runs each): smollm2 4,000-token
  * prefill x0.94 / x0.97, 1,024 x1.00 / x0.96, the 37-row reuse tail x1.01 / x0.93; qwen x0.96, x0.98,
- * x0.98; 12 was in between, 24 lost 20% (spills). AVX2's 16 ymm keep 8. Only timing depends on it. */
+ * x0.98; 12 was in between, 24 lost 20% (spills). AVX2's 16 ymm: 6 pairs of 2 chunks each (CPV below).
+ * Only timing depends on it. */
 #ifndef PVG
 #if VN == 16
 #define PVG 16
 #else
-#define PVG 8
+#define PVG 6
 #endif
+#endif
+/* VN-dim chunks of V each pass: AVX2 holds 6 pairs x 2 chunks (12 ymm accumulators, 2 V, 1 broadcast)
+ * instead of 8 x 1: with 8 accumulators taking one FMA a key each, every key waited for the FMA
+ * latency (perf: ~0.9 FMA a cycle in the loop, of 2); 12 independent chains keep both FMA pipes busy.
+ * Measured on the AVX2 Zen 3 (attention_sweep.py against 8 x 1, same bits): smollm2 4,000-token
+ * prefill x0.92, 1,024 x0.87, the 37-row reuse tail x0.91, decode after 4,000 x0.80; qwen x0.83, x0.94,
+ * x0.93, x0.95. AVX-512 keeps 16 x 1 (not re-measured: no such host). Only timing depends on it. */
+#ifndef CPV
+#define CPV (VN == 16 ? 1 : 2)
 #endif
 #define NC (MAXD / VN)  /* most VN-lane chunks of a head */
 
@@ -105,7 +115,32 @@ static inline __attribute__((always_inline)) void block_pv(int G, int half, int6
         nmin = nb[g] < nmin ? nb[g] : nmin;
         nmax = nb[g] > nmax ? nb[g] : nmax;
     }
-    for (int64_t c = 0; c < nc; c++) {
+    int64_t c = 0;
+    for (; CPV > 1 && c + CPV <= nc; c += CPV) {     /* CPV chunks at a time: the same FMAs, more chains */
+        vf a[PVG][CPV];
+        for (int g = 0; g < G; g++)
+            for (int h = 0; h < CPV; h++) a[g][h] = acc[g][c + h];
+        for (int64_t j = 0; j < nmin; j++) {
+            vf vc[CPV];
+            for (int h = 0; h < CPV; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+            for (int g = 0; g < G; g++) {
+                const vf sg = splatn(s[g][j]);
+                for (int h = 0; h < CPV; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
+            }
+        }
+        for (int64_t j = nmin; j < nmax; j++) {
+            vf vc[CPV];
+            for (int h = 0; h < CPV; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+            for (int g = 0; g < G; g++)
+                if (j < nb[g]) {
+                    const vf sg = splatn(s[g][j]);
+                    for (int h = 0; h < CPV; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
+                }
+        }
+        for (int g = 0; g < G; g++)
+            for (int h = 0; h < CPV; h++) acc[g][c + h] = a[g][h];
+    }
+    for (; c < nc; c++) {                             /* one chunk at a time (what is left) */
         vf a[PVG];
         for (int g = 0; g < G; g++) a[g] = acc[g][c];
         for (int64_t j = 0; j < nmin; j++) {          /* every pair has these keys */
