@@ -23,7 +23,7 @@ temporary was page-faulted in afresh: qwen2.5 gguf's load took 2.2 million fault
 time, 16 s in all. Now the loader reuses the heap (thresholds 256 MiB / 1 GiB while loading: few
 faults) and `malloc_trim(0)` hands the freed pages back at the end (glibc releases every whole free
 page inside the heap, not only its top): the same load 8.9 s, 0.46 M faults, and a lower RSS after it
-(771 against 810 MiB in the same process; benchmarks/RESULTS.md, load time). After the load the
+(753 against 791 MiB in the same process; benchmarks/RESULTS.md, load time). After the load the
 thresholds are set where the dynamic ones end up (32 MiB, trim 64 MiB), so serving keeps its large
 buffers as it did.
 TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.

@@ -437,9 +437,6 @@ LINLINE void convert_tile(int kind, int mode, const LMat *w, int64_t n0, int64_t
     }
 }
 
-/* R rows x NW weight rows over groups [g0, g1) of the converted tile (buf's group 0 is g0). xt: the R rows
- * packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
- * row GCC ran out of registers and reloaded them from the stack in the inner loop). */
 /* One group's S for R rows: GS_ inputs from wk (converted weights) and xk (the rows' packed inputs).
  * GS_ a constant (32, or 16 for Q6_K), so the input loop unrolls. */
 LINLINE void gemm_group(int R, int GS_, const float *xk, const float *wk, vf (*S)[2]) {
@@ -455,6 +452,9 @@ LINLINE void gemm_group(int R, int GS_, const float *xk, const float *wk, vf (*S
     }
 }
 
+/* R rows x NW weight rows over groups [g0, g1) of the converted tile (buf's group 0 is g0). xt: the R rows
+ * packed input by input (xt[k * R + r] = x[r, k]: one base address for all R broadcasts; with a pointer per
+ * row GCC ran out of registers and reloaded them from the stack in the inner loop). */
 LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float *buf, const float *sb,
                        const float *bb, const float *X, int64_t g0, int64_t g1, float *y, int64_t ldy) {
     const int gs = GS(mode);
