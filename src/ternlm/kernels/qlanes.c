@@ -545,6 +545,22 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
 
 /* ---- the entries ---------------------------------------------------------------------------------- */
 
+/* Blocks a chunk of lanes_mm's work: about CHUNKS_PER_THREAD chunks a thread, each whole tiles of the
+ * path (the GEMM's NW rows, the GEMV's GV_CB blocks of its first row tile). Why chunks and not an even
+ * share: a thread that finishes early takes the next chunk, so a core slowed by something else (a noisy
+ * neighbour of a VM, an interrupt) no longer holds the other at the closing barrier. Measured on a 2-core
+ * Zen 3 guest: qwen's decode, one even share a thread, waited ~7% of its time there. Which thread does a
+ * block never changes its arithmetic ([BATCH-INVARIANT]). */
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 8
+#endif
+static int64_t chunk_blocks(int gemm, int64_t M, int64_t nb, int nt) {
+    const int64_t tile = gemm ? (NW > BLK ? NW / BLK : 1) : GV_CB(M < GV_RMAX ? (int)M : GV_RMAX);
+    int64_t per = (nb + (int64_t)nt * CHUNKS_PER_THREAD - 1) / ((int64_t)nt * CHUNKS_PER_THREAD);
+    per = (per + tile - 1) / tile * tile;
+    return per > 0 ? per : tile;
+}
+
 /* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); w: the
  * layout above. nthreads: passed in (the caller is often not the thread torch.set_num_threads ran on).
  * Side effects: writes y[:, :N] only; allocates and frees its scratch. */
@@ -574,12 +590,11 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
             pack_tiles(x, M, K, xp, tiles * t / nt, tiles * (t + 1) / nt);
 #pragma omp barrier
         }
-        /* thread t's blocks: an even share, whole GEMM tiles where the path takes them */
-        const int64_t unit = gemm && NW > BLK ? NW / BLK : 1;          /* blocks a tile */
-        const int64_t units = (nb + unit - 1) / unit;
-        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        const int64_t b0 = u0 * unit, b1 = u1 * unit < nb ? u1 * unit : nb;
-        if (b0 < b1) {
+        /* The blocks in chunks handed out as threads come free (whole tiles of either path). */
+        const int64_t per = chunk_blocks(gemm, M, nb, nt);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < (nb + per - 1) / per; c++) {
+            const int64_t b0 = c * per, b1 = b0 + per < nb ? b0 + per : nb;
             if (gemm)
                 gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
