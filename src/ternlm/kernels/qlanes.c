@@ -549,16 +549,16 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
  * path (the GEMM's NW rows, the GEMV's GV_CB blocks of its first row tile). Why chunks and not an even
  * share: a thread that finishes early takes the next chunk, so a core slowed by something else (a noisy
  * neighbour of a VM, an interrupt) no longer holds the other at the closing barrier. Measured on a 2-core
- * Zen 3 guest: qwen's decode, one even share a thread, waited ~7% of its time there. Which thread does a
- * block never changes its arithmetic ([BATCH-INVARIANT]). */
+ * Zen 3 guest (perf, qwen's decode): with one even share a thread the main thread waited there 7.5% of
+ * both threads' samples (the worker's vCPU ran ~11% slower), with chunks 1.8%. Which thread does a
+ * block never changes its arithmetic ([BATCH-INVARIANT]). nb >= 1. */
 #ifndef CHUNKS_PER_THREAD
 #define CHUNKS_PER_THREAD 8
 #endif
 static int64_t chunk_blocks(int gemm, int64_t M, int64_t nb, int nt) {
     const int64_t tile = gemm ? (NW > BLK ? NW / BLK : 1) : GV_CB(M < GV_RMAX ? (int)M : GV_RMAX);
     int64_t per = (nb + (int64_t)nt * CHUNKS_PER_THREAD - 1) / ((int64_t)nt * CHUNKS_PER_THREAD);
-    per = (per + tile - 1) / tile * tile;
-    return per > 0 ? per : tile;
+    return (per + tile - 1) / tile * tile;
 }
 
 /* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); w: the
