@@ -82,3 +82,24 @@ def test_tied_embedding_and_lm_head_share_one_copy(smollm2_q):
     assert model.lm_head.parts[0] is model.embed
     ids = torch.tensor([0, 17, 49151])
     assert torch.equal(model.embed_ids(ids), model.embed.dequantize(ids).to(model.dtype))
+
+
+def test_embedding_lookups_from_kept_rows_are_the_dequantized_rows(smollm2_q, monkeypatch):
+    """Decode-sized lookups come from llama.py's kept rows: the same values as dequantize, repeats
+    and all, through the dict's clearing when full; writing into a result never reaches the kept rows."""
+    from ternlm.models import llama
+    model = smollm2_q.model
+    monkeypatch.setattr(llama, "EMBED_ROWS_KEPT", 5)
+    monkeypatch.setattr(model, "_embed_rows", {})
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        ids = torch.randint(0, 12, (1 + step % 4,), generator=g)      # few ids: repeats, clears
+        if step % 7 == 0:
+            ids = torch.tensor([3, 3, 49151])
+        got = model.embed_ids(ids)
+        assert torch.equal(got, model.embed.dequantize(ids).to(model.dtype)), ids
+        assert len(model._embed_rows) <= 5
+        got.fill_(float("nan"))                                        # callers write into it
+    big = torch.arange(100, 100 + llama.EMBED_LOOKUP_MAX + 1)          # a prefill chunk: not kept
+    assert torch.equal(model.embed_ids(big), model.embed.dequantize(big).to(model.dtype))
+    assert not any(100 <= t for t in model._embed_rows)
