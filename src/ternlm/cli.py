@@ -32,14 +32,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _load(args, slots: int = 1):
     import torch
     from .engine import Engine
-    from .gcheap import freeze_loaded
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
-    freeze_loaded()                          # this process keeps the engine: the GC stops walking it
     return engine
 
 

@@ -35,7 +35,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
 from ..engine import Completion, Delta, Engine
-from ..gcheap import freeze_loaded
 from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
@@ -80,7 +79,6 @@ class ServeConfig:
     cache_redis: str | None = None    # shared Redis/Valkey tier URL (None: none); kv/redis_tier.py
     cache_redis_ttl: int = 0          # seconds a block lives in Redis (0: until its maxmemory policy evicts it)
     cache_redis_timeout: float = 0.5  # Redis connect/read timeout (seconds)
-    freeze_gc: bool = False           # gcheap.freeze_loaded after the load (`ternlm serve`: the process keeps it)
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -185,8 +183,6 @@ class ServerState:
                 import torch
                 torch.set_num_threads(self.config.threads)
             engine = self._load_engine()
-            if self.config.freeze_gc:
-                freeze_loaded()
             sched = Scheduler(engine, max_queue=self.config.max_queue, step_tokens=self.config.step_tokens,
                               on_done=self.metrics.observe)
             sched.start()

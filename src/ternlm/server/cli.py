@@ -96,8 +96,7 @@ def cmd_serve(args) -> int:
                          max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk, cache_redis=args.cache_redis,
-                         cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout,
-                         freeze_gc=True)
+                         cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 
