@@ -63,9 +63,8 @@
  * A full tile runs its VN chains side by side, chunk outer (each chain's next FMA VN instructions
  * later): written key by key, GCC kept each key's nc dependent FMAs together and the FMA pipes waited
  * on their latency (perf on the reuse tail: pairs_any 25% of the samples for as many FMAs as block_pv's
- * 13%). Measured on the AVX2 Zen 3 (attention_sweep.py, same
- * bits): smollm2's 37-row tail x0.96, 1,024-token prefill x0.96, 4,000 x0.98. Each chain's order is
- * unchanged. */
+ * 13%). Each chain's order is unchanged: the same bits. Measured on the AVX2 Zen 3 (attention_sweep.py):
+ * the 37-row tail x0.96 (smollm2 and qwen), prefills x0.90-0.99. */
 static inline __attribute__((always_inline)) vf tile_scores(int64_t nc, const float *q, const float *kt,
                                                            int64_t jn, int64_t D) {
     vf qv[NC], dd[VN];
