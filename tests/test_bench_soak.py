@@ -4,8 +4,10 @@
    at 12 s, a 1 MiB RAM tier (so blocks reach the disk tier as soon as a slot changes hands). The bench
    owns its servers (the soak's, its restart, the cold one) and must leave none running. Asserted:
    the structure of results.json, the PNG, and the correctness outcomes (no failed request, every
-   cache file verifies, the answers after the restart equal the cold server's, exit status 0). Never
-   timings: this machine may be shared.
+   cache file verifies, the answers after the restart equal the cold server's). Never timings, and
+   not the RSS verdict either: 2 s of warm-up and 3 samples of a restarted server are a measurement
+   of how fast its working set fills on this host (CI saw +5.0% once, 954 -> 1002 MiB, where +1.9%
+   is usual), not an outcome; the exit status must agree with whatever was missed.
 2. Counting rules, in-process against a mock transport (fast): a 429 honoured is back-pressure, a
    connection error during the restart is retried, the same error outside it or a 500 is a failure.
 3. The pure arithmetic: per-bin rows, RSS growth per server process, the verdicts and the exit status.
@@ -44,14 +46,17 @@ def test_soak_end_to_end(tmp_path):
         except ProcessLookupError:
             pass
         proc.wait()
-    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    # 0: every target met; 1: a target missed (results.json says which); anything else: the bench broke.
+    assert proc.returncode in (0, 1), stdout[-4000:] + stderr[-4000:]
     for text in ("soak · 4 conversations · 2 slots", "TTFT p50 ms", "ITL p99 ms", "targets",
                  "failed requests = 0", "answers after restart = cold server's", "kill -9 at"):
         assert text in stdout, stdout
 
+    assert (out / "results.json").exists(), stdout[-4000:] + stderr[-4000:]     # exit 1 from a crash, not a verdict
     res = json.loads((out / "results.json").read_text())
     assert res["command"].endswith(" ".join(cmd[3:]))
-    assert res["missed"] == []
+    assert [m for m in res["missed"] if not m.startswith("RSS growth after warm-up")] == [], stdout[-4000:]
+    assert proc.returncode == (1 if res["missed"] else 0), res["missed"]
     r = res["requests"]
     assert r["failed"] == 0 and r["answered"] > 0 and r["failures"] == []
     assert r["sent"] >= r["answered"] + r["back_pressure"] + r["retried_during_restart"]
