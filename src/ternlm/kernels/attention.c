@@ -34,8 +34,8 @@
  * of them). 16 of the 32 zmm on AVX-512: a prefill task's 24 pairs (smollm2) take two passes instead of
  * three. Measured on Sapphire Rapids against 8 (attention_sweep.py, two runs each): smollm2 4,000-token
  * prefill x0.94 / x0.97, 1,024 x1.00 / x0.96, the 37-row reuse tail x1.01 / x0.93; qwen x0.96, x0.98,
- * x0.98; 12 was in between, 24 lost 20% (spills). AVX2's 16 ymm: 6 pairs of 2 chunks each (CPV below).
- * Only timing depends on it. */
+ * x0.98; 12 was in between, 24 lost 20% (spills). AVX2's and SSE's 16 registers: 6 pairs of 2 chunks
+ * each (CPV below). Only timing depends on it. */
 #ifndef PVG
 #if VN == 16
 #define PVG 16
@@ -43,10 +43,10 @@
 #define PVG 6
 #endif
 #endif
-/* VN-dim chunks of V each pass: AVX2 holds 6 pairs x 2 chunks (12 ymm accumulators, 2 V, 1 broadcast)
- * instead of 8 x 1: with 8 accumulators taking one FMA a key each, every key waited for the FMA
- * latency (perf: ~0.9 FMA a cycle in the loop, of 2); 12 independent chains keep both FMA pipes busy.
- * Measured on the AVX2 Zen 3 (attention_sweep.py against 8 x 1, same bits): smollm2 4,000-token
+/* VN-dim chunks of V each pass: AVX2 (and SSE, VN 4) holds 6 pairs x 2 chunks (12 accumulators, 2 V,
+ * 1 broadcast) instead of 8 x 1: with 8 accumulators taking one FMA a key each, every key waited for
+ * the FMA latency (perf: ~0.9 FMA a cycle in the loop, of 2); 12 independent chains keep both FMA
+ * pipes busy. Measured on the AVX2 Zen 3 (attention_sweep.py against 8 x 1, same bits): smollm2 4,000-token
  * prefill x0.92, 1,024 x0.87, the 37-row reuse tail x0.91, decode after 4,000 x0.80; qwen x0.83, x0.94,
  * x0.93, x0.95. AVX-512 keeps 16 x 1 (not re-measured: no such host). Only timing depends on it. */
 #ifndef CPV
@@ -111,8 +111,39 @@ static inline __attribute__((always_inline)) void tile_scores_shared(int R, int6
     for (int r = 0; r < R; r++) storen(s[r] + j0, hsumnx(dd[r]));
 }
 
+/* p @ V for G pairs over one block's keys, W chunks of VN dims (from chunk c) at a time: W chunks side
+ * by side are the same FMAs as one at a time, in more independent chains. Pair g adds key j only for
+ * j < nb[g] (keys below nmin: every pair; nmin..nmax: some). Each accumulator stays in a register. */
+static inline __attribute__((always_inline)) void pv_chunks(int G, int W, int half, int64_t c, const void *v,
+                                                           int64_t b0, int64_t D, const int64_t *nb,
+                                                           int64_t nmin, int64_t nmax, float (*s)[BLOCK],
+                                                           vf (*acc)[NC]) {
+    vf a[PVG][CPV];
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < W; h++) a[g][h] = acc[g][c + h];
+    for (int64_t j = 0; j < nmin; j++) {                /* every pair has these keys: no test */
+        vf vc[CPV];
+        for (int h = 0; h < W; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+        for (int g = 0; g < G; g++) {
+            const vf sg = splatn(s[g][j]);
+            for (int h = 0; h < W; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
+        }
+    }
+    for (int64_t j = nmin; j < nmax; j++) {
+        vf vc[CPV];
+        for (int h = 0; h < W; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+        for (int g = 0; g < G; g++)
+            if (j < nb[g]) {
+                const vf sg = splatn(s[g][j]);
+                for (int h = 0; h < W; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
+            }
+    }
+    for (int g = 0; g < G; g++)
+        for (int h = 0; h < W; h++) acc[g][c + h] = a[g][h];
+}
+
 /* p @ V for G pairs (G <= PVG) over one block's keys, in key order, VN dims at a time; pair g adds key j
- * only for j < nb[g]. Each (pair, VN dims) accumulator stays in a register across the keys. */
+ * only for j < nb[g]. CPV chunks at a time, then one at a time (what is left). */
 static inline __attribute__((always_inline)) void block_pv(int G, int half, int64_t nc, const void *v, int64_t b0,
                                                           int64_t D, const int64_t *nb, float (*s)[BLOCK],
                                                           vf (*acc)[NC]) {
@@ -122,44 +153,8 @@ static inline __attribute__((always_inline)) void block_pv(int G, int half, int6
         nmax = nb[g] > nmax ? nb[g] : nmax;
     }
     int64_t c = 0;
-    for (; CPV > 1 && c + CPV <= nc; c += CPV) {     /* CPV chunks at a time: the same FMAs, more chains */
-        vf a[PVG][CPV];
-        for (int g = 0; g < G; g++)
-            for (int h = 0; h < CPV; h++) a[g][h] = acc[g][c + h];
-        for (int64_t j = 0; j < nmin; j++) {
-            vf vc[CPV];
-            for (int h = 0; h < CPV; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
-            for (int g = 0; g < G; g++) {
-                const vf sg = splatn(s[g][j]);
-                for (int h = 0; h < CPV; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
-            }
-        }
-        for (int64_t j = nmin; j < nmax; j++) {
-            vf vc[CPV];
-            for (int h = 0; h < CPV; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
-            for (int g = 0; g < G; g++)
-                if (j < nb[g]) {
-                    const vf sg = splatn(s[g][j]);
-                    for (int h = 0; h < CPV; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
-                }
-        }
-        for (int g = 0; g < G; g++)
-            for (int h = 0; h < CPV; h++) acc[g][c + h] = a[g][h];
-    }
-    for (; c < nc; c++) {                             /* one chunk at a time (what is left) */
-        vf a[PVG];
-        for (int g = 0; g < G; g++) a[g] = acc[g][c];
-        for (int64_t j = 0; j < nmin; j++) {          /* every pair has these keys */
-            vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
-            for (int g = 0; g < G; g++) a[g] = fman(splatn(s[g][j]), vc, a[g]);
-        }
-        for (int64_t j = nmin; j < nmax; j++) {
-            vf vc = loadn_kv(v, (b0 + j) * D + VN * c, half);
-            for (int g = 0; g < G; g++)
-                if (j < nb[g]) a[g] = fman(splatn(s[g][j]), vc, a[g]);
-        }
-        for (int g = 0; g < G; g++) acc[g][c] = a[g];
-    }
+    for (; CPV > 1 && c + CPV <= nc; c += CPV) pv_chunks(G, CPV, half, c, v, b0, D, nb, nmin, nmax, s, acc);
+    for (; c < nc; c++) pv_chunks(G, 1, half, c, v, b0, D, nb, nmin, nmax, s, acc);
 }
 
 static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0, int64_t D, const int64_t *nb,
