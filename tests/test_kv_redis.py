@@ -160,7 +160,7 @@ def test_down_at_start_serves_misses_then_reconnects_by_itself(caplog):
         t0 = time.perf_counter()
         assert store.match(ids + [1], NS, len(ids)) == [] and store.fetch(block_refs(ids, NS), NS).blocks == []
         assert store.publish(fake_slot(ids)) == 0
-        assert time.perf_counter() - t0 < 0.1             # off: no network at all
+        assert time.perf_counter() - t0 < 0.15            # off: no network at all (headroom for a busy host)
         assert store.snapshot()["redis"]["up"] == 0
         with RedisProc(port=port):
             assert wait_for(lambda: tier.up)
@@ -247,7 +247,7 @@ def test_a_hung_redis_costs_one_timeout_then_the_tier_is_off_until_it_answers(ca
                     t0 = time.perf_counter()
                     assert store.match(ids + [1], NS, len(ids)) == [] and store.publish(fake_slot(ids)) == 0
                     later = time.perf_counter() - t0
-                assert 0.25 < first < 2.0 and later < 0.05, (first, later)
+                assert 0.25 < first < 2.0 and later < 0.15, (first, later)   # another wait would be >= 0.3
                 assert not store.redis.up and "TimeoutError" in caplog.text
             finally:
                 r.proc.send_signal(signal.SIGCONT)
