@@ -47,13 +47,14 @@ def test_soak_end_to_end(tmp_path):
         except ProcessLookupError:
             pass
         proc.wait()
-    # 0: every target met; 1: a target missed (results.json says which); anything else: the bench broke.
+    # 0: every target met; 1: a target missed (results.json says which); anything else, or no
+    # results.json (a crash also exits 1), the bench broke.
     assert proc.returncode in (0, 1), stdout[-4000:] + stderr[-4000:]
+    assert (out / "results.json").exists(), stdout[-4000:] + stderr[-4000:]
     for text in ("soak · 4 conversations · 2 slots", "TTFT p50 ms", "ITL p99 ms", "targets",
                  "failed requests = 0", "answers after restart = cold server's", "kill -9 at"):
         assert text in stdout, stdout
 
-    assert (out / "results.json").exists(), stdout[-4000:] + stderr[-4000:]     # exit 1 from a crash, not a verdict
     res = json.loads((out / "results.json").read_text())
     assert res["command"].endswith(" ".join(cmd[3:]))
     assert [m for m in res["missed"] if not m.startswith("RSS growth after warm-up")] == [], stdout[-4000:]
