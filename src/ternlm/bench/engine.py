@@ -1,5 +1,9 @@
 """`ternlm bench engine`: prefill and decode throughput of ternlm, transformers and llama.cpp on the
-same GGUF, same dtype class, same threads, interleaved A B C A B C, medians and ratios from one run."""
+same GGUF, same dtype class, same threads, interleaved A B C A B C, medians and ratios from one run;
+and what loading cost each: time, peak and steady resident set above the process's baseline.
+
+-m is a registry name or any local .gguf path (or HF folder: no llama.cpp then); results are named
+after the registry name or the file's stem."""
 from __future__ import annotations
 
 import random
@@ -8,7 +12,10 @@ from pathlib import Path
 
 import torch
 
-from .common import LlamaCppWorker, command_line, median, synthetic_text, write_json
+from .common import (BenchModel, LlamaCppWorker, LoadMemory, bench_model, command_line, kv_budget_bytes,
+                     measure_load, median, proc_status, synthetic_text, write_json)
+
+_MIB = 1 << 20
 
 
 def _prompt_ids(engine, n: int) -> list[int]:
@@ -44,30 +51,75 @@ def _transformers(model, ids: list[int], decode_n: int, before: list[int]) -> tu
 
 def _rss_mib() -> float:
     """This process's resident set (it holds ternlm's engine and, if compared, transformers' model)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return proc_status().get("VmRSS", float("nan")) / 1024
+
+
+def _load_transformers(m: BenchModel, dtype: torch.dtype):
+    """The same file through transformers: a GGUF dequantized by its own loader, or the HF folder."""
+    from transformers import AutoModelForCausalLM
+    if m.gguf is not None:
+        return AutoModelForCausalLM.from_pretrained(str(m.path.parent), gguf_file=m.path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(m.path), dtype=dtype).eval()
+
+
+def _load_row(mem: LoadMemory, budget_bytes: int) -> dict:
+    """A contender's load figures, with peak and steady above baseline over `budget_bytes`."""
+    return mem.as_dict() | {"budget_mib": budget_bytes / _MIB,
+                            "peak_over_budget": mem.peak_above_mib * _MIB / budget_bytes,
+                            "steady_over_budget": mem.steady_above_mib * _MIB / budget_bytes}
+
+
+def _llamacpp_load(worker: LlamaCppWorker, load_s: float) -> dict:
+    """llama.cpp's resident set as its worker process reports it: the whole process (Python and
+    llama_cpp's import included: no baseline), the model's file memory-mapped as llama.cpp does."""
+    st = worker.status()
+    return {"load_s": load_s, "process_rss_mib": st.get("VmRSS", 0) / 1024,
+            "process_peak_mib": st.get("VmHWM", 0) / 1024, "file_mib": st.get("RssFile", 0) / 1024,
+            "note": "process start + load; whole process incl. Python; VmHWM is the process's lifetime peak"}
+
+
+def _print_load(load: dict, m: BenchModel, kv_bytes: int, ctx: int) -> None:
+    t = load["ternlm"]
+    print(f"\nload: RSS above the process's baseline before the load ({t['baseline_mib']:.0f} MiB: Python, torch, "
+          f"ternlm imported; transformers: above its own, ternlm's model loaded); peak: {t['peak_method']}; "
+          f"budget: file {m.file_bytes / _MIB:.0f} MiB + KV {kv_bytes / _MIB:.0f} MiB (1 slot x {ctx} tokens) for "
+          f"ternlm, the file for transformers")
+    print(f"{'':13s} {'load s':>7s} {'peak MiB':>9s} {'steady MiB':>11s} {'budget MiB':>11s} {'peak/budget':>12s} "
+          f"{'steady/budget':>14s} {'steady/file':>12s}")
+    for n in ("ternlm", "transformers"):
+        if n in load:
+            r = load[n]
+            print(f"{n:13s} {r['load_s']:7.2f} {r['peak_above_baseline_mib']:9.0f} {r['steady_above_baseline_mib']:11.0f}"
+                  f" {r['budget_mib']:11.0f} {r['peak_over_budget']:12.2f} {r['steady_over_budget']:14.2f} "
+                  f"{r['steady_above_baseline_mib'] * _MIB / m.file_bytes:12.2f}")
+    if "llama.cpp" in load:
+        r = load["llama.cpp"]
+        print(f"{'llama.cpp':13s} {r['load_s']:7.2f}   whole process: RSS {r['process_rss_mib']:.0f} MiB "
+              f"({r['file_mib']:.0f} of it mapped files), lifetime peak {r['process_peak_mib']:.0f} MiB")
 
 
 def run(args, load_engine) -> dict:
-    from ..models.registry import resolve
+    import ternlm.engine  # noqa: F401  imported before the baseline: the baseline holds no model, only code
     torch.set_num_threads(args.threads)
-    engine = load_engine(args)
+    model = bench_model(args.model)
+    engine, mem = measure_load(lambda: load_engine(args))
+    kv_bytes = kv_budget_bytes(engine)
+    load = {"ternlm": _load_row(mem, model.file_bytes + kv_bytes)}
     ctx = args.decode_context
     full = _prompt_ids(engine, max(args.prompt_tokens, ctx))
     ids, before = full[:args.prompt_tokens], full[:ctx]   # the prefill prompt; the decode's context
     contenders = {"ternlm": lambda: _ternlm(engine, ids, args.decode_tokens, before)}
-    gguf = resolve(args.model).path
     if "transformers" in args.peers:
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=engine.dtype).eval()
+        hf, hf_mem = measure_load(lambda: _load_transformers(model, engine.dtype))
+        load["transformers"] = _load_row(hf_mem, model.file_bytes)   # its KV grows per request: no budget
         contenders["transformers"] = lambda: _transformers(hf, ids, args.decode_tokens, before)
     worker = None
-    if "llamacpp" in args.peers:
-        worker = LlamaCppWorker(args.llamacpp_python, gguf, args.threads, max(4096, ctx + args.decode_tokens + 8))
+    if "llamacpp" in args.peers and model.gguf is None:
+        print(f"llama.cpp: skipped ({model.path} is a Hugging Face folder, not a GGUF file)")
+    elif "llamacpp" in args.peers:
+        t0 = time.perf_counter()
+        worker = LlamaCppWorker(args.llamacpp_python, model.gguf, args.threads, max(4096, ctx + args.decode_tokens + 8))
+        load["llama.cpp"] = _llamacpp_load(worker, time.perf_counter() - t0)
 
         def llamacpp():
             p = worker.call({"op": "prefill", "ids": ids})["s"]
@@ -89,9 +141,11 @@ def run(args, load_engine) -> dict:
     ratios = {f"ternlm/{n}": {k: med["ternlm"][k] / med[n][k] for k in ("prefill", "decode")}
               for n in med if n != "ternlm"}
     weights = engine.weights_choice.mode
-    result = {"command": command_line(), "model": args.model, "dtype": args.dtype, "weights": weights,
+    result = {"command": command_line(), "model": model.label, "model_path": str(model.path), "file_bytes": model.file_bytes,
+              "dtype": args.dtype, "weights": weights,
               "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
               "decode_context": ctx, "repeats": args.repeats, "rss_mib": _rss_mib(),
+              "ctx": engine.ctx, "kv_budget_bytes": kv_bytes, "load": load,
               "median_tok_s": med, "ratios": ratios, "samples": samples}
     print(f"\n{'':13s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   (median of {args.repeats}, "
           f"{len(ids)}-token prompt, {args.decode_tokens} decoded after {ctx}, {args.threads} threads, "
@@ -100,7 +154,7 @@ def run(args, load_engine) -> dict:
         print(f"{n:13s} {m['prefill']:14.1f} {m['decode']:13.1f}")
     for n, r in ratios.items():
         print(f"{n:24s} prefill x{r['prefill']:.2f}  decode x{r['decode']:.2f}")
-    path = write_json(Path(args.out), f"engine-{Path(str(args.model)).name}-{args.dtype}-{weights}-ctx{ctx}.json",
-                      result)
+    _print_load(load, model, kv_bytes, engine.ctx)
+    path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}.json", result)
     print(f"wrote {path}")
     return result

@@ -1,7 +1,10 @@
 """`ternlm bench reuse`: the reference experiment. A long conversation whose next turn reuses most of
 its prompt; time to first token of that turn with reuse, without (--no-prefix-kv), and the floor:
 prefilling only the tail at that offset (so the cost of the reuse path itself is visible); and the
-same conversation through llama.cpp with its own prefix reuse, when the peers venv is there."""
+same conversation through llama.cpp with its own prefix reuse, when the peers venv is there.
+
+-m is a registry name or any local .gguf path (llama.cpp loads the same file; an HF folder runs
+without it); results are named after the registry name or the file's stem."""
 from __future__ import annotations
 
 import random
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .common import LlamaCppWorker, command_line, long_chat, median, synthetic_text, write_json
+from .common import LlamaCppWorker, bench_model, command_line, long_chat, median, synthetic_text, write_json
 
 
 def _turns(engine, history_tokens: int, seed: int) -> tuple[list[int], list[int]]:
@@ -46,14 +49,17 @@ def _tail_only(engine, prompt: list[int], k: int) -> float:
 
 
 def run(args, load_engine) -> dict:
-    from ..models.registry import resolve
     torch.set_num_threads(args.threads)
+    m = bench_model(args.model)
     engine = load_engine(args)
     turn1, turn2 = _turns(engine, args.history_tokens, args.seed)
     _, k = _ttft(engine, turn1, turn2, True)
     worker = None
-    if args.llamacpp_python and Path(args.llamacpp_python).exists():
-        worker = LlamaCppWorker(args.llamacpp_python, resolve(args.model).path, args.threads, 8192)
+    peers_venv = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
+    if peers_venv and m.gguf is None:
+        print(f"llama.cpp: skipped ({m.path} is a Hugging Face folder, not a GGUF file)")
+    elif peers_venv:
+        worker = LlamaCppWorker(args.llamacpp_python, m.gguf, args.threads, max(8192, len(turn2) + 64))
     rows = {"reuse": [], "no-reuse": [], "tail-only": [], "llama.cpp reuse": [], "llama.cpp no-reuse": []}
     for r in range(args.repeats + 1):          # first round is warm-up
         a, _ = _ttft(engine, turn1, turn2, True)
@@ -73,7 +79,8 @@ def run(args, load_engine) -> dict:
         worker.close()
     med = {n: median(v) for n, v in rows.items() if v}
     n = len(turn2)
-    res = {"command": command_line(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+    res = {"command": command_line(), "model": m.label, "model_path": str(m.path), "dtype": args.dtype,
+           "threads": args.threads,
            "prompt_tokens": n, "reused_tokens": k, "reuse_fraction": k / n, "repeats": args.repeats,
            "median_ttft_s": med, "samples": rows,
            "speedup_vs_no_reuse": med["no-reuse"] / med["reuse"],
@@ -86,6 +93,6 @@ def run(args, load_engine) -> dict:
     print(f"  speedup vs no reuse x{res['speedup_vs_no_reuse']:.1f} at {100 * k / n:.1f}% reused; "
           f"reuse / tail-only = {res['reuse_over_tail_only']:.2f}"
           + (f"; reuse / llama.cpp reuse = {res['reuse_over_llamacpp_reuse']:.2f}" if worker else ""))
-    path = write_json(Path(args.out), f"reuse-{Path(str(args.model)).name}-{args.dtype}.json", res)
+    path = write_json(Path(args.out), f"reuse-{m.label}-{args.dtype}.json", res)
     print(f"wrote {path}")
     return res
