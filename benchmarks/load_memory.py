@@ -6,13 +6,21 @@ code). Also a timeline of RSS (anon / file) sampled during the load with the loa
 the peak can be placed in a phase.
 
     .venv/bin/python benchmarks/load_memory.py -m qwen2.5-coder-0.5b [--weights gguf] [--ctx N] [--json F]
-        [--trim-each] [--drop-pages-each]       (TERNLM_MALLOC_TUNE=0 in the environment: glibc's defaults)
+        [--trim-each] [--drop-pages-each] [--slabs] [--tokenizer-first]   (TERNLM_MALLOC_TUNE=0 in the environment: glibc's defaults)
 
 --trim-each and --drop-pages-each measure a loader change without making it: they wrap
 ternlm.models.qweight.from_gguf/to_lanes (looked up at call time by models/gguf.py's load_gguf) so
 that after each tensor is converted, glibc's free heap pages go back (malloc_trim(0)) and/or the
 tensor's pages of the GGUF mapping are dropped from the resident set (madvise MADV_DONTNEED: clean
-private file pages, re-read from the page cache if touched again). The weights come out the same.
+private file pages, re-read from the page cache if touched again). --slabs converts each matrix 4,096
+rows at a time straight into its preallocated lanes layout (GGML blocks -> row layout -> lanes per slab,
+so neither the whole row layout nor the conversion's full-size temporaries ever exist), falling back
+to the whole matrix where a slab's scale mode differs from the first's or there is no lanes layout;
+not for llama files (their q/k rows are permuted between the two steps). --tokenizer-first builds the
+tokenizer as the file is opened and then drops the reader's parsed vocabulary and merges (GGUFReader
+keeps two numpy views per string: ~118 MiB for qwen2.5's 151,936 tokens and 151,387 merges) before any
+weight is converted, instead of holding them through the weights and building the tokenizer last.
+The weights and the tokenizer come out the same.
 
 One model per process (VmHWM is the process's; it is reset before the load anyway). Reads only:
 the model file is opened a second time after the measurement for its tensor types.
@@ -127,7 +135,40 @@ def ggml_bytes(path: Path) -> dict[str, int]:
     return dict(out)
 
 
-def wrap_loader(trim_each: bool, drop_pages_each: bool) -> None:
+SLAB_ROWS = 4096
+
+
+def _slab_convert(raw, qtype, n, k, real_from, real_lanes):
+    """from_gguf + to_lanes, SLAB_ROWS rows at a time into preallocated lanes tensors; None where it
+    cannot (see the module docstring)."""
+    import ternlm.models.qweight as qw
+    _, block, size, _ = qw._CONVERT[qtype]
+    row_bytes = k // block * size
+    if n % qw.BLOCK_ROWS or n <= SLAB_ROWS:
+        return None
+    out, mode = None, None
+    for r0 in range(0, n, SLAB_ROWS):
+        r1 = min(n, r0 + SLAB_ROWS)
+        part = real_lanes(real_from(raw[r0 * row_bytes:r1 * row_bytes], qtype, r1 - r0, k))
+        if part is None or (mode is not None and (part.mode != mode or
+                                                  (part.mode == "f16s" and not torch.equal(part.bias, out["bias"])))):
+            return None
+        if out is None:
+            mode = part.mode
+            out = {f: None if t is None else t if (f == "bias" and mode == "f16s") else
+                   torch.empty((n // qw.BLOCK_ROWS, *t.shape[1:]), dtype=t.dtype)
+                   for f, t in (("codes", part.codes), ("scale", part.scale), ("bias", part.bias),
+                                ("high", part.high), ("sup", part.sup))}
+        for f in ("codes", "scale", "bias", "high", "sup"):
+            t = getattr(part, f)
+            if t is not None and not (f == "bias" and mode == "f16s"):
+                if out[f].dtype != t.dtype:
+                    return None
+                out[f][r0 // qw.BLOCK_ROWS:r1 // qw.BLOCK_ROWS] = t
+    return qw.QWeight(part.fmt, out["codes"], out["scale"], out["bias"], out["high"], out["sup"])
+
+
+def wrap_loader(trim_each: bool, drop_pages_each: bool, slabs: bool = False) -> None:
     """The experiments of the module docstring. Side effect: patches ternlm.models.qweight for this process."""
     import ternlm.models.qweight as qw
     libc = ctypes.CDLL("libc.so.6")
@@ -136,7 +177,7 @@ def wrap_loader(trim_each: bool, drop_pages_each: bool) -> None:
     real_from, real_lanes = qw.from_gguf, qw.to_lanes
 
     def from_gguf(raw, *a, **kw):
-        q = real_from(raw, *a, **kw)
+        q = (_slab_convert(raw, *a, real_from, real_lanes) if slabs else None) or real_from(raw, *a, **kw)
         if drop_pages_each:                               # the tensor's bytes in the map: q holds copies
             start = raw.data_ptr() // page * page
             libc.madvise(start, -(-(raw.data_ptr() + raw.numel()) // page) * page - start, dontneed)
@@ -151,6 +192,30 @@ def wrap_loader(trim_each: bool, drop_pages_each: bool) -> None:
     qw.from_gguf, qw.to_lanes = from_gguf, to_lanes
 
 
+def tokenizer_first() -> None:
+    """The --tokenizer-first experiment. Side effect: patches ternlm.models.gguf for this process."""
+    import ternlm.models.gguf as g
+    real_tokenizer = g.Tokenizer
+
+    class Reader(g.FastGGUFReader):
+        def __init__(self, path):
+            super().__init__(path)
+            self.tokenizer_built = real_tokenizer.from_gguf(self)
+            n_tokens = len(self.fields["tokenizer.ggml.tokens"].data)
+            for key in [k for k in self.fields if k.startswith("tokenizer.ggml.")]:
+                del self.fields[key]
+            # config_from_gguf counts the tokens (len(field.data)): a stand-in with only that
+            self.fields["tokenizer.ggml.tokens"] = type("Count", (), {"data": range(n_tokens)})()
+            gc.collect()
+
+    class Tok:
+        @staticmethod
+        def from_gguf(reader):
+            return reader.tokenizer_built
+
+    g.FastGGUFReader, g.Tokenizer = Reader, Tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
@@ -160,9 +225,13 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--trim-each", action="store_true", help="malloc_trim(0) after each tensor's lanes copy")
     ap.add_argument("--drop-pages-each", action="store_true", help="MADV_DONTNEED each converted tensor's file pages")
+    ap.add_argument("--slabs", action="store_true", help="convert 4,096 rows at a time into preallocated lanes")
+    ap.add_argument("--tokenizer-first", action="store_true", help="build the tokenizer, drop the parsed vocabulary, then the weights")
     args = ap.parse_args()
-    if args.trim_each or args.drop_pages_each:
-        wrap_loader(args.trim_each, args.drop_pages_each)
+    if args.tokenizer_first:
+        tokenizer_first()
+    if args.trim_each or args.drop_pages_each or args.slabs:
+        wrap_loader(args.trim_each, args.drop_pages_each, args.slabs)
     torch.set_num_threads(args.threads)
     from ternlm.engine import Engine
     m = bench_model(args.model)
@@ -214,6 +283,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": m.label, "trim_each": args.trim_each, "drop_pages_each": args.drop_pages_each,
+            "slabs": args.slabs, "tokenizer_first": args.tokenizer_first,
             "malloc_tune": os.environ.get("TERNLM_MALLOC_TUNE", "1"), "file_bytes": m.file_bytes, "kv_budget_bytes": kv_budget, "ctx": engine.ctx,
             "load": mem.as_dict(), "held_bytes": held, "kv_allocated_bytes": kv_now, "mapped_gguf_mib": mapped,
             "rest_mib": rest, "ggml_bytes": ggml, "status_kib": st}, indent=2))
