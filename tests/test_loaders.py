@@ -356,10 +356,18 @@ def test_gguf_unsupported_architecture(tmp_path):
         assert arch in str(err.value)
 
 
-def test_gguf_rope_scaling_is_rejected(tmp_path):
+def test_gguf_rope_scaling_is_read_and_unknown_kinds_rejected(tmp_path):
+    """yarn/linear metadata becomes the config's Rope (parity: tests/test_arch_parity.py); a kind this
+    engine does not implement is refused by name rather than run as plain RoPE."""
     path = tmp_path / "yarn.gguf"
-    TinyGGUF(path, "qwen2", tied=True, extra_metadata=[lambda w: w.add_rope_scaling_type(RopeScalingType.YARN)])
-    with pytest.raises(UnsupportedModelError, match="rope scaling 'yarn'"):
+    TinyGGUF(path, "qwen2", tied=True, extra_metadata=[lambda w: w.add_rope_scaling_type(RopeScalingType.YARN),
+                                                        lambda w: w.add_rope_scaling_factor(4.0),
+                                                        lambda w: w.add_rope_scaling_orig_ctx_len(1024)])
+    rope = load_gguf(path, torch.float32).config.rope
+    assert (rope.kind, rope.factor, rope.original_context) == ("yarn", 4.0, 1024)
+    path = tmp_path / "odd.gguf"
+    TinyGGUF(path, "qwen2", tied=True, extra_metadata=[lambda w: w.add_string("qwen2.rope.scaling.type", "ntk-odd")])
+    with pytest.raises(UnsupportedModelError, match="rope scaling 'ntk-odd'"):
         load_gguf(path, torch.float32)
 
 
@@ -480,10 +488,10 @@ def test_hf_unsupported_model_type(llama_folder):
 
 
 @pytest.mark.parametrize("changes", [
-    dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
-    dict(rope_scaling={"type": "linear", "factor": 2.0}),
-], ids=["rope_parameters", "rope_scaling"])
-def test_hf_rope_scaling_is_rejected(llama_folder, changes):
+    dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+    dict(rope_scaling={"type": "llama3", "factor": 2.0}),      # llama3 without its parameters
+], ids=["unknown-kind", "incomplete"])
+def test_hf_unsupported_rope_scaling_is_rejected(llama_folder, changes):
     _rewrite_config(llama_folder, **changes)
     with pytest.raises(UnsupportedModelError, match="rope scaling"):
         load_hf_folder(llama_folder, torch.float32)

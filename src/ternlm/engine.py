@@ -101,6 +101,10 @@ class Engine:
         self.prefix_reuse = prefix_reuse
         self.min_reuse = min_reuse
         self.ctx = min(ctx or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if cfg.rope is not None and cfg.rope.long_factors is not None:
+            # longrope's short or long factors, fixed by the context this engine serves (rope.py);
+            # the resolved config is what the KV namespace below records
+            cfg = self.config = dataclasses.replace(cfg, rope=cfg.rope.for_context(self.ctx))
         self.weights_choice = weights or WeightsChoice("dense", name, "dense weights", "auto")
         # Native kernels (attention; the quantized matmul with --weights gguf), built for this CPU on
         # first use; without a compiler the torch attention runs instead (and says so once).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import re
 import struct
@@ -27,6 +28,7 @@ from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .loaded import LoadedModel
 from .registry import cached_sha256
+from .rope import Rope, rotary_row_order
 
 log = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
@@ -295,6 +297,7 @@ _LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",      # phi3: q, k, v fused (split at load)
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -303,6 +306,8 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Not weights: RoPE frequency factors, read into the config (_rope_from_gguf).
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                        "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                        "ffn_down.weight")
@@ -336,23 +341,17 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
         )
-    scaling = _field(reader, f"{arch}.rope.scaling.type", None)
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"rope scaling {scaling!r} is not supported (only unscaled rope)")
     names = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        # Llama-3.1-style frequency rescaling ships as a tensor rather than a metadata key.
-        raise UnsupportedModelError("rope frequency rescaling (rope_freqs.weight) is not supported")
 
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     value_dim = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if value_dim != head_dim or rope_dim != head_dim:
+    if value_dim != head_dim or rope_dim > head_dim or rope_dim % 2:
         raise UnsupportedModelError(
-            f"head sizes key={head_dim} value={value_dim} rope={rope_dim} differ; only equal sizes "
-            f"(full rotary) are supported"
+            f"head sizes key={head_dim} value={value_dim} rope={rope_dim}: only equal key and value sizes "
+            f"and an even rotary size up to them are supported"
         )
 
     tokens = reader.get_field("tokenizer.ggml.tokens")
@@ -363,6 +362,14 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         log.warning("token list has %d entries but token_embd has %d rows; using %d", vocab, embd_rows, embd_rows)
         vocab = embd_rows
 
+    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    context = int(_field(reader, f"{arch}.context_length"))
+    window = _field(reader, f"{arch}.attention.sliding_window", None)
+    if window is not None and 0 < int(window) < context:
+        # Phi-3-mini-4k's 2,047-token window on every layer: within it attention is full, so the
+        # model runs exactly up to the window; past it would need windowed attention (issue 37).
+        log.warning("%s: sliding window %d < context %d; context limited to %d", arch, window, context, window)
+        context = int(window)
     return ModelConfig(
         arch=arch,
         vocab_size=vocab,
@@ -372,23 +379,76 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=theta,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
     )
+
+
+def _float_values(t: ReaderTensor) -> tuple[float, ...]:
+    if t.tensor_type != QT.F32:
+        raise UnsupportedModelError(f"tensor {t.name} is {t.tensor_type.name}; rope factors must be F32")
+    return tuple(float(v) for v in np.asarray(t.data, dtype=np.float32).reshape(-1))
+
+
+def _rope_from_gguf(reader: GGUFReader, arch: str, theta: float, rotary_dim: int,
+                    names: dict[str, ReaderTensor]) -> Rope | None:
+    """The file's RoPE variant (models/rope.py), or None for plain RoPE. Metadata keys and factor
+    tensors as llama.cpp's converter writes them: `rope.scaling.*` (linear, yarn, longrope) and the
+    tensors `rope_freqs` (Llama 3.1's per-frequency divisors) and `rope_factors_long/short` (Phi-3)."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", None) or "none"
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0))
+    attn = _field(reader, f"{arch}.rope.scaling.attn_factor", None)
+    common = dict(theta=theta, rotary_dim=rotary_dim, attention_factor=None if attn is None else float(attn))
+    freqs = _float_values(names["rope_freqs.weight"]) if "rope_freqs.weight" in names else None
+    try:
+        if "rope_factors_long.weight" in names or kind == "longrope":
+            if "rope_factors_short.weight" not in names or "rope_factors_long.weight" not in names:
+                raise UnsupportedModelError("longrope needs both rope_factors_short and rope_factors_long tensors")
+            context = int(_field(reader, f"{arch}.context_length"))
+            original = original or context
+            return Rope(kind="longrope", factor=context / original, original_context=original,
+                        freq_factors=_float_values(names["rope_factors_short.weight"]),
+                        long_factors=_float_values(names["rope_factors_long.weight"]), **common)
+        if kind == "linear":
+            return Rope(kind="linear", factor=factor, freq_factors=freqs, **common)
+        if kind == "yarn":
+            beta_fast = float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0))
+            beta_slow = float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0))
+            yarn_attn = _field(reader, f"{arch}.rope.scaling.yarn_attn_factor", None)
+            if common["attention_factor"] is None and yarn_attn is not None:   # llama.cpp: it multiplies the mscale
+                mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+                common["attention_factor"] = float(yarn_attn) * mscale
+            return Rope(kind="yarn", factor=factor, original_context=original or int(_field(reader, f"{arch}.context_length")),
+                        beta_fast=beta_fast, beta_slow=beta_slow, freq_factors=freqs, **common)
+        if kind != "none":
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (none, linear, yarn, longrope, rope_freqs)")
+        # Llama 3.1/3.2: the llama3 rule precomputed by the converter as per-frequency divisors
+        if freqs is None and not rotary_dim and common["attention_factor"] is None:
+            return None
+        return Rope(freq_factors=freqs, **common)
+    except ValueError as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise UnsupportedModelError(f"rope metadata: {e}") from None
 
 
 def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     """Every tensor is one we know, and every layer has what the config implies."""
     names = {t.name for t in reader.tensors}
-    unknown = sorted(n for n in names if hf_name(n) is None)
+    unknown = sorted(n for n in names if hf_name(n) is None and n not in _ROPE_TENSORS)
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")
     required = ["token_embd.weight", "output_norm.weight"]
     per_layer = list(_REQUIRED_PER_LAYER)
+    if config.arch == "phi3":      # fused q/k/v; ffn_up holds gate and up
+        per_layer = [n for n in per_layer if n not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                        "ffn_gate.weight")] + ["attn_qkv.weight"]
     if config.qkv_bias:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.qk_norm:
@@ -414,6 +474,40 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return (w.reshape(n_heads, rows_per_head // 2, 2, *rest)
              .transpose(1, 2)
              .reshape(w.shape))
+
+
+def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, torch.Tensor | None]]:
+    """One GGUF tensor -> the Hugging Face tensors it holds: [(name, row indices or None for all)].
+    Rows are output features, so a split or reorder is exact for dense and quantized tensors alike.
+      - llama files store q/k rows in the rotate-every-two order (undone: unpermute_rows);
+      - phi3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, gate first): split into the llama layout;
+      - partial rotary reorders each head's q/k rows (rope.rotary_row_order) for the kernels' RoPE."""
+    name = hf_name(gguf_name)
+    d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
+    rd = config.rope_spec.rotary_dim
+
+    def qk_order(heads: int, size: int) -> torch.Tensor | None:
+        order = torch.arange(size)
+        if config.arch == "llama":        # converter's rotate-every-two rows (not for mistral-named files)
+            order = unpermute_rows(order, heads)
+        if rd:
+            order = order[rotary_row_order(heads, d, rd)] if size == heads * d else order[rotary_row_order(1, d, rd)]
+        return None if torch.equal(order, torch.arange(size)) else order
+
+    if name.endswith("self_attn.qkv_proj.weight"):
+        base = name.removesuffix("qkv_proj.weight")
+        q, kv = H * d, KV * d
+        oq, ok = qk_order(H, q), qk_order(KV, kv)
+        return [(base + "q_proj.weight", torch.arange(q) if oq is None else oq),
+                (base + "k_proj.weight", q + (torch.arange(kv) if ok is None else ok)),
+                (base + "v_proj.weight", torch.arange(q + kv, q + 2 * kv))]
+    if config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
+        base, inter = name.removesuffix("up_proj.weight"), rows // 2
+        return [(base + "gate_proj.weight", torch.arange(inter)), (base + "up_proj.weight", torch.arange(inter, rows))]
+    if ".self_attn.q_" in name or ".self_attn.k_" in name:
+        heads = H if ".self_attn.q_" in name else KV
+        return [(name, qk_order(heads, rows))]
+    return [(name, None)]
 
 
 def _start_tensor(t: ReaderTensor, dtype: torch.dtype) -> tuple[torch.Tensor, list[Callable[[], None]]]:
@@ -462,35 +556,31 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     t_open = time.perf_counter()
 
     weights: dict[str, torch.Tensor] = {}
+    tensors = [t for t in reader.tensors if t.name not in _ROPE_TENSORS]
     with _parallel_jobs() as run:
         all_jobs: list[Callable[[], None]] = []
         quantized: list[ReaderTensor] = []
-        for t in reader.tensors:  # checks every type before any work starts
+        dense: dict[str, torch.Tensor] = {}
+        for t in tensors:  # checks every type before any work starts
             if keep_quantized and _keeps_quantized(t, hf_name(t.name)):
                 quantized.append(t)
                 continue
-            weights[hf_name(t.name)], jobs = _start_tensor(t, dtype)
+            dense[t.name], jobs = _start_tensor(t, dtype)
             all_jobs += jobs
         run(all_jobs)
-        def permuted_heads(name: str) -> int:
-            # Only llama GGUFs are permuted by the converter; qwen2/qwen3 keep HF's row order.
-            if config.arch != "llama":
-                return 0
-            return (config.num_heads if ".self_attn.q_proj." in name
-                    else config.num_kv_heads if ".self_attn.k_proj." in name else 0)
-
+        for gname, w in dense.items():
+            for name, rows in hf_parts(gname, config, int(w.shape[0])):
+                weights[name] = w if rows is None else w[rows]
+        dense.clear()
         if quantized:
             from .qweight import from_gguf, to_lanes
             for t in quantized:     # one at a time: the row layout is dropped as soon as the lanes copy exists
                 k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
-                name = hf_name(t.name)
                 q = from_gguf(_tensor_bytes(t), t.tensor_type, n, k)
-                if heads := permuted_heads(name):               # the same permutation of whole rows
-                    q = q.permute_rows(unpermute_rows(torch.arange(q.shape[0]), heads))
-                weights[name] = (to_lanes(q) or q) if lanes else q
-        for name, w in weights.items():
-            if isinstance(w, torch.Tensor) and (heads := permuted_heads(name)):
-                weights[name] = unpermute_rows(w, heads)
+                for name, rows in hf_parts(t.name, config, n):
+                    part = q if rows is None else q.permute_rows(rows)    # whole rows: exact
+                    weights[name] = (to_lanes(part) or part) if lanes else part
+                del q
     t_weights = time.perf_counter()
 
     tokenizer = Tokenizer.from_gguf(reader)

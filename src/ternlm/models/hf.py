@@ -19,11 +19,15 @@ from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .loaded import LoadedModel
 from .registry import cached_sha256
+from .rope import Rope, rotary_row_order
 
 log = logging.getLogger(__name__)
 
 # `architectures` entries we accept when `model_type` is absent or unfamiliar.
-_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral"}
+# Fused checkpoints (phi3) -> the llama layout the engine runs: (fused name, [(part, share of rows)])
+_FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 
 _LAYER_PARAMS = {
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -50,19 +54,52 @@ def _arch(cfg: dict) -> str:
     )
 
 
-def _rope(cfg: dict) -> float:
-    """rope_theta, rejecting scaled rope. transformers >= 5 writes ``rope_parameters``; older
-    configs have top-level ``rope_theta`` and ``rope_scaling``."""
-    params = cfg.get("rope_parameters") or {}
+def _rope(cfg: dict, head_dim: int) -> tuple[float, Rope | None]:
+    """(rope_theta, the RoPE variant or None for plain). transformers >= 5 writes ``rope_parameters``;
+    older configs have top-level ``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor``."""
+    params = dict(cfg.get("rope_parameters") or {})
     if any(isinstance(v, dict) for v in params.values()):
         # Per-layer-type rope (sliding + full attention models): not an architecture we run.
         raise UnsupportedModelError(f"per-layer rope parameters {sorted(params)} are not supported")
-    scaling = cfg.get("rope_scaling") or {}
-    for spec in (params, scaling):
-        kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind not in ("default", None):
-            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (only unscaled rope)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = dict(cfg.get("rope_scaling") or {})
+
+    def kind_of(d: dict) -> str:
+        return d.get("rope_type", d.get("type")) or "default"
+    # a scaled kind in either place wins over a default one in the other
+    kind = kind_of(scaling) if kind_of(scaling) != "default" else kind_of(params)
+    spec = {**params, **scaling} if kind_of(scaling) != "default" else {**scaling, **params}
+    theta = float(spec.get("rope_theta", params.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    partial = float(spec.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * partial) if partial != 1.0 else 0
+    original = int(spec.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 0))
+    attn = spec.get("attention_factor")
+    common = dict(theta=theta, rotary_dim=rotary, attention_factor=None if attn is None else float(attn))
+    try:
+        if kind == "default":
+            return theta, (Rope(**common) if rotary else None)
+        if kind == "linear":
+            return theta, Rope(kind="linear", factor=float(spec["factor"]), **common)
+        if kind == "llama3":
+            return theta, Rope(kind="llama3", factor=float(spec["factor"]), original_context=original,
+                               low_freq_factor=float(spec["low_freq_factor"]),
+                               high_freq_factor=float(spec["high_freq_factor"]), **common)
+        if kind == "yarn":
+            if spec.get("mscale") or spec.get("mscale_all_dim") or spec.get("truncate") is False:
+                raise UnsupportedModelError("yarn with mscale/mscale_all_dim/truncate=false is not supported")
+            return theta, Rope(kind="yarn", factor=float(spec["factor"]), original_context=original,
+                               beta_fast=float(spec.get("beta_fast") or 32), beta_slow=float(spec.get("beta_slow") or 1),
+                               **common)
+        if kind == "longrope":
+            factor = spec.get("factor") or int(cfg["max_position_embeddings"]) / original
+            return theta, Rope(kind="longrope", factor=float(factor), original_context=original,
+                               freq_factors=tuple(map(float, spec["short_factor"])),
+                               long_factors=tuple(map(float, spec["long_factor"])), **common)
+    except (KeyError, ValueError) as e:
+        if isinstance(e, UnsupportedModelError):
+            raise
+        raise UnsupportedModelError(f"rope scaling {kind!r}: {e!r} in config.json") from None
+    raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope)")
 
 
 def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
@@ -78,6 +115,15 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         raise UnsupportedModelError("sliding-window attention is not supported")
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, rope = _rope(cfg, head_dim)
+    context = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window") if arch in ("phi3", "mistral") else None
+    if window and int(window) < context:
+        # every layer windowed (Mistral 7B v0.1, Phi-3-mini-4k): within the window attention is
+        # full, so the model runs exactly up to it; beyond needs windowed attention (issue 37)
+        log.warning("%s: sliding window %d < context %d; context limited to %d", arch, window, context, window)
+        context = int(window)
     return ModelConfig(
         arch=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -86,13 +132,14 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rope_theta=_rope(cfg),
+        head_dim=head_dim,
+        rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in param_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in param_names,
+        rope=rope,
     )
 
 
@@ -115,6 +162,39 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
     missing = sorted(expected - names)
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
+
+
+def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The layout the engine runs: fused projections (phi3's qkv_proj, gate_up_proj) split into
+    q/k/v and gate/up by rows, and with partial rotary each head's q/k rows (and q/k norm entries)
+    reordered for the kernels' RoPE (rope.rotary_row_order). Returns a new dict; tensors not
+    touched are shared."""
+    d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
+    sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        m = _LAYER_RE.fullmatch(name)
+        fused = _FUSED.get(m.group(2)) if m else None
+        if fused is None:
+            out[name] = w
+            continue
+        base = name[: -len(m.group(2))] + m.group(2).split(".")[0] + "."
+        rows = [sizes[p] for p in fused] if "q_proj" in fused else [w.shape[0] // 2] * 2
+        if sum(rows) != w.shape[0]:
+            raise UnsupportedModelError(f"{name} has {w.shape[0]} rows, expected {sum(rows)}")
+        for part, piece in zip(fused, torch.split(w, rows)):
+            out[f"{base}{part}.weight"] = piece.contiguous()
+    rd = config.rope_spec.rotary_dim
+    if rd:
+        for name in list(out):
+            m = _LAYER_RE.fullmatch(name)
+            kind = m.group(2) if m else ""
+            if kind.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+                heads = H if "q_proj" in kind else KV
+                out[name] = out[name][rotary_row_order(heads, d, rd)]
+            elif kind in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                out[name] = out[name][rotary_row_order(1, d, rd)]
+    return out
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -154,6 +234,7 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype) -> LoadedMo
     t_weights = time.perf_counter()
 
     config = config_from_hf(cfg, set(weights))
+    weights = to_llama_layout(weights, config)
     _check_params(set(weights), config)
     tokenizer = Tokenizer.from_hf_folder(folder)
     t_tok = time.perf_counter()

@@ -52,14 +52,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(head_dim: int, theta: float, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_pos, head_dim) fp32, in the rotate-half (NeoX / Hugging Face) layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # (max_pos, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (heads, T, head_dim); cos/sin: (T, head_dim) already in x's dtype."""
     half = x.shape[-1] // 2
@@ -287,7 +279,8 @@ class Transformer(nn.Module):
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
         self.lm_head = projection([head], None, dtype, pack, kernels if quantized else None)
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        # RoPE variants (scaling, partial rotary) are only different tables (models/rope.py)
+        cos, sin = cfg.rope_spec.tables(cfg.head_dim, cfg.max_position_embeddings)
         self.cos, self.sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()   # (max_pos, head_dim)
         self.native = self._native_layers() if quantized else None
         self.kv_dtype = self._choose_kv_dtype(kv_dtype)     # needs self.native: fp16 only where layer.c runs
