@@ -27,6 +27,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size in tokens (256: best measured)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
+                   help="a jinja chat template (Hugging Face semantics) replacing the model's own")
+
+
+def _template_file(path: str) -> str:
+    """--chat-template FILE -> its text (read once at startup; a bad path is a usage error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read chat template {path!r}: {e}") from None
 
 
 def _load(args, slots: int = 1):
@@ -36,7 +47,8 @@ def _load(args, slots: int = 1):
         torch.set_num_threads(args.threads)
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                          prefix_reuse=not args.no_prefix_kv,
-                         min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots)
+                         min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
+                         chat_template=args.chat_template)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine
 

@@ -81,7 +81,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
-                 weights: WeightsChoice | None = None, kv_dtype: str = "auto"):
+                 weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
@@ -92,7 +92,8 @@ class Engine:
         self.config = cfg
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.chat_template = loaded.chat_template
+        # --chat-template: the operator's template replaces the file's (or stands in for a missing one)
+        self.chat_template = chat_template if chat_template is not None else loaded.chat_template
         self.cpu = cpu or probe()
         name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
         self.dtype_choice = choose_dtype(name, self.cpu)
@@ -290,9 +291,10 @@ class Engine:
             slot = self.pick_slot(prompt, ns)
         slot = self.slots[slot] if isinstance(slot, int) else slot
         digests = {p: e.digest or b"" for p, e in emb.items()}
-        ends = prompt_in.message_ends if isinstance(prompt_in, ChatIds) else None
+        chat = isinstance(prompt_in, ChatIds)
         reuse = decide_reuse(slot.record, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
-                             enabled=self.prefix_reuse, message_ends=ends)
+                             enabled=self.prefix_reuse, message_ends=prompt_in.message_ends if chat else None,
+                             message_roles=tuple(m.get("role", "") for m in prompt_in.messages) if chat else None)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
         if fork_from is not None and self.prefix_reuse:
             src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from

@@ -94,11 +94,12 @@ def prepare(messages: list[dict], tools: list[dict] | None, native: bool) -> tup
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
             text = m.get("content") or ""
-            out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+            kept = {"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {}
+            out.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls, **kept})
         elif m["role"] == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
         else:
-            out.append({k: v for k, v in m.items() if k in ("role", "content")})
+            out.append({k: v for k, v in m.items() if k in ("role", "content", "reasoning_content")})
     if tools:
         header = FALLBACK_HEADER.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] == "system":

@@ -86,6 +86,7 @@ class Reuse:
     # token offset where each chat message ends; called only when `reason` is read (it renders the
     # template several times), so deciding reuse on the engine's thread never pays for it
     message_ends: Callable[[], list[int]] | None = field(default=None, compare=False, repr=False)
+    message_roles: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def reason(self) -> str:
@@ -97,7 +98,12 @@ class Reuse:
         if not ends:
             return self.why
         msg = next((i for i, end in enumerate(ends) if self.diverged_at < end), len(ends))
-        return self.why.replace(self.diverged, f"{self.diverged} (message {msg})", 1)
+        roles = self.message_roles or ()
+        # the usual cause inside an earlier answer: its template re-renders it (reasoning models drop
+        # the thinking from history; others trim whitespace) or the client edited it
+        why = (": the template re-rendered the assistant turn (or the client edited it)"
+               if msg < len(roles) and roles[msg] == "assistant" else "")
+        return self.why.replace(self.diverged, f"{self.diverged} (message {msg}){why}", 1)
 
 
 def first_digest_mismatch(record: PrefixRecord, prompt_digests: dict[int, bytes], upto: int) -> int | None:
@@ -113,12 +119,13 @@ def first_digest_mismatch(record: PrefixRecord, prompt_digests: dict[int, bytes]
 def decide_reuse(record: PrefixRecord, prompt: list[int], namespace: bytes, *,
                  prompt_digests: dict[int, bytes] | None = None, min_reuse: int = 16,
                  enabled: bool = True,
-                 message_ends: list[int] | Callable[[], list[int]] | None = None) -> Reuse:
+                 message_ends: list[int] | Callable[[], list[int]] | None = None,
+                 message_roles: tuple[str, ...] | None = None) -> Reuse:
     """Decide how many positions of `record` the prompt may reuse. Does not modify the record.
 
     [0, k) reused | [k, n) prefilled | [n, n + generated) decoded.
     `message_ends`: token offset where each chat message ends (or a function computing them, called
-    only if `reason` is read), to name the message a divergence fell in.
+    only if `reason` is read), to name the message a divergence fell in; `message_roles`: their roles.
     """
     if not enabled:
         return Reuse(0, "reuse disabled")
@@ -142,5 +149,6 @@ def decide_reuse(record: PrefixRecord, prompt: list[int], namespace: bytes, *,
     k = min(k, n - 1)  # [FRESH-LOGITS] always feed >= 1 token: never sample from the previous request's logits
     if k < min_reuse:
         why = f"below min_reuse ({max(k, 0)} < {min_reuse})"
-        return Reuse(0, why if reason == "reuse" else f"{why}; {reason}", common, diverged, common, ends)
-    return Reuse(k, reason, common, diverged, common, ends)
+        return Reuse(0, why if reason == "reuse" else f"{why}; {reason}", common, diverged, common, ends,
+                     message_roles)
+    return Reuse(k, reason, common, diverged, common, ends, message_roles)

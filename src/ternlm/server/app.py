@@ -39,7 +39,7 @@ from ..kv.store import CacheConfig
 from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
 from ..weights import WEIGHTS
-from .. import tools
+from .. import reasoning, tools
 from ..grammar import GrammarSpec
 from . import schemas
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
@@ -79,6 +79,8 @@ class ServeConfig:
     cache_redis: str | None = None    # shared Redis/Valkey tier URL (None: none); kv/redis_tier.py
     cache_redis_ttl: int = 0          # seconds a block lives in Redis (0: until its maxmemory policy evicts it)
     cache_redis_timeout: float = 0.5  # Redis connect/read timeout (seconds)
+    reasoning_format: str = "auto"    # reasoning.py: auto (split <think> out) | none (raw text)
+    chat_template: str | None = None  # jinja source replacing the model's own template (--chat-template)
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -101,6 +103,8 @@ class ServeConfig:
         if self.cache_redis is not None:
             from ..kv.redis_tier import check_url
             check_url(self.cache_redis)          # one clear line at startup, not a failed load later
+        if self.reasoning_format not in reasoning.FORMATS:
+            raise ValueError(f"unknown reasoning format {self.reasoning_format!r}; choose {', '.join(reasoning.FORMATS)}")
         if self.cache_redis_ttl < 0 or self.cache_redis_timeout <= 0:
             raise ValueError("--cache-redis-ttl must be >= 0 and --cache-redis-timeout > 0")
 
@@ -447,6 +451,15 @@ def choice_seed(seed: int | None, j: int) -> int | None:
     return (seed + j) % (1 << 64) if seed >= 0 else seed + j
 
 
+def thinking_mode(engine: Engine, ids: list[int], fmt: str) -> bool | None:
+    """reasoning.py's split for this prompt: None (no split: format none, or a template that never
+    thinks), else whether the prompt already opened `<think>` (DeepSeek-R1 style). Reads the prompt's
+    last tokens only."""
+    if fmt == "none" or not reasoning.template_thinks(engine.chat_template):
+        return None
+    return reasoning.prompt_opens_thinking(engine.tokenizer.decode(ids[-16:]))
+
+
 def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
     def load() -> Engine:
         cache = CacheConfig(config.cache_ram, Path(config.cache_dir) if config.cache_dir else None,
@@ -454,7 +467,7 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
         return Engine.load(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
                            prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
-                           chunk_size=config.chunk_size, cache=cache)
+                           chunk_size=config.chunk_size, cache=cache, chat_template=config.chat_template)
     return load
 
 
@@ -516,6 +529,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         # tools: through the template's own `tools` where it has them, else the documented fallback
         messages, extra = tools.prepare([m.for_template() for m in req.messages], req.tool_dicts,
                                         tools.supports_tools(engine.chat_template))
+        extra = {**req.template_vars, **extra}      # chat_template_kwargs, reasoning_effort
         grammar = req.response_format
         forced, only = req.forced
         if forced:   # the answer must be calls: constrained (tools.call_grammar)
@@ -536,7 +550,8 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
                                                     grammar), salt, None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
-        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling)
+        shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
+                                  thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
         return await serve_request(st, request, choices, shape, stream=req.stream,
                                    include_usage=req.include_usage, want_logprobs=req.logprobs)
 

@@ -20,6 +20,9 @@ def add_serve_parser(subparsers, engine_args: Callable[[argparse.ArgumentParser]
     engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
+                   help="auto (default): a thinking model's <think> block goes to reasoning_content, apart "
+                        "from the answer; none: the raw text in content")
     p.add_argument("--slots", type=int, default=4, help="KV sequences (concurrent requests)")
     p.add_argument("--api-key", dest="api_keys", action="extend", nargs="+", default=[], metavar="KEY",
                    help="require 'Authorization: Bearer KEY'; each key is its own cache namespace")
@@ -96,7 +99,8 @@ def cmd_serve(args) -> int:
                          max_queue=args.max_queue, max_body_bytes=args.max_body,
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk, cache_redis=args.cache_redis,
-                         cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout)
+                         cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout,
+                         reasoning_format=args.reasoning_format, chat_template=args.chat_template)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..engine import Completion, Delta
 from ..grammar import GrammarSpec, json_schema_source
+from ..reasoning import Splitter, split
 from ..tools import ContentFilter, parse_calls
 from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
@@ -57,6 +58,9 @@ class ChatMessage(_Closed):
     content: str | None = None                    # text parts joined; see _content
     tool_calls: list[MessageToolCall] | None = None   # assistant: the calls it made
     tool_call_id: str | None = Field(None, max_length=256)   # tool: the call this result answers
+    # assistant: its thinking, sent back (templates that keep it render it; Qwen3's drops old turns')
+    reasoning_content: str | None = None
+    reasoning: str | None = None                  # the same, under the other name clients use
 
     @field_validator("content", mode="before")
     @classmethod
@@ -81,6 +85,10 @@ class ChatMessage(_Closed):
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        if None not in (self.reasoning_content, self.reasoning) and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning_content and reasoning disagree; send one")
         return self
 
     def for_template(self) -> dict:
@@ -90,6 +98,9 @@ class ChatMessage(_Closed):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            out["reasoning_content"] = thinking
         return out
 
 
@@ -215,6 +226,26 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # reasoning models: variables for the template (Qwen3's {"enable_thinking": false}), the effort
+    # (passed to templates that read `reasoning_effort`), and whether thinking is split out (reasoning.py)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_format: Literal["auto", "none"] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict | None) -> dict | None:
+        reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+        if v and (bad := sorted(k for k in v if k in reserved or not k.isidentifier() or k.startswith("_"))):
+            raise ValueError(f"chat_template_kwargs may not set {bad}")
+        return v
+
+    @property
+    def template_vars(self) -> dict:
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
 
     @field_validator("messages")
     @classmethod
@@ -237,9 +268,12 @@ class ChatRequest(_Sampling):
             raise ValueError("tool_choice 'required' or a named function needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
-        if self.calling and self.response_format is not None:
-            raise ValueError("response_format together with tools is not supported: send tool_choice 'none' "
-                             "or no tools")
+        # a regex/grammar constrains the whole text, calls included (e.g. thinking, then a call); a JSON
+        # schema and a call cannot both be the answer
+        if self.calling and self.response_format is not None and (
+                self.forced[0] or self.response_format.kind not in ("regex", "lark")):
+            raise ValueError("response_format together with tools is not supported (except a regex or grammar "
+                             "with tool_choice 'auto'): send tool_choice 'none' or no tools")
         return self
 
     @property
@@ -408,7 +442,10 @@ def timings(c: Completion) -> dict:
             "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
             "cache_disk_n": c.restored.disk, "cache_redis_n": c.restored.redis,
             "cache_sibling_n": c.restored.sibling,
-            "cache_load_ms": c.restored.load_s * 1e3}
+            "cache_load_ms": c.restored.load_s * 1e3,
+            # why reuse stopped where it did ("diverged at token 812 of record 2034 (message 3): ..."); None: it
+            # covered the whole record
+            "cache_reason": c.reuse.reason if c.reuse.diverged is not None else None}
 
 
 class Shape:
@@ -449,13 +486,37 @@ class ChatShape(Shape):
     (streamed as delta.tool_calls once the choice ends; the content before them streams as it comes)."""
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *a, tools: bool = False, **kw):
+    def __init__(self, *a, tools: bool = False, thinking: bool | None = None, **kw):
+        """thinking: None: no reasoning split (content as generated); False/True: split `<think>`
+        blocks out into reasoning_content, True when the prompt already opened one (reasoning.py)."""
         super().__init__(*a, id_prefix="chatcmpl", **kw)
         self.tools = tools
+        self.thinking = thinking
         self._filters: dict[int, ContentFilter] = {}
+        self._splitters: dict[int, Splitter] = {}
+        self._reasoning_n: dict[int, int] = {}      # choice -> tokens streamed while thinking
 
     def _filter(self, index: int) -> ContentFilter:
         return self._filters.setdefault(index, ContentFilter())
+
+    def _split(self, index: int, text: str) -> tuple[str, str]:
+        """A streamed delta -> (reasoning, content) safe to send; counts the thinking's tokens."""
+        if self.thinking is None:
+            return "", text
+        s = self._splitters.setdefault(index, Splitter(self.thinking))
+        thinking_before = s.thinking
+        r, c = s.feed(text)
+        if thinking_before and s.thought:
+            self._reasoning_n[index] = self._reasoning_n.get(index, 0) + 1
+        return r, c
+
+    def _delta(self, index: int, reasoning: str, content: str) -> dict:
+        out = {"reasoning_content": reasoning} if reasoning else {}
+        if self.tools:
+            content = self._filter(index).feed(content)
+        if content:
+            out["content"] = content
+        return out
 
     def logprob(self, d: Delta) -> dict | None:
         if d.logprob is None:
@@ -472,17 +533,25 @@ class ChatShape(Shape):
 
     def delta_chunk(self, index: int, d: Delta, include_usage: bool) -> dict | None:
         lp = self.logprob(d)
-        text = self._filter(index).feed(d.text) if self.tools else d.text
-        if not text and lp is None:
-            return None          # text held back (partial UTF-8 / possible stop string / a call): nothing to send
-        return self._chunk(index, {"content": text}, {"content": [lp]} if lp else None, None, include_usage)
+        delta = self._delta(index, *self._split(index, d.text))
+        if not delta and lp is None:
+            return None          # text held back (partial UTF-8 / stop string / a tag / a call): nothing to send
+        if lp is not None and not delta:
+            delta = {"content": ""}
+        return self._chunk(index, delta, {"content": [lp]} if lp else None, None, include_usage)
 
     def before_final(self, index: int, c: Completion, include_usage: bool) -> list[dict]:
-        """Chunks a choice sends when it ends, before its final chunk: held-back content, its tool calls."""
+        """Chunks a choice sends when it ends, before its final chunk: held-back thinking and content,
+        its tool calls."""
+        out = []
+        if self.thinking is not None:
+            r, tail = self._splitters.setdefault(index, Splitter(self.thinking)).finish()
+            if delta := self._delta(index, r, tail):
+                out.append(self._chunk(index, delta, None, None, include_usage))
         if not self.tools:
-            return []
+            return out
         tail, calls = self._filter(index).finish()
-        out = [self._chunk(index, {"content": tail}, None, None, include_usage)] if tail else []
+        out += [self._chunk(index, {"content": tail}, None, None, include_usage)] if tail else []
         if calls:
             out.append(self._chunk(index, {"tool_calls": [call.openai(k) for k, call in enumerate(calls)]},
                                    None, None, include_usage))
@@ -502,19 +571,37 @@ class ChatShape(Shape):
     def response(self, cs: list[Completion], deltas: list[list[Delta]], want_logprobs: bool, return_tokens: bool,
                  counted: list[bool] | None = None) -> dict:
         choices = []
+        thought = 0
         for i, (c, ds) in enumerate(zip(cs, deltas)):
             lps = [x for x in (self.logprob(d) for d in ds) if x is not None]
-            message: dict = {"role": "assistant", "content": c.text}
+            parts = split(c.text, self.thinking) if self.thinking is not None else None
+            text = parts.content if parts is not None else c.text
+            message: dict = {"role": "assistant", "content": text}
+            if parts is not None and parts.reasoning is not None:
+                message["reasoning_content"] = parts.reasoning
+                for d in ds:                                # tokens fed while thinking
+                    self._split(i, d.text)
+                thought += self._reasoning_n.get(i, 0)
             finish = c.finish_reason
             if self.tools:
-                content, calls = parse_calls(c.text)
+                content, calls = parse_calls(text)
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [call.openai() for call in calls]}
+                    message = {**message, "content": content, "tool_calls": [call.openai() for call in calls]}
                     finish = "tool_calls"
             choices.append({"index": i, "message": message,
                             "logprobs": {"content": lps} if want_logprobs else None, "finish_reason": finish})
-        return self._envelope(self.object_full, choices, usage=usage(cs, counted), timings=timings(cs[0]))
+        return self._envelope(self.object_full, choices, usage=self._usage(usage(cs, counted), thought),
+                              timings=timings(cs[0]))
+
+    def _usage(self, u: dict, thought: int) -> dict:
+        if self.thinking is not None:
+            u["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return u
+
+    def usage_chunk(self, cs: list[Completion], counted: list[bool] | None = None) -> dict:
+        out = super().usage_chunk(cs, counted)
+        self._usage(out["usage"], sum(self._reasoning_n.values()))
+        return out
 
 
 class TextShape(Shape):
