@@ -152,3 +152,30 @@ def test_tool_call_after_thinking_round_trips(server):
              {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
     answer = ask(c, msgs, ANSWER_ONLY, tools=tools)
     assert answer.choices[0].message.content and answer.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_cli_shows_thinking_apart_and_keeps_only_the_answer():
+    """`ternlm chat`: thinking printed under its own header, the answer after it, the stats line counts
+    the thinking's tokens, and the history keeps the answer alone (as templates do)."""
+    import io
+
+    from ternlm.chat_cli import Chat, Thinking, TurnStats
+
+    class Backend:
+        label = "fake"
+
+        def stream(self, messages, *, max_tokens, temperature, seed=None):
+            yield Thinking("the sky ")
+            yield Thinking("scatters blue")
+            yield "Rayleigh "
+            yield "scattering."
+            yield TurnStats(prompt_tokens=20, cached_tokens=0, completion_tokens=9, reasoning_tokens=5,
+                            measured="engine")
+
+    out = io.StringIO()
+    chat = Chat(Backend(), out=out)
+    chat.ask("Why is the sky blue?")
+    text = out.getvalue()
+    assert text.startswith("thinking: the sky scatters blue\n\nRayleigh scattering.\n")
+    assert "thought 5 tok" in text
+    assert chat.history[-1] == {"role": "assistant", "content": "Rayleigh scattering."}

@@ -373,3 +373,36 @@ def test_api_key_prompt_on_401(browser, server):
         assert not dialog.is_visible()
     finally:
         ctx.close()
+
+
+def test_thinking_is_shown_apart_collapsed_and_never_resent(context, server):
+    """A reasoning model's stream (reasoning_content deltas, then content): the page shows the thinking
+    in a collapsed block above the answer with its token count, and resends only the answer."""
+    page, errors = open_page(context, server)
+    bodies: list[dict] = []
+    base = {"id": "chatcmpl-think", "object": "chat.completion.chunk", "created": 0, "model": "smollm2-135m"}
+
+    def fake_server(route):
+        bodies.append(json.loads(route.request.post_data))
+        thinking, answer = "First, the sky. <b>Then</b> the sea.", "It is **blue**."
+        deltas = [{"reasoning_content": thinking[i:i + 6]} for i in range(0, len(thinking), 6)]
+        deltas += [{"content": answer[i:i + 4]} for i in range(0, len(answer), 4)]
+        chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+        chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        chunks.append({**base, "choices": [], "usage": {
+            "prompt_tokens": 40, "completion_tokens": 20, "total_tokens": 60, "prompt_tokens_details": {"cached_tokens": 30},
+            "completion_tokens_details": {"reasoning_tokens": 12}}})
+        route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=_sse(chunks))
+    page.route("**/v1/chat/completions", fake_server)
+
+    first = send(page, "Why blue?")
+    assert "thought 12 tok" in first["stats"]
+    box = page.locator(".msg.assistant details.thinking").first
+    assert box.locator("summary").inner_text() == "Thought (12 tokens)"
+    assert not box.evaluate("d => d.open"), "collapsed once the answer is there"
+    assert box.locator("div").text_content() == "First, the sky. <b>Then</b> the sea."     # text, not markup
+    assert box.locator("b").count() == 0
+    assert page.locator(".msg.assistant .md strong").first.inner_text() == "blue"
+    send(page, "And?")
+    assert bodies[1]["messages"][1] == {"role": "assistant", "content": "It is **blue**."}
+    assert not errors, errors

@@ -56,6 +56,7 @@ class TurnStats:
     finish_reason: str | None = None
     measured: str = "client"
     cache_tier: str | None = None         # where the reused prefix came from: slot | ram | disk (ternlm)
+    reasoning_tokens: int | None = None   # tokens of thinking (reasoning models), part of completion_tokens
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -79,6 +80,8 @@ class TurnStats:
             parts.append(f"prefill {n}in {self.prefill_s:.2f} s")
         if self.decode_tok_s is not None:
             parts.append(f"{self.decode_tok_s:.0f} tok/s")
+        if self.reasoning_tokens:
+            parts.append(f"thought {self.reasoning_tokens} tok")
         if self.ttft_s is not None:
             parts.append(f"first token {self.ttft_s:.2f} s")
         if self.measured == "client":
@@ -91,6 +94,10 @@ def _rate(n: int | None, s: float | None) -> float | None:
 
 
 # ---- backends -----------------------------------------------------------------------------------
+
+class Thinking(str):
+    """A piece of a reasoning model's thinking (reasoning_content): shown dimmed, apart from the answer,
+    and not part of the answer kept in the history (templates drop old thinking anyway)."""
 
 class Backend(Protocol):
     label: str
@@ -114,16 +121,28 @@ class EngineBackend:
                seed: int | None = None) -> Iterator[str | TurnStats]:
         from .engine import Completion
         t0 = time.perf_counter()
+        from . import reasoning
         ids = self.engine.apply_chat_template(messages, add_generation_prompt=True)
+        split = (reasoning.Splitter(reasoning.prompt_opens_thinking(self.engine.tokenizer.decode(ids[-16:])))
+                 if reasoning.template_thinks(self.engine.chat_template) else None)
+        thought = 0
         events = self.engine.stream(ids, max_tokens=max_tokens, temperature=temperature, seed=seed)
         try:
             for ev in events:
                 if isinstance(ev, Completion):
+                    if split is not None:
+                        r, c = split.finish()
+                        yield from ([Thinking(r)] if r else []) + ([c] if c else [])
                     t = ev.timings
                     yield TurnStats(ev.prompt_tokens, ev.cached_tokens, len(ev.token_ids), t.prefill_tokens,
                                     t.prefill_s, t.decode_tokens, t.decode_s, t.ttft_s,
                                     time.perf_counter() - t0, ev.finish_reason, measured="engine",
-                                    cache_tier=ev.restored.tier)
+                                    cache_tier=ev.restored.tier, reasoning_tokens=thought if split else None)
+                elif split is not None:
+                    before = split.thinking
+                    r, c = split.feed(ev.text)
+                    thought += before and split.thought
+                    yield from ([Thinking(r)] if r else []) + ([c] if c else [])
                 elif ev.text:
                     yield ev.text
         finally:
@@ -174,6 +193,11 @@ class OpenAIBackend:
                 for choice in chunk.choices:
                     st.finish_reason = choice.finish_reason or st.finish_reason
                     text = choice.delta.content if choice.delta else None
+                    thinking = (choice.delta.model_extra or {}).get("reasoning_content") if choice.delta else None
+                    if thinking:
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                        yield Thinking(thinking)
                     if text:
                         if t_first is None:
                             t_first = time.perf_counter()
@@ -195,6 +219,9 @@ def _fill(st: TurnStats, usage, timings: dict | None, pieces: int, t_first: floa
         details = usage.prompt_tokens_details
         if details is not None and details.cached_tokens is not None:
             st.cached_tokens = details.cached_tokens
+        done = getattr(usage, "completion_tokens_details", None)
+        if done is not None and getattr(done, "reasoning_tokens", None):
+            st.reasoning_tokens = done.reasoning_tokens
     if timings and timings.get("prompt_ms") is not None and timings.get("predicted_ms") is not None:
         st.measured = "server"
         st.prefill_tokens = int(timings.get("prompt_n", 0))
@@ -226,6 +253,7 @@ class Chat:
     history: list[dict] = field(default_factory=list)     # user/assistant messages, oldest first
     turns: list[TurnStats] = field(default_factory=list)  # completed answers this session
     color: bool = False
+    _thinking: bool = False      # the current answer is printing its thinking
 
     def messages(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -273,9 +301,10 @@ class Chat:
         """One turn: send the whole transcript + `text`, stream the answer, print the stats line.
         Side effects: appends to the history (a partial answer too, if interrupted after some text)."""
         self.history.append({"role": "user", "content": text})
+        self._thinking = False
         try:
             events = self.backend.stream(self.messages(), max_tokens=self.max_tokens, temperature=self.temperature)
-            answer, stats, interrupted = pump(events, self.write)
+            answer, stats, interrupted = pump(events, self._answer, self._think)
         except Exception as e:  # noqa: BLE001 - a failed turn must not end the chat
             self.history.pop()
             self.say("")
@@ -319,6 +348,19 @@ class Chat:
         self.out.write(text)
         self.out.flush()
 
+    def _think(self, text: str) -> None:
+        """Thinking, dimmed, under a `thinking:` header printed once per answer."""
+        if not self._thinking:
+            self._thinking = True
+            self.write("\x1b[2mthinking: " if self.color else "thinking: ")
+        self.write(f"\x1b[2m{text}\x1b[0m" if self.color else text)
+
+    def _answer(self, text: str) -> None:
+        if self._thinking:              # the answer starts on its own line after the thinking
+            self._thinking = False
+            self.write("\x1b[0m\n\n" if self.color else "\n\n")
+        self.write(text)
+
     def say(self, text: str) -> None:
         self.write(text + "\n")
 
@@ -347,8 +389,10 @@ class _Raised:
         self.exc = exc
 
 
-def pump(events: Iterator[str | TurnStats], write: Callable[[str], None]) -> tuple[str, TurnStats | None, bool]:
+def pump(events: Iterator[str | TurnStats], write: Callable[[str], None],
+         think: Callable[[str], None] | None = None) -> tuple[str, TurnStats | None, bool]:
     """Drive a backend stream on a worker thread, writing text as it comes, until it ends or Ctrl-C.
+    Thinking pieces go to `think` (default: `write`) and are not part of the answer returned.
     Returns (answer text, stats or None, interrupted = no stats came). On Ctrl-C the worker closes the stream at its
     next event and this waits for it, so the backend is idle again when this returns."""
     q: queue.Queue = queue.Queue()
@@ -387,6 +431,8 @@ def pump(events: Iterator[str | TurnStats], write: Callable[[str], None]) -> tup
                     raise ev.exc
             elif isinstance(ev, TurnStats):
                 stats = ev
+            elif isinstance(ev, Thinking):
+                (think or write)(ev)
             else:                         # at most one more piece arrives after a Ctrl-C
                 text.append(ev)
                 write(ev)

@@ -264,9 +264,26 @@ function messageNode(msg, index) {
   return li;
 }
 
+// A reasoning model's thinking: a collapsed, dimmed block above the answer (open while it streams).
+function fillThinking(li, msg, streaming) {
+  let box = li.querySelector("details.thinking");
+  if (!msg.reasoning) { if (box) box.remove(); return; }
+  if (!box) {
+    box = document.createElement("details");
+    box.className = "thinking";
+    box.append(document.createElement("summary"), document.createElement("div"));
+    li.querySelector(".md").before(box);
+  }
+  const tokens = msg.stats && msg.stats.thought ? ` (${msg.stats.thought} tokens)` : "";
+  box.querySelector("summary").textContent = streaming && !msg.content ? "Thinking…" : `Thought${tokens}`;
+  box.querySelector("div").textContent = msg.reasoning;
+  if (streaming) box.open = !msg.content;
+}
+
 function fillAssistant(li, msg, streaming) {
+  fillThinking(li, msg, streaming);
   const body = li.querySelector(".md");
-  if (streaming && !msg.content) {
+  if (streaming && !msg.content && !msg.reasoning) {
     const dots = document.createElement("span");
     dots.className = "typing";
     dots.setAttribute("aria-label", "waiting for the first token");
@@ -402,6 +419,12 @@ async function runTurn({ edited = false }) {
     for await (const chunk of api.chat(body, controller.signal)) {
       const choice = chunk.choices && chunk.choices[0];
       const text = choice && choice.delta && choice.delta.content;
+      const thought = choice && choice.delta && choice.delta.reasoning_content;
+      if (thought) {           // kept apart; never resent (templates drop old thinking)
+        clock.delta();
+        msg.reasoning = (msg.reasoning || "") + thought;
+        paint();
+      }
       if (text) {
         clock.delta();
         msg.content += text;

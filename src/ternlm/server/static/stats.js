@@ -42,6 +42,8 @@ export function turnStats({ usage, timings, finish, clock, edited, stopped, erro
     const cached = usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens;
     if (cached != null) s.cached = cached;
     s.completion = usage.completion_tokens;
+    const thought = usage.completion_tokens_details && usage.completion_tokens_details.reasoning_tokens;
+    if (thought) s.thought = thought;
   }
   if (clock.firstS !== null) s.clientFirstS = clock.firstS;
   if (timings && timings.prompt_ms != null) {
@@ -68,6 +70,7 @@ export function statsText(s) {
   else if (!s.error && !s.stopped) parts.push("reuse not reported");   // a stopped stream has no usage chunk
   if (s.firstTokenS != null) parts.push(`first token ${s.firstTokenS.toFixed(2)} s`);
   if (s.tokPerS) parts.push(`${s.tokPerS >= 10 ? Math.round(s.tokPerS) : s.tokPerS.toFixed(1)} tok/s`);
+  if (s.thought) parts.push(`thought ${s.thought} tok`);
   if (s.finish === "length") parts.push("hit max tokens");
   if (s.edited) parts.push("resent after an edit");
   return parts.join(" · ");
