@@ -22,6 +22,16 @@ keeps two numpy views per string: ~118 MiB for qwen2.5's 151,936 tokens and 151,
 weight is converted, instead of holding them through the weights and building the tokenizer last.
 The weights and the tokenizer come out the same.
 
+Measured (qwen2.5-coder-0.5b Q4_K_M, 468.6 MiB file, KV budget 384 MiB at 32,768 tokens, --weights gguf,
+above a 228 MiB baseline, commit bac0619): peak +1,858 MiB (3.97x file), steady +566 (1.21x file);
+--slabs 1,219; --slabs --drop-pages-each 774; all three 647 (1.38x file, 0.76x file + KV), the steady
+set the same. The peak's parts: the full-matrix conversion of the two 151,936-row matrices (token_embd
+Q8_0: +680 MiB of int16 and uint8 temporaries; output Q5_0: +800 MiB of nibble/bit temporaries, and
+to_lanes' list of slabs plus its torch.cat copy), the GGUF's pages (RssFile grows to the whole file by
+the end of the weights), the reader's parsed vocabulary (+118 MiB). The steady set above the file:
+Q6_K's q6x16 (53.4 MiB for GGML's 40.9: a byte a 6-bit code), RoPE tables at the model's full context
+(16 MiB), the tokenizer (~37 MiB) and ~34 MiB of code, grammar tables and heap.
+
 One model per process (VmHWM is the process's; it is reset before the load anyway). Reads only:
 the model file is opened a second time after the measurement for its tensor types.
 """
