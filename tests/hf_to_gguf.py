@@ -5,7 +5,11 @@ What the converter does that a loader must undo, reproduced from its documented 
   - llama (and mistral) q/k rows in rotate-every-two order (`converter_permute`);
   - phi3: q/k/v fused as attn_qkv, gate/up fused as ffn_up (gate first), longrope factors as the
     tensors rope_factors_short/long, partial rotary as rope.dimension_count;
-  - Llama 3.1 rope: the llama3 rule precomputed as one divisor per frequency (rope_freqs.weight).
+  - Llama 3.1 rope: the llama3 rule precomputed as one divisor per frequency (rope_freqs.weight);
+  - qwen3's q/k RMSNorms as attn_q_norm / attn_k_norm;
+  - mixture of experts (qwen3moe, Mixtral as a llama file): the router as ffn_gate_inp (kept F32, as
+    llama.cpp's quantizer does), each expert matrix stacked into one 3-D tensor ffn_{gate,up,down}_exps
+    (torch (E, rows, in)), and {arch}.expert_count / expert_used_count / expert_feed_forward_length.
 With `quant=QT.Q8_0` the projection matrices are stored quantized and the transformers model's own
 weights are replaced by the dequantized values, so both sides run the same numbers.
 """
@@ -74,6 +78,15 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
     theta = float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    moe = "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
+    if moe:
+        E, I = hf.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape[:2]
+        w.add_expert_count(int(E))
+        w.add_expert_used_count(int(c.num_experts_per_tok))
+        if gguf_arch == "qwen3moe":
+            w.add_expert_feed_forward_length(int(I) // 2)
+            if not c.norm_topk_prob:
+                w.add_expert_weights_norm(False)
     _add_tokenizer(w, c.vocab_size)
     kind = rp.get("rope_type", "default")
     if kind == "llama3":
@@ -112,6 +125,16 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
                 piece = piece[_inverse(order)]
             replaced[n] = piece
 
+    def stacked(gguf_name: str, t: torch.Tensor) -> torch.Tensor:
+        """A 3-D (E, rows, in) expert tensor; returns the numbers the file holds."""
+        t = t.float().contiguous()
+        if quant is None:
+            w.add_tensor(gguf_name, t.numpy())
+            return t
+        raw = np_quantize(t.numpy(), quant)       # blocks along `in`: each expert a slab of whole rows
+        w.add_tensor(gguf_name, raw, raw_dtype=quant)
+        return torch.from_numpy(np_dequantize(raw, quant).copy()).reshape(t.shape)
+
     def vector(gguf_name: str, hf_name: str) -> None:
         w.add_tensor(gguf_name, sd[hf_name].float().numpy())
 
@@ -124,6 +147,9 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
         p, b = f"model.layers.{i}.", f"blk.{i}."
         vector(b + "attn_norm.weight", p + "input_layernorm.weight")
         vector(b + "ffn_norm.weight", p + "post_attention_layernorm.weight")
+        if p + "self_attn.q_norm.weight" in sd:      # qwen3 / qwen3moe
+            vector(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight")
+            vector(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight")
         if gguf_arch == "phi3":
             q, k, v = sd[p + "self_attn.qkv_proj.weight"].split([H * d, KV * d, KV * d])
             g, u = sd[p + "mlp.gate_up_proj.weight"].chunk(2)
@@ -135,13 +161,25 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
             matrix(b + "attn_q.weight", [p + "self_attn.q_proj.weight"], [H if llama else None])
             matrix(b + "attn_k.weight", [p + "self_attn.k_proj.weight"], [KV if llama else None])
             matrix(b + "attn_v.weight", [p + "self_attn.v_proj.weight"], [None])
-            matrix(b + "ffn_gate.weight", [p + "mlp.gate_proj.weight"], [None])
-            matrix(b + "ffn_up.weight", [p + "mlp.up_proj.weight"], [None])
+            if not moe:
+                matrix(b + "ffn_gate.weight", [p + "mlp.gate_proj.weight"], [None])
+                matrix(b + "ffn_up.weight", [p + "mlp.up_proj.weight"], [None])
             for n in "qkv":
                 if p + f"self_attn.{n}_proj.bias" in sd:
                     w.add_tensor(b + f"attn_{n}.bias", sd[p + f"self_attn.{n}_proj.bias"].float().numpy())
         matrix(b + "attn_output.weight", [p + "self_attn.o_proj.weight"], [None])
-        matrix(b + "ffn_down.weight", [p + "mlp.down_proj.weight"], [None])
+        if moe:
+            w.add_tensor(b + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"].float().numpy())
+            gu = sd[p + "mlp.experts.gate_up_proj"]                   # (E, 2 I, hidden), gate rows first
+            half = gu.shape[1] // 2
+            g = stacked(b + "ffn_gate_exps.weight", gu[:, :half])
+            u = stacked(b + "ffn_up_exps.weight", gu[:, half:])
+            down = stacked(b + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+            if quant is not None:
+                replaced[p + "mlp.experts.gate_up_proj"] = torch.cat([g, u], dim=1)
+                replaced[p + "mlp.experts.down_proj"] = down
+        else:
+            matrix(b + "ffn_down.weight", [p + "mlp.down_proj.weight"], [None])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -73,6 +73,8 @@ class NativeLayer:
     def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeLayer | str":
         """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32 rope tables (kept alive here)."""
         cfg = layer.cfg
+        if getattr(layer, "moe", None) is not None:
+            return "a mixture-of-experts layer (layer.c has no router or experts: models/moe.py runs it)"
         norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, cos, sin]
         if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
             return "activations are not fp32"

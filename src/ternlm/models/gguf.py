@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -304,6 +304,12 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router, and every expert's matrix stacked in one 3-D tensor
+    # (GGUF [hidden, ff, E] = torch (E, ff, hidden)); `expert_parts` names each expert's slab
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Not weights: RoPE frequency factors, read into the config (_rope_from_gguf).
@@ -311,6 +317,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                        "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                        "ffn_down.weight")
+_MOE_PER_LAYER = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -321,6 +328,37 @@ def hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     return None
+
+
+def expert_parts(name: str, num_experts: int) -> list[tuple[str, int]] | None:
+    """A stacked expert tensor's HF name (hf_name: "...mlp.experts.*.gate_proj.weight") -> each
+    expert's own name and index [(".../mlp.experts.{e}.gate_proj.weight", e)]; None for any other
+    tensor. Expert e is slab e of the (E, rows, in) tensor: whole rows, so exact when quantized too."""
+    if ".experts.*." not in name:
+        return None
+    return [(name.replace(".experts.*.", f".experts.{e}."), e) for e in range(num_experts)]
+
+
+def _moe_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor]) -> dict:
+    """ModelConfig's expert fields from `{arch}.expert_*` metadata; {} for a dense model. Mixtral
+    files are llama files with expert tensors (llama.expert_count) and no expert_feed_forward_length:
+    their feed_forward_length is the expert's. Weights are renormalised over the top k (llama.cpp
+    does for llama and qwen3moe) unless the file says expert_weights_norm = false."""
+    count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not count:
+        return {}
+    shared = int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
+    gating = int(_field(reader, f"{arch}.expert_gating_func", 1) or 1)      # 1: softmax
+    scale = float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0)
+    if shared or gating != 1 or scale != 1.0:
+        raise UnsupportedModelError(f"mixture of experts with shared experts ({shared}), gating function "
+                                    f"{gating} or weights scale {scale}: only softmax routing without "
+                                    f"shared experts is supported")
+    gate = names.get("blk.0.ffn_gate_exps.weight")
+    default_ff = int(gate.shape[1]) if gate is not None else int(_field(reader, f"{arch}.feed_forward_length"))
+    return dict(num_experts=count, experts_per_token=int(_field(reader, f"{arch}.expert_used_count")),
+                expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", default_ff)),
+                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)))
 
 
 def _field(reader: GGUFReader, key: str, default=_MISSING):
@@ -386,6 +424,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
+        **_moe_from_gguf(reader, arch, names),
     )
 
 
@@ -453,10 +492,26 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.qk_norm:
         per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    if config.num_experts:         # every layer's MLP is experts (a dense layer among them: not yet)
+        per_layer = [n for n in per_layer if n not in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
+        per_layer += list(_MOE_PER_LAYER)
     required += [f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
     missing = [n for n in required if n not in names]
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors: {', '.join(missing[:8])}")
+    if config.num_experts:         # GGUF shapes innermost first: [in, out(, E)]
+        E, ff, hidden = config.num_experts, config.expert_intermediate_size, config.hidden_size
+        want = {"ffn_gate_inp.weight": [hidden, E], "ffn_gate_exps.weight": [hidden, ff, E],
+                "ffn_up_exps.weight": [hidden, ff, E], "ffn_down_exps.weight": [ff, hidden, E]}
+        shapes = {t.name: t.shape.tolist() for t in reader.tensors}
+        for i in range(config.num_layers):
+            for n, shape in want.items():
+                got = [int(d) for d in shapes[f"blk.{i}.{n}"]]
+                if got != shape:
+                    raise UnsupportedModelError(f"GGUF tensor blk.{i}.{n} has shape {got}, expected {shape}")
+    elif stray := sorted(n for n in names if n.startswith("blk.") and n.endswith(_MOE_PER_LAYER)):
+        raise UnsupportedModelError(f"GGUF has expert tensors ({', '.join(stray[:4])}) but no "
+                                    f"{config.arch}.expert_count metadata")
     extra_layers = sorted({int(m.group(1)) for n in names if (m := _LAYER_RE.fullmatch(n))} - set(range(config.num_layers)))
     if extra_layers:
         raise UnsupportedModelError(f"GGUF has layers {extra_layers[:4]} beyond block_count {config.num_layers}")
@@ -528,7 +583,7 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
     the embedding/LM head, when their type has an exact layout (qweight.py); norms, biases and float
     tensors stay dense."""
     from .qweight import QUANTIZED_TYPES
-    return (t.tensor_type in QUANTIZED_TYPES and len(t.shape) == 2
+    return (t.tensor_type in QUANTIZED_TYPES and (len(t.shape) == 2 or ".experts.*." in name)
             and (name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")))
 
 
@@ -569,12 +624,25 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
             all_jobs += jobs
         run(all_jobs)
         for gname, w in dense.items():
+            experts = expert_parts(hf_name(gname), config.num_experts)
+            if experts is not None:                 # (E, rows, in): expert e is the view w[e]
+                weights.update((name, w[e]) for name, e in experts)
+                continue
             for name, rows in hf_parts(gname, config, int(w.shape[0])):
                 weights[name] = w if rows is None else w[rows]
         dense.clear()
         if quantized:
             from .qweight import from_gguf, to_lanes
             for t in quantized:     # one at a time: the row layout is dropped as soon as the lanes copy exists
+                experts = expert_parts(hf_name(t.name), config.num_experts)
+                if experts is not None:             # quantization blocks run along the input: an
+                    k, n, E = (int(d) for d in t.shape.tolist())     # expert is a contiguous slab of whole rows
+                    raw = _tensor_bytes(t)
+                    per = raw.numel() // E
+                    for name, e in experts:
+                        q = from_gguf(raw[e * per:(e + 1) * per], t.tensor_type, n, k)
+                        weights[name] = (to_lanes(q) or q) if lanes else q
+                    continue
                 k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
                 q = from_gguf(_tensor_bytes(t), t.tensor_type, n, k)
                 for name, rows in hf_parts(t.name, config, n):

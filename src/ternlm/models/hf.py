@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 # `architectures` entries we accept when `model_type` is absent or unfamiliar.
 _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral"}
+                 "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
+                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
+_MODEL_TYPES = {"qwen3_moe": "qwen3moe"}     # config.json's model_type -> ours, where they differ
 # Fused checkpoints (phi3) -> the llama layout the engine runs: (fused name, [(part, share of rows)])
 _FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 
@@ -36,13 +38,18 @@ _LAYER_PARAMS = {
 }
 _BIAS_PARAMS = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
 _QK_NORM_PARAMS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+_MOE_LAYER_PARAMS = {"mlp.gate.weight"}     # + mlp.experts.{e}.{gate,up,down}_proj.weight per expert
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Mixtral checkpoints: block_sparse_moe.{gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)}
+_MIXTRAL_RE = re.compile(r"block_sparse_moe\.(gate|experts\.(\d+)\.w([123]))\.weight")
+_MIXTRAL_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 # Buffers some old checkpoints saved alongside the weights; recomputed by the engine, so skipped.
 _IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq")
 
 
 def _arch(cfg: dict) -> str:
     model_type = cfg.get("model_type")
+    model_type = _MODEL_TYPES.get(model_type, model_type)
     if model_type in SUPPORTED_ARCHS:
         return model_type
     for cls in cfg.get("architectures") or ():
@@ -118,7 +125,7 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     theta, rope = _rope(cfg, head_dim)
     context = int(cfg.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window") if arch in ("phi3", "mistral") else None
+    window = cfg.get("sliding_window") if arch in ("phi3", "mistral", "mixtral") else None
     if window and int(window) < context:
         # every layer windowed (Mistral 7B v0.1, Phi-3-mini-4k): within the window attention is
         # full, so the model runs exactly up to it; beyond needs windowed attention (issue 37)
@@ -140,13 +147,35 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in param_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in param_names,
         rope=rope,
+        **_moe_from_hf(cfg, arch),
     )
+
+
+def _moe_from_hf(cfg: dict, arch: str) -> dict:
+    """ModelConfig's expert fields; {} for a dense model. qwen3moe: moe_intermediate_size and
+    norm_topk_prob (transformers' default False); Mixtral: the experts are intermediate_size wide
+    and always renormalised. Every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers)."""
+    count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in ("qwen3moe", "mixtral") else 0
+    if not count:
+        return {}
+    if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
+        raise UnsupportedModelError("dense MLP layers among the expert layers (decoder_sparse_step, "
+                                    "mlp_only_layers) are not supported")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts are not supported")
+    qwen = arch == "qwen3moe"
+    return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
+                expert_intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if qwen else True)
 
 
 def _check_params(names: set[str], config: ModelConfig) -> None:
     """Exactly the parameters this engine runs: unknown ones (o_proj bias, MoE...) mean an
     unsupported variant; missing ones mean a broken checkpoint."""
     per_layer = set(_LAYER_PARAMS)
+    if config.num_experts:
+        per_layer = {p for p in per_layer if not p.startswith("mlp.")} | _MOE_LAYER_PARAMS | {
+            f"mlp.experts.{e}.{n}_proj.weight" for e in range(config.num_experts) for n in ("gate", "up", "down")}
     if config.qkv_bias:
         per_layer |= _BIAS_PARAMS
     if config.qk_norm:
@@ -174,6 +203,8 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         m = _LAYER_RE.fullmatch(name)
+        if m and config.num_experts and _moe_layout(out, name[: -len(m.group(2))], m.group(2), w, config):
+            continue
         fused = _FUSED.get(m.group(2)) if m else None
         if fused is None:
             out[name] = w
@@ -195,6 +226,32 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
             elif kind in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
                 out[name] = out[name][rotary_row_order(1, d, rd)]
     return out
+
+
+def _moe_layout(out: dict[str, torch.Tensor], prefix: str, param: str, w: torch.Tensor,
+                config: ModelConfig) -> bool:
+    """One expert parameter -> the engine's per-expert names (mlp.gate.weight,
+    mlp.experts.{e}.{gate,up,down}_proj.weight) in `out`; False when `param` is not one to rename.
+    Mixtral's block_sparse_moe.* names, and transformers 5's stacked tensors: experts.gate_up_proj
+    (E, 2 I, hidden), gate rows first, and experts.down_proj (E, hidden, I)."""
+    m = _MIXTRAL_RE.fullmatch(param)
+    if m:
+        name = "mlp.gate.weight" if m.group(1) == "gate" else f"mlp.experts.{m.group(2)}.{_MIXTRAL_W[m.group(3)]}.weight"
+        out[prefix + name] = w
+        return True
+    if param in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        E, I = config.num_experts, config.expert_intermediate_size
+        want = (E, 2 * I, config.hidden_size) if param.endswith("gate_up_proj") else (E, config.hidden_size, I)
+        if tuple(w.shape) != want:
+            raise UnsupportedModelError(f"{prefix}{param} has shape {tuple(w.shape)}, expected {want}")
+        for e in range(E):
+            if param.endswith("gate_up_proj"):
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = w[e, :I]
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = w[e, I:]
+            else:
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = w[e]
+        return True
+    return False
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -13,6 +13,8 @@ layouts a lone sequence's would have, so a sequence's logits and KV are the same
 
 Differences between the three architectures are two flags on ModelConfig:
   qwen2: bias on the q/k/v projections (qkv_bias)      qwen3: RMSNorm over head_dim on q and k (qk_norm)
+The MLP is one of two kinds: dense SwiGLU, or mixture of experts (num_experts > 0: qwen3moe,
+Mixtral; models/moe.py, batch-invariant by its fixed top-k ties and sum order).
 Weights arrive with Hugging Face names and layouts; q/k/v and gate/up are fused here at load so a
 layer is two matmuls for attention and two for the MLP.
 """
@@ -29,6 +31,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..invariants import check
 from ..kernels.build import Kernels
+from .moe import ExpertStore, MoE
 from .qlinear import projection
 from .qweight import QWeight, to_lanes
 
@@ -165,10 +168,13 @@ class Layer(nn.Module):
     """One decoder block. Holds fused, frozen projections (see linear.py) and its norms."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, "torch.Tensor | QWeight"], pack: bool,
-                 kernels: Kernels | None = None, keep_quantized: bool = False, index: int = 0):
+                 kernels: Kernels | None = None, keep_quantized: bool = False, index: int = 0,
+                 experts: ExpertStore | None = None):
         """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection).
         kernels: the native kernels (kernels/): attention.c when given, qmatmul.c for QWeights when
-        also keep_quantized; None: torch attention, QWeights dequantized."""
+        also keep_quantized; None: torch attention, QWeights dequantized.
+        experts: where a mixture-of-experts layer puts its experts (models/moe.py; the model's one
+        store); None: a store of its own."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
@@ -187,8 +193,23 @@ class Layer(nn.Module):
         self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm else None   # (head_dim,)
         self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm else None
         self.o = proj(["self_attn.o_proj.weight"])                            # (hidden, q)
+        self.moe: MoE | None = None
+        if cfg.num_experts:             # the MLP kind: experts behind a router (moe.py), no dense MLP
+            self.gate_up = self.down = None
+            self.moe = self._experts(w, proj, pack, ExpertStore() if experts is None else experts)
+            return
         self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])   # (2 I, hidden)
         self.down = proj(["mlp.down_proj.weight"])                            # (hidden, I)
+
+    def _experts(self, w: dict, proj, pack: bool, store: ExpertStore) -> MoE:
+        """Each expert's gate|up (2 I, hidden) and down (hidden, I) into `store`; the router stays here."""
+        for e in range(self.cfg.num_experts):
+            names = [f"mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
+            nbytes = sum(w[n].nbytes if isinstance(w[n], QWeight) else w[n].numel() * w[n].element_size()
+                         for n in names)
+            store.put(self.index, e, proj(names[:2]), proj(names[2:]), nbytes)
+        return MoE(w["mlp.gate.weight"], self.cfg.experts_per_token, self.cfg.norm_topk_prob, store,
+                   self.index, pack)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part],
                 table: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,6 +235,8 @@ class Layer(nn.Module):
             outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)              # (M, q)
         x = x + self.o(attn.to(x.dtype))
+        if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
+            return x + self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
         return x + self.down(F.silu(g) * u)
 
@@ -272,8 +295,11 @@ class Transformer(nn.Module):
         self.embed = embed if isinstance(embed, QWeight) and quantized else (
             embed.dequantize().to(dtype) if isinstance(embed, QWeight) else embed)
         self._embed_rows: dict[int, torch.Tensor] = {}   # token id -> (hidden,): embed_ids' decode lookups
+        # every layer's experts, fetched through one interface; its counters: self.experts.stats
+        self.experts: ExpertStore | None = ExpertStore() if cfg.num_experts else None
         self.layers = [
-            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized, i)
+            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized, i,
+                  self.experts)
             for i, p in enumerate(f"model.layers.{i}." for i in range(cfg.num_layers))
         ]
         self.norm = w("model.norm.weight")
