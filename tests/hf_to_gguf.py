@@ -9,7 +9,12 @@ What the converter does that a loader must undo, reproduced from its documented 
   - qwen3's q/k RMSNorms as attn_q_norm / attn_k_norm;
   - mixture of experts (qwen3moe, Mixtral as a llama file): the router as ffn_gate_inp (kept F32, as
     llama.cpp's quantizer does), each expert matrix stacked into one 3-D tensor ffn_{gate,up,down}_exps
-    (torch (E, rows, in)), and {arch}.expert_count / expert_used_count / expert_feed_forward_length.
+    (torch (E, rows, in)), and {arch}.expert_count / expert_used_count / expert_feed_forward_length;
+  - gemma3: every RMSNorm weight stored as 1 + w (the converter's norm_shift: HF applies x * (1 + w)),
+    post_attention_norm / ffn_norm (= pre_feedforward_layernorm) / post_ffw_norm, the window as
+    attention.sliding_window with the 5:1 layer pattern left implicit (written as
+    attention.sliding_window_pattern only when the model's layer_types differ from it), the global
+    layers' rope base (and linear scaling) as the file's rope, no output.weight (tied).
 With `quant=QT.Q8_0` the projection matrices are stored quantized and the transformers model's own
 weights are replaced by the dequantized values, so both sides run the same numbers.
 """
@@ -64,6 +69,9 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
     H, KV = c.num_attention_heads, c.num_key_value_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // H
     rp = dict(getattr(c, "rope_parameters", None) or {})
+    gemma = gguf_arch == "gemma3"
+    if isinstance(rp.get("full_attention"), dict):      # per layer type (gemma3): the file's rope is the global one
+        rp = dict(rp["full_attention"])
     partial = float(rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0)
     w = GGUFWriter(path, gguf_arch)
     w.add_block_count(c.num_hidden_layers)
@@ -78,6 +86,13 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
     theta = float(rp.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if gemma:
+        w.add_sliding_window(int(c.sliding_window))
+        windowed = [t == "sliding_attention" for t in c.layer_types]
+        if windowed != [(i + 1) % 6 != 0 for i in range(c.num_hidden_layers)]:
+            w.add_sliding_window_pattern(windowed)
+        if getattr(c, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(float(c.final_logit_softcapping))
     moe = "model.layers.0.mlp.experts.gate_up_proj" in hf.state_dict()
     if moe:
         E, I = hf.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape[:2]
@@ -136,7 +151,8 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
         return torch.from_numpy(np_dequantize(raw, quant).copy()).reshape(t.shape)
 
     def vector(gguf_name: str, hf_name: str) -> None:
-        w.add_tensor(gguf_name, sd[hf_name].float().numpy())
+        t = sd[hf_name].float()
+        w.add_tensor(gguf_name, (t + 1.0 if gemma and hf_name.endswith("norm.weight") else t).numpy())
 
     llama = gguf_arch == "llama"
     matrix("token_embd.weight", ["model.embed_tokens.weight"], [None])
@@ -146,7 +162,12 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
     for i in range(c.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         vector(b + "attn_norm.weight", p + "input_layernorm.weight")
-        vector(b + "ffn_norm.weight", p + "post_attention_layernorm.weight")
+        if gemma:       # 4 norms a layer: ffn_norm is the MLP's pre-norm
+            vector(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight")
+            vector(b + "ffn_norm.weight", p + "pre_feedforward_layernorm.weight")
+            vector(b + "post_ffw_norm.weight", p + "post_feedforward_layernorm.weight")
+        else:
+            vector(b + "ffn_norm.weight", p + "post_attention_layernorm.weight")
         if p + "self_attn.q_norm.weight" in sd:      # qwen3 / qwen3moe
             vector(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight")
             vector(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight")

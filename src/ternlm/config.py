@@ -9,7 +9,9 @@ from .models.rope import Rope
 # and mistral files are llama files (GGUF says "llama"; config.json says "mistral"). Mixtral is the
 # llama layout with a mixture-of-experts MLP (GGUF says "llama" with expert tensors: the num_experts
 # fields below, not the name, make a layer MoE); qwen3moe is qwen3's attention with experts.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral")
+# gemma3 (text) is the llama layout plus per-layer kinds (the fields after norm_topk_prob below).
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3")
+MLP_ACTS = ("silu", "gelu_tanh")   # the gated MLP's activation: SwiGLU, GeGLU (gelu, tanh approximation)
 
 
 class UnsupportedModelError(ValueError):
@@ -41,6 +43,29 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Per-layer kinds (issue 37; Gemma 3, and any sliding-window layout on the same mechanism).
+    # layer_windows[i]: layer i's attention window W: a query at t reads keys (t - W, t], W keys
+    # including its own (transformers' `kv_idx > q_idx - W`); 0: full causal. (): every layer full.
+    # The KV keeps every position on every layer whatever the window (models/llama.py, [SWA-KV]).
+    layer_windows: tuple[int, ...] = ()
+    swa_rope: Rope | None = None  # RoPE of the windowed layers (Gemma 3: plain, base 10k); None: `rope_spec`
+    post_norms: bool = False      # RMSNorm on the attention and the MLP outputs before each residual add
+    mlp_act: str = "silu"         # one of MLP_ACTS
+    embed_scale: float = 1.0      # token embeddings times this, cast to the compute dtype (Gemma: sqrt(hidden))
+    query_scale: float = 0.0      # q scale in attention; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    final_logit_softcap: float = 0.0   # > 0: logits = c * tanh(logits / c) (Gemma 2 style)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window; 0: full causal attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope(self, layer: int) -> Rope:
+        """The RoPE layer `layer` runs: `swa_rope` on windowed layers when set, else `rope_spec`."""
+        return self.swa_rope if self.swa_rope is not None and self.window(layer) else self.rope_spec
+
+    @property
+    def q_scale(self) -> float:
+        return self.query_scale or self.head_dim ** -0.5
 
     @property
     def rope_spec(self) -> Rope:
@@ -69,5 +94,14 @@ class ModelConfig:
                 raise ValueError("a mixture-of-experts model needs expert_intermediate_size > 0")
         elif self.experts_per_token or self.expert_intermediate_size:
             raise ValueError("experts_per_token / expert_intermediate_size given without num_experts")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows {self.layer_windows} must give each of {self.num_layers} layers "
+                             f"a window >= 0")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act {self.mlp_act!r} is not one of {', '.join(MLP_ACTS)}")
+        if self.embed_scale <= 0 or self.query_scale < 0 or self.final_logit_softcap < 0:
+            raise ValueError("embed_scale must be positive; query_scale and final_logit_softcap not negative")
+        if self.swa_rope is not None and self.swa_rope.rotary_dim > self.head_dim:
+            raise ValueError(f"swa_rope {self.swa_rope} does not fit head_dim {self.head_dim}")
         if self.rope is not None and (self.rope.theta != self.rope_theta or self.rope.rotary_dim > self.head_dim):
             raise ValueError(f"rope {self.rope} does not match rope_theta {self.rope_theta} / head_dim {self.head_dim}")

@@ -13,6 +13,12 @@
  * chunk, in a 37-token tail after a reuse, or alone in a decode step. Keys past p are never read: the
  * masked triangle costs nothing, and no (queries x keys) buffer exists.
  *
+ * [SWA] A windowed layer (window W > 0) gives a row at position p the keys (p - W, p]: lo = max(0, p + 1 - W).
+ * Its blocks stay on the same absolute grid: it starts at the block holding lo, its keys there below lo
+ * score -inf (exp gives exact zeros: the softmax sums and p @ V's +0 accumulators are untouched, since
+ * they lie before its first key), and earlier blocks are skipped. So its bits still depend only on p
+ * and W, and a decode step reads at most W + 255 keys whatever the context.
+ *
  * Written with GCC vector extensions of the host's own width (vec.h `vf`: 16 floats on AVX-512, 8 on
  * AVX2, 4 on baseline x86-64; -march=native), so a row's bits depend on the build, never on the call.
  * exp is our own (range reduction + degree-6 polynomial): libm's may change with the system, ours
@@ -169,30 +175,31 @@ static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0,
     }
 }
 
-/* P (query head, position) pairs reading one kv head (P <= PMAX), pair p reading keys [0, n[p]): every
+/* P (query head, position) pairs reading one kv head (P <= PMAX), pair p reading keys [lo[p], n[p]): every
  * pair runs exactly the single-row algorithm (its own online softmax, blocks in order, the same
  * operations on the same values); the pairs only share the loads of K and V (an fp16 tile of K is
  * widened once for all of them). So a row's bits are the same whatever P and whichever pairs it shares
  * with [BATCH-INVARIANT]. NC_: D / VN when it is a compile-time constant (0: from D). */
 static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half, const float *const *q,
-                                                       const void *k, const void *v, const int64_t *n, int64_t D,
-                                                       float *const *out) {
+                                                       const void *k, const void *v, const int64_t *lo,
+                                                       const int64_t *n, int64_t D, float *const *out) {
     const int64_t nc = NC_ ? NC_ : D / VN;
     vf acc[PMAX][NC];
     float m[PMAX], l[PMAX];
     float s[PMAX][BLOCK] __attribute__((aligned(64)));
     float kt[VN * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 K, widened (exactly) */
-    int64_t nmax = 0;
+    int64_t nmax = 0, lmin = INT64_MAX;
     for (int p = 0; p < P; p++) {
         for (int64_t c = 0; c < nc; c++) acc[p][c] = splatn(0.0f);
         m[p] = -INFINITY;
         l[p] = 0.0f;
         nmax = n[p] > nmax ? n[p] : nmax;
+        lmin = lo[p] < lmin ? lo[p] : lmin;
     }
-    for (int64_t b0 = 0; b0 < nmax; b0 += BLOCK) {
+    for (int64_t b0 = lmin / BLOCK * BLOCK; b0 < nmax; b0 += BLOCK) {   /* [SWA] the absolute block grid */
         int64_t nb[PMAX], nbmax = 0;
         for (int p = 0; p < P; p++) {
-            nb[p] = n[p] - b0 <= 0 ? 0 : n[p] - b0 < BLOCK ? n[p] - b0 : BLOCK;
+            nb[p] = n[p] - b0 <= 0 || lo[p] >= b0 + BLOCK ? 0 : n[p] - b0 < BLOCK ? n[p] - b0 : BLOCK;
             nbmax = nb[p] > nbmax ? nb[p] : nbmax;
         }
         for (int64_t j0 = 0; j0 < nbmax; j0 += VN) {      /* scores of this block's keys, VN at a time */
@@ -225,6 +232,7 @@ static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half
             float *sr = s[p];
             int64_t nbv = (nb[p] + VN - 1) / VN * VN;
             for (int64_t j = nb[p]; j < nbv; j++) sr[j] = -INFINITY;    /* lanes past the pair's last key */
+            for (int64_t j = 0; j < lo[p] - b0; j++) sr[j] = -INFINITY; /* [SWA] keys before its window */
             vf mv = loadn(sr);
             for (int64_t j = VN; j < nbv; j += VN) mv = maxn(mv, loadn(sr + j));
             float mb = hmaxn(mv), mn = mb > m[p] ? mb : m[p];
@@ -251,32 +259,34 @@ static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half
 }
 
 /* pairs() with the head dimension's chunk count a compile-time constant where it is a common one. */
-static void pairs_any(int P, int half, const float *const *q, const void *k, const void *v, const int64_t *n,
-                      int64_t D, float *const *out) {
+static void pairs_any(int P, int half, const float *const *q, const void *k, const void *v, const int64_t *lo,
+                      const int64_t *n, int64_t D, float *const *out) {
     switch (D) {
-    case 64: pairs(64 / VN, P, half, q, k, v, n, D, out); break;
-    case 128: pairs(128 / VN, P, half, q, k, v, n, D, out); break;
-    default: pairs(0, P, half, q, k, v, n, D, out); break;
+    case 64: pairs(64 / VN, P, half, q, k, v, lo, n, D, out); break;
+    case 128: pairs(128 / VN, P, half, q, k, v, lo, n, D, out); break;
+    case 256: pairs(256 / VN, P, half, q, k, v, lo, n, D, out); break;
+    default: pairs(0, P, half, q, k, v, lo, n, D, out); break;
     }
 }
 
 /* The (query head, position) pairs of one task: the G query heads of kv head kvh at R consecutive rows
  * of one sequence, PMAX at a time. q rows at q + (h * ldq_h + row) * D, out rows at out + row * ldo + h * D,
- * row r at position pos0 + r. */
+ * row r at position pos0 + r; window > 0: it reads only the window's keys [SWA]. */
 static void kv_task(int64_t kvh, int64_t G, int R, int half, const float *q, int64_t ldq_h, int64_t row0,
-                    int64_t pos0, const void *k, const void *v, int64_t D, float *out, int64_t ldo) {
+                    int64_t pos0, const void *k, const void *v, int64_t D, float *out, int64_t ldo, int64_t window) {
     const float *qp[PMAX];
     float *op[PMAX];
-    int64_t n[PMAX];
+    int64_t n[PMAX], lo[PMAX];
     int cnt = 0;
     for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
         for (int r = 0; r < R; r++) {
             qp[cnt] = q + (h * ldq_h + row0 + r) * D;
             op[cnt] = out + (row0 + r) * ldo + h * D;
             n[cnt] = pos0 + r + 1;
-            if (++cnt == PMAX) { pairs_any(cnt, half, qp, k, v, n, D, op); cnt = 0; }
+            lo[cnt] = window > 0 && n[cnt] > window ? n[cnt] - window : 0;
+            if (++cnt == PMAX) { pairs_any(cnt, half, qp, k, v, lo, n, D, op); cnt = 0; }
         }
-    if (cnt) pairs_any(cnt, half, qp, k, v, n, D, op);
+    if (cnt) pairs_any(cnt, half, qp, k, v, lo, n, D, op);
 }
 
 const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
@@ -300,7 +310,7 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
         for (int64_t gi = 0; gi < ngroups; gi++) {
             int64_t t0 = gi * RMAX;
             int R = (int)(T - t0 < RMAX ? T - t0 : RMAX);
-            kv_task(kvh, G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out, ldo);
+            kv_task(kvh, G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out, ldo, 0);
         }
     return 0;
 }
@@ -310,10 +320,12 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
  * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) contiguous, fp16 where
  * kv_half is set, else fp32).
  * q: (H, M, D) scaled; out: (M, H * D). Each row runs pairs() exactly as tq_attention would run it, so a
- * sequence's bits are the same alone or in company. Returns -1 on a shape it does not take. */
-int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half) {
-    if (D % 16 || D > MAXD || H % KV || M <= 0) return -1;
+ * sequence's bits are the same alone or in company. window > 0: each row reads only the keys of its
+ * window [SWA] (0: all its keys). Returns -1 on a shape it does not take. */
+int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
+                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
+                                 int64_t window) {
+    if (D % 16 || D > MAXD || H % KV || M <= 0 || window < 0) return -1;
     const int64_t G = H / KV;
     /* tasks: up to RMAX consecutive rows of one segment (segment, first row) */
     int64_t ntask = 0, *task = malloc(2 * (M + nseg) * sizeof *task);
@@ -341,8 +353,14 @@ int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, cons
             /* The task's (head, row) pairs that read this kv head share each K/V load: a decode row
              * (R = 1) reads its K/V once for the G query heads of the group instead of G times; every
              * pair still runs the single-row algorithm. */
-            kv_task(kvh, G, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v, D, out, H * D);
+            kv_task(kvh, G, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v, D, out, H * D, window);
         }
     free(task);
     return 0;
+}
+
+/* Full causal attention (layer.c's call): tq_attention_segments_window with no window. */
+int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half) {
+    return tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, nthreads, kv_half, 0);
 }

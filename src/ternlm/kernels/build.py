@@ -76,10 +76,11 @@ class Kernels:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D})")
 
     def attention_segments(self, segs: int, nseg: int, layer: int, q: int, M: int, H: int, KV: int, D: int,
-                           out: int, threads: int, kv_half: bool = False) -> None:
-        """Raw pointers: see attention.c (tq_attention_segments; kv_half: the caches are fp16). Releases
-        the GIL while it runs."""
-        if self.lib.tq_attention_segments(segs, nseg, layer, q, M, H, KV, D, out, threads, int(kv_half)) != 0:
+                           out: int, threads: int, kv_half: bool = False, window: int = 0) -> None:
+        """Raw pointers: see attention.c (tq_attention_segments_window; kv_half: the caches are fp16;
+        window > 0: each row reads only its last `window` keys). Releases the GIL while it runs."""
+        if self.lib.tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, threads, int(kv_half),
+                                                 window) != 0:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M})")
 
     def mm(self, fmt: str, mode: str, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
@@ -183,6 +184,8 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention.argtypes = [p, i, i, i, i, p, p, i, i, p, i, ctypes.c_int]
     lib.tq_attention_segments.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int, ctypes.c_int]
     lib.tq_attention_segments.restype = ctypes.c_int
+    lib.tq_attention_segments_window.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int, ctypes.c_int, i]
+    lib.tq_attention_segments_window.restype = ctypes.c_int
     lib.tq_attention.restype = ctypes.c_int
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int

@@ -75,6 +75,16 @@ class NativeLayer:
         cfg = layer.cfg
         if getattr(layer, "moe", None) is not None:
             return "a mixture-of-experts layer (layer.c has no router or experts: models/moe.py runs it)"
+        # kinds layer.c does not compute (it would run them as a plain llama layer): the torch layer
+        # runs them, with attention.c's windowed attention
+        if getattr(layer, "window", 0):
+            return f"a sliding-window layer (window {layer.window}; layer.c attends to every key)"
+        if getattr(layer, "attn_out_norm", None) is not None or getattr(layer, "mlp_out_norm", None) is not None:
+            return "post-attention / post-MLP norms (layer.c has pre-norms only)"
+        if cfg.mlp_act != "silu":
+            return f"a {cfg.mlp_act} MLP (layer.c has SiLU only)"
+        if getattr(layer, "q_scale", cfg.head_dim ** -0.5) != cfg.head_dim ** -0.5:
+            return "a query scale other than head_dim ** -0.5"
         norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, cos, sin]
         if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
             return "activations are not fp32"

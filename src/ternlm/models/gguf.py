@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, gemma3) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -29,6 +29,7 @@ from ..tokenizer import Tokenizer
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
+from .templates import with_builtin_template
 
 log = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
@@ -310,7 +311,12 @@ _LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
+    # Gemma's norms after attention and after the MLP (ModelConfig.post_norms); in such a file ffn_norm
+    # is the MLP's pre-norm, pre_feedforward_layernorm (_POST_NORM_NAMES)
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+_POST_NORM_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Not weights: RoPE frequency factors, read into the config (_rope_from_gguf).
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -320,11 +326,15 @@ _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "at
 _MOE_PER_LAYER = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face parameter name; None for a name this engine does not know."""
+def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
+    """GGUF tensor name -> Hugging Face parameter name; None for a name this engine does not know.
+    config: with post_norms (Gemma), ffn_norm is pre_feedforward_layernorm; without a config a norm's
+    name is only good for telling it is a known norm (the weights' names come from hf_parts)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m and config is not None and config.post_norms and m.group(2) in _POST_NORM_NAMES:
+        return f"model.layers.{m.group(1)}.{_POST_NORM_NAMES[m.group(2)]}"
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     return None
@@ -403,7 +413,9 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(_field(reader, f"{arch}.context_length"))
     window = _field(reader, f"{arch}.attention.sliding_window", None)
-    if window is not None and 0 < int(window) < context:
+    layers = int(_field(reader, f"{arch}.block_count"))
+    kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
+    if not kinds and window is not None and 0 < int(window) < context:
         # Phi-3-mini-4k's 2,047-token window on every layer: within it attention is full, so the
         # model runs exactly up to the window; past it would need windowed attention (issue 37).
         log.warning("%s: sliding window %d < context %d; context limited to %d", arch, window, context, window)
@@ -413,7 +425,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -425,7 +437,40 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
         **_moe_from_gguf(reader, arch, names),
+        **kinds,
     )
+
+
+GEMMA3_SWA_PATTERN = 6      # llama.cpp's set_swa_pattern(6): layers 5, 11, ... global, the rest windowed
+GEMMA3_LOCAL_THETA = 10000.0
+
+
+def _layer_kinds_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor], hidden: int,
+                           heads: int, head_dim: int, layers: int) -> dict:
+    """ModelConfig's per-layer kinds of a gemma3 file, with what the file leaves implicit defaulted as
+    llama.cpp does: the 5-local-to-1-global pattern (or `attention.sliding_window_pattern`: a period, or
+    one bool per layer, true = windowed), local RoPE base 10k unscaled (`rope.freq_base_swa` if given;
+    the global rope, with its linear scaling, is the file's), the query scale 1/sqrt(head_dim) except
+    27B's (62 layers) 1/sqrt(hidden/heads) (transformers' query_pre_attn_scalar; `attention.scale` if
+    given). The converter stored every norm weight as 1 + w, so the norms here are plain x * w."""
+    if _field(reader, f"{arch}.attn_logit_softcapping", None):
+        raise UnsupportedModelError("attention logit soft-capping is not supported")
+    window = int(_field(reader, f"{arch}.attention.sliding_window"))
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise UnsupportedModelError(f"sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        windowed = [bool(x) for x in pattern]
+    else:
+        windowed = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    scale = _field(reader, f"{arch}.attention.scale", None)
+    if scale is None:
+        scale = (hidden // heads if layers == 62 else head_dim) ** -0.5
+    local = float(_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+    return dict(layer_windows=tuple(window if w else 0 for w in windowed), swa_rope=Rope(theta=local),
+                post_norms="blk.0.post_attention_norm.weight" in names, mlp_act="gelu_tanh",
+                embed_scale=hidden ** 0.5, query_scale=float(scale),
+                final_logit_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0) or 0.0))
 
 
 def _float_values(t: ReaderTensor) -> tuple[float, ...]:
@@ -480,7 +525,7 @@ def _rope_from_gguf(reader: GGUFReader, arch: str, theta: float, rotary_dim: int
 def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     """Every tensor is one we know, and every layer has what the config implies."""
     names = {t.name for t in reader.tensors}
-    unknown = sorted(n for n in names if hf_name(n) is None and n not in _ROPE_TENSORS)
+    unknown = sorted(n for n in names if hf_name(n, config) is None and n not in _ROPE_TENSORS)
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")
     required = ["token_embd.weight", "output_norm.weight"]
@@ -492,6 +537,10 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
         per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
     if config.qk_norm:
         per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    if config.post_norms:
+        per_layer += ["post_attention_norm.weight", "post_ffw_norm.weight"]
+    elif stray := sorted(n for n in names if n.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))):
+        raise UnsupportedModelError(f"GGUF has post-norms ({', '.join(stray[:2])}) this architecture does not run")
     if config.num_experts:         # every layer's MLP is experts (a dense layer among them: not yet)
         per_layer = [n for n in per_layer if n not in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
         per_layer += list(_MOE_PER_LAYER)
@@ -537,7 +586,7 @@ def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, 
       - llama files store q/k rows in the rotate-every-two order (undone: unpermute_rows);
       - phi3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, gate first): split into the llama layout;
       - partial rotary reorders each head's q/k rows (rope.rotary_row_order) for the kernels' RoPE."""
-    name = hf_name(gguf_name)
+    name = hf_name(gguf_name, config)
     d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     rd = config.rope_spec.rotary_dim
 
@@ -655,6 +704,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     chat_template = getattr(tokenizer, "chat_template", None)
     if chat_template is None:
         chat_template = _field(reader, "tokenizer.chat_template", None)
+    chat_template = with_builtin_template(config.arch, chat_template)   # gemma3 base files carry none
     t_tok = time.perf_counter()
 
     digest = sha256 if sha256 is not None else cached_sha256([path])

@@ -20,14 +20,20 @@ from ..tokenizer import Tokenizer
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
+from .templates import with_builtin_template
 
 log = logging.getLogger(__name__)
 
 # `architectures` entries we accept when `model_type` is absent or unfamiliar.
 _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
-                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral"}
-_MODEL_TYPES = {"qwen3_moe": "qwen3moe"}     # config.json's model_type -> ours, where they differ
+                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
+                 "Gemma3ForCausalLM": "gemma3"}
+_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}   # config.json's model_type -> ours, where they differ
+# Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
+# runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
+_NORMS_FROM_ONE = ("gemma3",)
+_POST_NORM_PARAMS = {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
 # Fused checkpoints (phi3) -> the llama layout the engine runs: (fused name, [(part, share of rows)])
 _FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
 
@@ -116,6 +122,8 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     engine must run (e.g. qwen2 always has q/k/v bias though its config has no key for it).
     """
     arch = _arch(cfg)
+    if arch == "gemma3":
+        return _gemma3_config(cfg, param_names)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window"):
@@ -151,6 +159,56 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     )
 
 
+def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
+    """Gemma 3 text (Gemma3TextConfig): windows from layer_types (or sliding_window_pattern, default
+    every 6th layer global), RoPE per layer type (transformers 5's rope_parameters by layer type, or the
+    older rope_theta + rope_local_base_freq + rope_scaling on the global layers), query scale
+    query_pre_attn_scalar ** -0.5, GeGLU, embeddings times sqrt(hidden), post-attention/-MLP norms."""
+    if cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("attention logit soft-capping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"activation {act!r} is not supported for gemma3 (only gelu_pytorch_tanh)")
+    hidden, heads, layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or 256)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or 6) else "full_attention"
+        for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types} are not {layers} sliding/full attention layers")
+    params = dict(cfg.get("rope_parameters") or {})
+    context = int(cfg.get("max_position_embeddings", 131072))
+    if isinstance(params.get("full_attention"), dict):
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+    else:                                        # transformers 4.x config.json
+        full = {"rope_theta": cfg.get("rope_theta", 1e6), **(cfg.get("rope_scaling") or {})}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", 10000.0)
+    theta, rope = _rope({"rope_parameters": full, "max_position_embeddings": context}, head_dim)
+    local_theta, local_rope = _rope({"rope_parameters": local, "max_position_embeddings": context}, head_dim)
+    window = int(cfg.get("sliding_window") or 4096)
+    final_cap = cfg.get("final_logit_softcapping")
+    return ModelConfig(
+        arch="gemma3", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), max_position_embeddings=context,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in param_names,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in param_names,
+        rope=rope,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        swa_rope=local_rope or Rope(theta=local_theta),
+        post_norms="model.layers.0.post_feedforward_layernorm.weight" in param_names,
+        mlp_act="gelu_tanh", embed_scale=hidden ** 0.5,
+        query_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+        final_logit_softcap=float(final_cap or 0.0),
+    )
+
+
 def _moe_from_hf(cfg: dict, arch: str) -> dict:
     """ModelConfig's expert fields; {} for a dense model. qwen3moe: moe_intermediate_size and
     norm_topk_prob (transformers' default False); Mixtral: the experts are intermediate_size wide
@@ -180,6 +238,8 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
         per_layer |= _BIAS_PARAMS
     if config.qk_norm:
         per_layer |= _QK_NORM_PARAMS
+    if config.post_norms:
+        per_layer |= _POST_NORM_PARAMS
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{p}" for i in range(config.num_layers) for p in per_layer}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -202,6 +262,8 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
+        if config.arch in _NORMS_FROM_ONE and name.endswith("norm.weight"):
+            w = (w.float() + 1.0).to(w.dtype)      # x * (1 + w) -> x * w', as the reference adds in fp32
         m = _LAYER_RE.fullmatch(name)
         if m and config.num_experts and _moe_layout(out, name[: -len(m.group(2))], m.group(2), w, config):
             continue
@@ -300,5 +362,6 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype) -> LoadedMo
     log.info("loaded %s in %.2fs (weights %.2fs, tokenizer %.2fs, sha256 %.2fs)", folder.name,
              t_end - t0, t_weights - t0, t_tok - t_weights, t_end - t_tok)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       chat_template=getattr(tokenizer, "chat_template", None), sha256=digest, source=folder,
+                       chat_template=with_builtin_template(config.arch, getattr(tokenizer, "chat_template", None)),
+                       sha256=digest, source=folder,
                        extra_sha256=hashlib.sha256(raw_config).hexdigest())

@@ -11,10 +11,21 @@ rows concatenated (elementwise ops and last-dim reductions give each row the sam
 row count); the KV write and attention run per segment, and attention copies its inputs into the
 layouts a lone sequence's would have, so a sequence's logits and KV are the same alone or in company.
 
-Differences between the three architectures are two flags on ModelConfig:
+Differences between the architectures are fields on ModelConfig, not branches on the name:
   qwen2: bias on the q/k/v projections (qkv_bias)      qwen3: RMSNorm over head_dim on q and k (qk_norm)
-The MLP is one of two kinds: dense SwiGLU, or mixture of experts (num_experts > 0: qwen3moe,
+  per layer: attention window (layer_windows, 0 = full) and RoPE (swa_rope on windowed layers)
+  post_norms: RMSNorm on the attention and MLP outputs before the residual adds (Gemma's 4 norms)
+  mlp_act: SwiGLU or GeGLU; embed_scale, query_scale, final_logit_softcap (Gemma 3 sets them)
+The MLP is one of two kinds: a dense gated MLP, or mixture of experts (num_experts > 0: qwen3moe,
 Mixtral; models/moe.py, batch-invariant by its fixed top-k ties and sum order).
+
+Sliding-window layers [SWA-KV]: the KV keeps EVERY position on every layer, windowed or not; a windowed
+layer only reads fewer keys (torch: the mask; native: attention.c starts at the window's first block).
+So truncating to any reuse point k stays exact exactly as for full layers (position < k never depends
+on a later token), with no ring buffer, snapshots or "cache too short" miss. The cost: a windowed
+layer's KV is as large as a global one's, 2 * kv_heads * head_dim * 4 bytes a position a layer in fp32
+(gemma3-270m: 18 layers * 2 KiB = 36 KiB a token). A ring of the window plus snapshots at turn
+boundaries would cut the 15 local layers' share (W * 2 KiB each) and is future work (issue 37).
 Weights arrive with Hugging Face names and layouts; q/k/v and gate/up are fused here at load so a
 layer is two matmuls for attention and two for the MLP.
 """
@@ -63,11 +74,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-              bias: torch.Tensor) -> torch.Tensor:
+              bias: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Batch-invariant causal attention [BATCH-INVARIANT].
 
     q: (H, T, D) queries of positions [start, start + T); k_cache/v_cache: (KV, capacity, D) fp32,
-    capacity a multiple of ATTN_BLOCK; bias: (T, S) additive mask from `causal_bias`. -> (H, T, D) fp32.
+    capacity a multiple of ATTN_BLOCK; bias: (T, S) additive mask from `causal_bias` (a window's too);
+    scale: on q (None: D ** -0.5). -> (H, T, D) fp32.
 
     Why not SDPA: reuse must never change an answer, so the K/V a position gets must not depend on
     how the tokens were batched (one decode step, a 37-token tail, a 512-token chunk). PyTorch's CPU
@@ -81,7 +93,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     H, T, D = q.shape
     KV, S = k_cache.shape[0], bias.shape[1]
     G = H // KV
-    qf = (q.to(k_cache.dtype) * D ** -0.5).view(KV, G, T, D)   # scale the T x D queries, not T x S scores
+    qf = (q.to(k_cache.dtype) * (D ** -0.5 if scale is None else scale)).view(KV, G, T, D)   # scale the T x D queries, not T x S scores
     Tq = max(T, 2)
     if T == 1:
         qf = qf.expand(KV, G, 2, D)
@@ -132,12 +144,16 @@ def segment_table(segments: list["Segment"], cfg: ModelConfig, kv_dtype: torch.d
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def causal_bias(start: int, T: int, capacity: int) -> torch.Tensor:
-    """(T, S) fp32 additive mask: 0 where key j <= start + i, -inf elsewhere; S = end rounded up to
-    ATTN_BLOCK (never past capacity, which is itself a multiple of ATTN_BLOCK)."""
+def causal_bias(start: int, T: int, capacity: int, window: int = 0) -> torch.Tensor:
+    """(T, S) fp32 additive mask: 0 where key j <= start + i (and, with a window W > 0, j > start + i - W:
+    the W keys ending at the query's own, as transformers' sliding mask), -inf elsewhere; S = end
+    rounded up to ATTN_BLOCK (never past capacity, which is itself a multiple of ATTN_BLOCK)."""
     end = start + T
     S = min(capacity, -(-end // ATTN_BLOCK) * ATTN_BLOCK)
-    allowed = torch.arange(S).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+    keys, pos = torch.arange(S).unsqueeze(0), torch.arange(start, end).unsqueeze(1)
+    allowed = keys <= pos
+    if window:
+        allowed &= keys > pos - window
     return torch.zeros(T, S).masked_fill_(~allowed, float("-inf"))
 
 
@@ -179,6 +195,9 @@ class Layer(nn.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.index = index              # this layer's place in the slots' caches (native attention)
+        self.window = cfg.window(index)  # attention window, 0: full [SWA-KV]
+        self.q_scale = cfg.q_scale
+        self.rope = 0                   # which of the model's RoPE tables (Transformer.ropes) this layer reads
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         dtype = w["input_layernorm.weight"].dtype
@@ -187,7 +206,12 @@ class Layer(nn.Module):
             return projection([w[n] for n in names], bias, dtype, pack, kernels if keep_quantized else None)
 
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
-        self.post_norm = w["post_attention_layernorm.weight"]                  # (hidden,)
+        # post_norm: the MLP's input norm (llama's post_attention_layernorm; Gemma's
+        # pre_feedforward_layernorm, whose post_attention_layernorm normalises the attention output)
+        self.attn_out_norm = w["post_attention_layernorm.weight"] if cfg.post_norms else None   # (hidden,)
+        self.mlp_out_norm = w["post_feedforward_layernorm.weight"] if cfg.post_norms else None
+        self.post_norm = w["pre_feedforward_layernorm.weight" if cfg.post_norms else
+                           "post_attention_layernorm.weight"]                  # (hidden,)
         self.qkv = proj([f"self_attn.{n}_proj.weight" for n in "qkv"],         # (q + 2 kv, hidden)
                         torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None)
         self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm else None   # (head_dim,)
@@ -234,19 +258,25 @@ class Layer(nn.Module):
         else:
             outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)              # (M, q)
-        x = x + self.o(attn.to(x.dtype))
+        a = self.o(attn.to(x.dtype))
+        x = x + (a if self.attn_out_norm is None else rms_norm(a, self.attn_out_norm, eps))
         if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
             return x + self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
-        return x + self.down(F.silu(g) * u)
+        act = F.silu(g) if cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh")
+        y = self.down(act * u)
+        return x + (y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps))
 
     def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-        """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32."""
+        """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32.
+        A windowed layer's rows read only their window's keys (attention.c), so decode on it costs the
+        same at any context length."""
         H, M, D = q.shape
-        qs = (q.to(KV_DTYPE) * D ** -0.5).contiguous()    # the same scaling as `attention`
+        qs = (q.to(KV_DTYPE) * self.q_scale).contiguous()    # the same scaling as `attention`
         out = torch.empty(M, H * D, dtype=KV_DTYPE)
         self.kernels.attention_segments(table.data_ptr(), table.shape[0], self.index, qs.data_ptr(), M, H,
-                                        self.cfg.num_kv_heads, D, out.data_ptr(), torch.get_num_threads())
+                                        self.cfg.num_kv_heads, D, out.data_ptr(), torch.get_num_threads(),
+                                        window=self.window)
         return out
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, p: _Part) -> torch.Tensor:
@@ -259,7 +289,7 @@ class Layer(nn.Module):
         p.k_cache[:, start:end] = qk[H:]
         p.v_cache[:, start:end] = v
         # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
-        attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias)            # (H, T, D) in KV_DTYPE
+        attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias, self.q_scale)   # (H, T, D) in KV_DTYPE
         return attn.transpose(0, 1).reshape(T, self.q_size)
 
 
@@ -305,9 +335,19 @@ class Transformer(nn.Module):
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
         self.lm_head = projection([head], None, dtype, pack, kernels if quantized else None)
-        # RoPE variants (scaling, partial rotary) are only different tables (models/rope.py)
-        cos, sin = cfg.rope_spec.tables(cfg.head_dim, cfg.max_position_embeddings)
-        self.cos, self.sin = cos.to(dtype).contiguous(), sin.to(dtype).contiguous()   # (max_pos, head_dim)
+        # RoPE variants (scaling, partial rotary) are only different tables (models/rope.py); a model
+        # whose layers differ (Gemma 3: local base 10k on windowed layers) has one table per distinct rope
+        ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys([cfg.rope_spec, *ropes]))           # [0]: the model's own rope
+        self.ropes: list[tuple[torch.Tensor, torch.Tensor]] = []          # (max_pos, head_dim) cos, sin each
+        for rope in distinct:
+            cos, sin = rope.tables(cfg.head_dim, cfg.max_position_embeddings)
+            self.ropes.append((cos.to(dtype).contiguous(), sin.to(dtype).contiguous()))
+        for layer, rope in zip(self.layers, ropes):
+            layer.rope = distinct.index(rope)
+        self.cos, self.sin = self.ropes[0]                                # (max_pos, head_dim)
+        # HF multiplies by the scale cast to the embedding's dtype (sqrt(640) in bf16 is 25.25, not 25.30)
+        self.embed_scale = None if cfg.embed_scale == 1.0 else torch.tensor(cfg.embed_scale, dtype=dtype)
         self.native = self._native_layers() if quantized else None
         self.kv_dtype = self._choose_kv_dtype(kv_dtype)     # needs self.native: fp16 only where layer.c runs
         for native in self.native or []:                    # layer.c writes and attention.c reads this dtype
@@ -328,7 +368,7 @@ class Transformer(nn.Module):
         projection quantized, shapes it takes); else None and the torch layers run. Deterministic in
         the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
         from ..kernels.layer import NativeLayer
-        built = [NativeLayer.build(self.kernels, layer, self.cos, self.sin) for layer in self.layers]
+        built = [NativeLayer.build(self.kernels, layer, *self.ropes[layer.rope]) for layer in self.layers]
         why = next((b for b in built if isinstance(b, str)), None)
         if why is not None:
             log.info("layers run in torch, not fused: %s", why)
@@ -348,6 +388,10 @@ class Transformer(nn.Module):
         decode step's 11 (the step's largest serial Python cost, cProfile), and a chat's output repeats
         its tokens (75% of 300 generated). The same rows either way: dequantize is exact and
         deterministic. Side effect: fills that dict (at most EMBED_ROWS_KEPT rows; emptied when full)."""
+        rows = self._embed_lookup(ids)
+        return rows if self.embed_scale is None else rows * self.embed_scale    # Gemma: times sqrt(hidden)
+
+    def _embed_lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.embed, QWeight):
             return F.embedding(ids, self.embed)
         if ids.numel() > EMBED_LOOKUP_MAX:               # a prefill chunk: one dequantize for all
@@ -381,7 +425,8 @@ class Transformer(nn.Module):
         if sum(s.length for s in segments) != x.shape[0] or any(s.length < 1 for s in segments):
             raise ValueError("segments must cover the rows of x, each with at least one row")
         parts: list[list[_Part]] = [[] for _ in self.layers] if self.native is None else []
-        cos, sin = [], []                                                        # (T_i, head_dim) each
+        windows = sorted({layer.window for layer in self.layers})
+        cos, sin = [[] for _ in self.ropes], [[] for _ in self.ropes]             # per rope: (T_i, head_dim) each
         r0 = 0
         for s in segments:
             end = s.start + s.length
@@ -389,12 +434,15 @@ class Transformer(nn.Module):
                 raise ValueError(f"position {end} beyond the model's context {self.cfg.max_position_embeddings}")
             if s.k_cache.shape[2] % ATTN_BLOCK:
                 raise ValueError(f"KV capacity {s.k_cache.shape[2]} is not a multiple of {ATTN_BLOCK}")
-            cos.append(self.cos[s.start:end])
-            sin.append(self.sin[s.start:end])
-            # the torch attention's mask; the native one reads each row's keys up to its position
-            bias = causal_bias(s.start, s.length, s.k_cache.shape[2]) if self.kernels is None else None
+            for j, (c, sn) in enumerate(self.ropes):
+                cos[j].append(c[s.start:end])
+                sin[j].append(sn[s.start:end])
+            # the torch attention's masks, one per window; the native one reads each row's keys itself
+            bias = {w: causal_bias(s.start, s.length, s.k_cache.shape[2], w) if self.kernels is None else None
+                    for w in windows}
             for i, layer_parts in enumerate(parts):
-                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias, s.k_cache[i], s.v_cache[i]))
+                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias[self.layers[i].window],
+                                         s.k_cache[i], s.v_cache[i]))
             r0 += s.length
         table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
@@ -403,10 +451,10 @@ class Transformer(nn.Module):
             for native in self.native:
                 native(x, table, scratch)
         else:
-            cos_m = cos[0] if len(cos) == 1 else torch.cat(cos)                  # (M, head_dim)
-            sin_m = sin[0] if len(sin) == 1 else torch.cat(sin)
+            cos_m = [c[0] if len(c) == 1 else torch.cat(c) for c in cos]         # per rope: (M, head_dim)
+            sin_m = [c[0] if len(c) == 1 else torch.cat(c) for c in sin]
             for layer, layer_parts in zip(self.layers, parts):
-                x = layer(x, cos_m, sin_m, layer_parts, table)
+                x = layer(x, cos_m[layer.rope], sin_m[layer.rope], layer_parts, table)
         # rows that need logits, gathered so the LM head runs once: [0, M) batch -> (L, hidden)
         picks, r0 = [], 0
         for s in segments:
@@ -417,7 +465,11 @@ class Transformer(nn.Module):
         if not spans:
             return [None] * len(segments)
         h = x[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([x[a:b] for a, b in spans])
-        logits = self.lm_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps)).float()   # (L, vocab)
+        logits = self.lm_head(rms_norm(h, self.norm, self.cfg.rms_norm_eps))          # (L, vocab)
+        if self.cfg.final_logit_softcap:          # Gemma 2 style, in the compute dtype as the reference
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         out, at = [], 0
         for p in picks:
             if p is None:
