@@ -41,7 +41,8 @@ from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams
 from ..weights import WEIGHTS
 from .. import reasoning, tools
 from ..grammar import GrammarSpec
-from . import schemas
+from . import anthropic, ollama, schemas
+from .dialect import OPENAI, Dialect
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
 from .metrics import CONTENT_TYPE, Metrics, StatusCounter
 from .ui import mount_ui
@@ -49,7 +50,8 @@ from .ui import mount_ui
 log = logging.getLogger("ternlm.server")
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-                       "/slots", "/tokenize", "/detokenize"})
+                       "/slots", "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens",
+                       "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps"})
 _MAX_OWNERS = 4096      # namespaces remembered for /slots scoping (least recently used dropped)
 _POLL_S = 0.25          # how often a waiting non-stream request checks whether its client is still there
 
@@ -250,7 +252,9 @@ class ServerState:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise unauthorized()
+            token = request.headers.get("x-api-key", "").strip()   # Anthropic's clients send the key here
+            if not token:
+                raise unauthorized()
         digest = hashlib.sha256(token.encode()).digest()
         found = None
         for known, salt in self._keys.items():   # compare against all: no early exit to time
@@ -324,9 +328,29 @@ async def read_json(request: Request, limit: int) -> Any:
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
     try:
-        return json.loads(buf, parse_constant=no_constants)
+        body = json.loads(buf, parse_constant=no_constants)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise bad_request(f"malformed JSON body: {e}", code="invalid_json") from None
+    except RecursionError:   # the decoder's own limit (~1,000 levels): a 400, never a 500
+        raise bad_request(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    if _depth(body) > MAX_JSON_DEPTH:   # what reads it later (validators, templates) recurses too
+        raise bad_request(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    return body
+
+
+MAX_JSON_DEPTH = 64      # no API here needs more (a tool's JSON schema is the deepest, ~10)
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth of decoded JSON, without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
 
 
 def failure(ev: Failed) -> APIError:
@@ -337,10 +361,6 @@ def failure(ev: Failed) -> APIError:
         return bad_request(str(ev.error), code="invalid_request")
     return APIError(500, f"generation failed: {type(ev.error).__name__}: {ev.error}", type="server_error",
                     code="engine_error")
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 @dataclass(frozen=True)
@@ -354,9 +374,11 @@ class Choice:
 
 async def serve_request(st: ServerState, request: Request, choices: list[Choice], shape: schemas.Shape, *,
                         stream: bool, include_usage: bool, want_logprobs: bool,
-                        return_tokens: bool = False) -> Response:
+                        return_tokens: bool = False, dialect: Dialect = OPENAI) -> Response:
     """Queue the generations of one response (n choices, batched prompts: all or none) and answer
-    them, as one JSON body or one SSE stream whose chunks carry each choice's `index`."""
+    them, as one JSON body or one stream whose chunks carry each choice's `index`, in `dialect`'s
+    shapes (OpenAI's by default; dialect.py)."""
+    include_usage = include_usage or dialect.wants_usage
     _, sched = st.ready()
     inbox = Inbox(st.loop)
     try:
@@ -375,8 +397,8 @@ async def serve_request(st: ServerState, request: Request, choices: list[Choice]
         if stream and isinstance(ev, (Delta, Finished)):
             handed_off = True
             return StreamingResponse(_sse_events(tickets, inbox, (i, ev), shape, include_usage, return_tokens,
-                                                 counted),
-                                     media_type="text/event-stream",
+                                                 counted, dialect),
+                                     media_type=dialect.media_type,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         deltas: list[list[Delta]] = [[] for _ in choices]
         done: dict[int, Completion] = {}
@@ -386,8 +408,9 @@ async def serve_request(st: ServerState, request: Request, choices: list[Choice]
             elif isinstance(ev, Finished):
                 done[i] = ev.completion
                 if len(done) == len(choices):
-                    return JSONResponse(shape.response([done[j] for j in range(len(choices))], deltas,
-                                                       want_logprobs, return_tokens, counted))
+                    return JSONResponse(dialect.response(shape.response([done[j] for j in range(len(choices))],
+                                                                        deltas, want_logprobs, return_tokens,
+                                                                        counted)))
             elif isinstance(ev, Failed):
                 raise failure(ev)
             elif isinstance(ev, Cancelled):
@@ -407,33 +430,33 @@ def _tag(inbox: "Inbox", index: int, event: Event) -> None:
 
 
 async def _sse_events(tickets: list[Ticket], inbox: Inbox, first: tuple[int, Event], shape: schemas.Shape,
-                      include_usage: bool, return_tokens: bool, counted: list[bool]):
-    """SSE body. If the client disconnects, Starlette cancels this generator: `finally` cancels the
+                      include_usage: bool, return_tokens: bool, counted: list[bool], dialect: Dialect = OPENAI):
+    """The stream's body (SSE for OpenAI; each dialect's own framing). If the client disconnects, Starlette cancels this generator: `finally` cancels the
     tickets and the worker closes their engine streams within one step."""
     done: dict[int, Completion] = {}
     try:
         for j in range(len(tickets)):
             head = shape.first_chunk(j, include_usage)
             if head is not None:
-                yield _sse(head)
+                yield dialect.chunk(head)
         i, ev = first
         while True:
             if isinstance(ev, Delta):
                 chunk = shape.delta_chunk(i, ev, include_usage)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    yield dialect.chunk(chunk)
             elif isinstance(ev, Finished):
                 done[i] = ev.completion
                 for chunk in shape.before_final(i, ev.completion, include_usage):
-                    yield _sse(chunk)
-                yield _sse(shape.final_chunk(i, ev.completion, include_usage, return_tokens))
+                    yield dialect.chunk(chunk)
+                yield dialect.chunk(shape.final_chunk(i, ev.completion, include_usage, return_tokens))
                 if len(done) == len(tickets):
                     if include_usage:
-                        yield _sse(shape.usage_chunk([done[j] for j in range(len(tickets))], counted))
-                    yield b"data: [DONE]\n\n"
+                        yield dialect.chunk(shape.usage_chunk([done[j] for j in range(len(tickets))], counted))
+                    yield dialect.done()
                     return
             elif isinstance(ev, Failed):
-                yield _sse(failure(ev).body())   # OpenAI clients raise on an "error" event
+                yield dialect.error(failure(ev))   # OpenAI clients raise on an "error" event
                 return
             elif isinstance(ev, Cancelled):
                 return
@@ -493,7 +516,8 @@ def create_app(config: ServeConfig, *, load_engine: Callable[[], Engine] | None 
         # the headers. No credentials mode: the API authenticates by an Authorization header the page
         # must hold itself, never by cookies, so "*" lends a page nothing it did not already have.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_credentials=False,
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"],
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
                            max_age=600)
     _routes(app, st)
     mount_ui(app)
@@ -522,6 +546,11 @@ def _routes(app: FastAPI, st: ServerState) -> None:
     async def chat_completions(request: Request):
         tenant = st.tenant(request)
         raw = await read_json(request, cfg.max_body_bytes)
+        return await run_chat(request, raw, tenant)
+
+    async def run_chat(request: Request, raw: Any, tenant: str, dialect: Dialect = OPENAI) -> Response:
+        """A Chat Completions request (the decoded JSON body, validated here) answered in `dialect`:
+        the one path every chat-shaped API takes (dialect.py)."""
         engine, _ = st.ready()
         req: schemas.ChatRequest = schemas.parse(schemas.ChatRequest, raw)
         st.check_model(req.model)
@@ -553,12 +582,16 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
                                   thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
         return await serve_request(st, request, choices, shape, stream=req.stream,
-                                   include_usage=req.include_usage, want_logprobs=req.logprobs)
+                                   include_usage=req.include_usage, want_logprobs=req.logprobs, dialect=dialect)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         tenant = st.tenant(request)
         raw = await read_json(request, cfg.max_body_bytes)
+        return await run_completion(request, raw, tenant)
+
+    async def run_completion(request: Request, raw: Any, tenant: str, dialect: Dialect = OPENAI) -> Response:
+        """A (legacy) Completions request answered in `dialect` (raw prompts: no template)."""
         engine, _ = st.ready()
         req: schemas.CompletionRequest = schemas.parse(schemas.CompletionRequest, raw)
         st.check_model(req.model)
@@ -586,7 +619,8 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                    for p, ids in enumerate(prompts) for j in range(req.n)]
         shape = schemas.TextShape(st.model_id, st.fingerprint, engine.tokenizer)
         return await serve_request(st, request, choices, shape, stream=req.stream, include_usage=req.include_usage,
-                                   want_logprobs=req.logprobs is not None, return_tokens=req.return_tokens)
+                                   want_logprobs=req.logprobs is not None, return_tokens=req.return_tokens,
+                                   dialect=dialect)
 
     def model_card() -> dict:
         eng = st.engine
@@ -597,6 +631,10 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                 "slots": cfg.slots,
                 "ctx": eng.ctx if eng is not None else cfg.ctx}
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}
+
+    # the other client APIs, each a dialect of the same chat path (dialect.py)
+    anthropic.add_routes(app, st, run_chat, read_json)
+    ollama.add_routes(app, st, run_chat, run_completion, read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):
