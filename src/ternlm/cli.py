@@ -29,6 +29,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
                    help="a jinja chat template (Hugging Face semantics) replacing the model's own")
+    p.add_argument("--expert-cache", default="auto", metavar="SIZE",
+                   help="mixture of experts: bytes of experts kept in memory, the rest read from the file on "
+                        "demand (e.g. 8GiB); resident: all converted at load; auto (default): resident when they "
+                        "fit beside the KV budget, else what fits")
 
 
 def _template_file(path: str) -> str:
@@ -48,7 +52,7 @@ def _load(args, slots: int = 1):
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
-                         chat_template=args.chat_template)
+                         chat_template=args.chat_template, expert_cache=args.expert_cache)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine
 

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -119,9 +120,13 @@ class Engine:
                                               pack=self.dtype_choice.kernel == "onednn-packed",
                                               kernels=self.kernels,
                                               keep_quantized=self.weights_choice.mode == "gguf",
-                                              kv_dtype=kv_dtype)
+                                              kv_dtype=kv_dtype, experts=loaded.experts)
         self.kv_dtype = str(self.model.kv_dtype).removeprefix("torch.")
         loaded.weights.clear()  # the module holds (fused) copies; free the loader's
+        # mixture of experts: how the experts are held (Engine.load's plan; None: as given) and what
+        # the steps each running sequence took part in cost the expert store (`step`)
+        self.expert_plan = None
+        self._expert_use: "weakref.WeakKeyDictionary[Sequence, dict[str, int]]" = weakref.WeakKeyDictionary()
         self.runner = Runner(self.model, chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
@@ -144,11 +149,14 @@ class Engine:
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str = "smollm2-135m", dtype: str = "auto", cpu: CpuInfo | None = None,
-             weights: str = "auto", **kw) -> "Engine":
+             weights: str = "auto", expert_cache: "str | int | None" = "auto", **kw) -> "Engine":
         """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use.
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         an unknown or unsupported choice raises ValueError before any weight is read.
+        expert_cache (a GGUF mixture of experts): bytes = experts stream from the file through a cache
+        of that size; "resident" = converted at load; "auto" = resident when they fit in the available
+        memory beside the rest and the KV budget, else streamed with what fits (moe.plan_expert_cache).
         Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (high
         while loading, so the loader's temporaries reuse the heap, which is trimmed after; raised to
         1 GiB when the torch attention runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
@@ -165,16 +173,19 @@ class Engine:
         log.info("%s; %s", choice.log_line, wchoice.log_line)
         one_arena()
         tdtype = DTYPES[choice.dtype]
+        plans: list = []                         # the expert cache's plan, once the header is read
         with loading():                          # the loader's temporaries reuse the heap, returned after
             if r.kind == "gguf":
                 from .models.gguf import load_gguf
                 quantized = wchoice.mode == "gguf"
                 loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
-                                   lanes=quantized and wchoice.kernels.lanes)
+                                   lanes=quantized and wchoice.kernels.lanes,
+                                   expert_budget=_expert_budget(expert_cache, kw, plans))
             else:
                 from .models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
             engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
+            engine.expert_plan = plans[0] if plans else None
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 
@@ -337,12 +348,15 @@ class Engine:
             feeds.append(Feed(seq.slot, ids, seq.embeds or None, "last" if logits else "none"))
             live.append(i)
         if feeds:
+            experts = self.model.experts
+            before = experts.stats.as_dict() if experts is not None else None
             try:
                 results = self.runner.step(feeds)
             except Exception as e:           # the whole forward failed: no record changed
                 for i in live:
                     outcomes[i] = self._fail(work[i][0], e)
                 return outcomes
+            used = experts.stats.minus(before) if experts is not None else None
             for i, logits in zip(live, results):
                 seq, count = work[i]
                 was_prefilling = seq.prefilling
@@ -350,11 +364,31 @@ class Engine:
                     outcomes[i] = StepOutcome(seq.accept(count, None if logits is None else logits[-1]))
                 except Exception as e:       # its hook or its sampling: this sequence only
                     outcomes[i] = self._fail(seq, e)
+                if used is not None:         # the whole step's expert traffic, to each sequence in it
+                    acc = self._expert_use.setdefault(seq, dict.fromkeys(used, 0))
+                    for k, v in used.items():
+                        acc[k] += v
+                    for ev in outcomes[i].events:
+                        if isinstance(ev, Completion):   # read by server/schemas.timings
+                            ev.experts = dict(self._expert_use.pop(seq, acc))
                 if was_prefilling and not seq.prefilling:
                     log.info("%s", reuse_line(seq.reuse, seq.n, seq.timings, seq.restored))
                 if seq.done and self.store is not None:
                     self.store.publish(seq.slot)   # shared tier: another replica may take the next turn
         return outcomes
+
+    def expert_stats(self) -> dict | None:
+        """A mixture of experts' store counters since load (hits, misses, bytes_read, bytes_used,
+        rows, evictions) and how the experts are held (streamed, budget, resident_bytes, held,
+        experts); None for a dense model. Plain int reads: safe from another thread (metrics)."""
+        store = self.model.experts
+        if store is None:
+            return None
+        streamed = bool(store.streamed)
+        return {**store.stats.as_dict(), "streamed": streamed, "budget": store.budget,
+                "resident_bytes": store.nbytes, "held": len(store),
+                "experts": store.total_experts if streamed else len(store),
+                "file_bytes": store.file_bytes if streamed else 0}
 
     @staticmethod
     def _fail(seq: Sequence, error: BaseException) -> StepOutcome:
@@ -446,6 +480,39 @@ class Engine:
             result = ev
         check(isinstance(result, Completion), "a stream ends with its Completion")
         return result
+
+
+def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
+    """Engine.load's --expert-cache -> load_gguf's expert_budget: a callable that plans, once the
+    header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx, fp32: the
+    MoE layers run in torch) and the available memory (fit.available_memory where present, else
+    MemAvailable). Side effects: appends the plan to `plans` and logs it."""
+    from .models.moe import plan_expert_cache
+
+    def decide(cfg, experts: int, rest: int) -> int | None:
+        ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        ctx = -(-ctx // ATTN_BLOCK) * ATTN_BLOCK
+        kv_elem = 2 if kw.get("kv_dtype") == "float16" else 4
+        kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
+        plan = plan_expert_cache(requested, experts, rest, kv, _available_memory() if requested == "auto" else None)
+        plans.append(plan)
+        if cfg.num_experts:
+            log.info("expert cache: %s", plan.reason)
+        return plan.budget
+    return decide
+
+
+def _available_memory() -> int | None:
+    try:
+        from .fit import available_memory       # the cgroup's limit too, where lower
+        return available_memory().bytes
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def reuse_line(reuse: Reuse, n: int, t: Timings, r: Restored = Restored()) -> str:

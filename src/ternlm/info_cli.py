@@ -1,7 +1,8 @@
 """`ternlm info`: what a bug report needs. CPU model and the ISA flags that matter, torch and its CPU
 capability, what each --dtype resolves to here (or why it is refused), the native kernels (built on
 first use, as a server would: whether they build here is part of a bug report), threads, cache
-directories. Loads no model."""
+directories. Loads no model; with `-m FILE.gguf` of a mixture of experts, reads its header for the expert
+cache it would get (what is mapped from the file, what stays resident, the budget and why)."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +53,26 @@ def gather() -> dict:
     }
 
 
+def experts_info(model: str, expert_cache: str = "auto", ctx: int | None = None, slots: int = 1,
+                 kv_dtype: str = "auto") -> dict:
+    """A GGUF's experts and the cache `Engine.load` would plan for them with these flags (--weights
+    gguf sizes: quantized experts ~ their file bytes). Reads the header only. {} for a dense model."""
+    import torch
+
+    from .engine import _expert_budget
+    from .models.gguf import FastGGUFReader, _expert_memory, config_from_gguf
+    reader = FastGGUFReader(model)
+    cfg = config_from_gguf(reader)
+    if not cfg.num_experts:
+        return {}
+    experts, rest = _expert_memory(reader, torch.float32, keep_quantized=True)
+    plans: list = []
+    budget = _expert_budget(expert_cache, {"ctx": ctx, "slots": slots, "kv_dtype": kv_dtype}, plans)(cfg, experts, rest)
+    return {"model": model, "arch": cfg.arch, "layers": cfg.num_layers, "experts": cfg.num_experts,
+            "active": cfg.experts_per_token, "expert_bytes": experts, "resident_rest_bytes": rest,
+            "streamed": budget is not None, "budget": budget, "reason": plans[0].reason}
+
+
 def _print(info: dict, out) -> None:
     c, t = info["cpu"], info["torch"]
     lines = [
@@ -78,11 +99,23 @@ def _print(info: dict, out) -> None:
     fp = info["dtype"]["float32" if n["available"] else "auto"].get("fingerprint", "-")
     lines.append(f"kernel fingerprint (auto, a GGUF model): {fp};weights={weights};attention={attn};"
                  f"kv={'float16' if n['available'] else 'float32'}")
+    if e := info.get("experts"):
+        from .sizes import format_size
+        how = (f"streamed: {format_size(e['expert_bytes'])} of expert slabs mapped from the file, read on demand "
+               f"into a cache of {format_size(e['budget'])}" if e["streamed"]
+               else f"resident: {format_size(e['expert_bytes'])} converted at load")
+        lines.append(f"experts   {e['arch']} {e['layers']} layers x {e['experts']} experts ({e['active']} active) · "
+                     f"{how} · {format_size(e['resident_rest_bytes'])} of other weights resident")
+        lines.append(f"          expert cache: {e['reason']}")
+    elif "experts" in info:
+        lines.append("experts   none (a dense model)")
     print("\n".join(lines), file=out)
 
 
 def cmd_info(args) -> int:
     info = gather()
+    if args.model:
+        info["experts"] = experts_info(args.model, args.expert_cache, args.ctx, args.slots)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -94,5 +127,10 @@ def cmd_info(args) -> int:
 def add_info_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("info", help="CPU, torch, dtype choices, threads, cache dirs (for bug reports)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("-m", "--model", default=None, metavar="FILE.gguf",
+                   help="a mixture-of-experts GGUF: the expert cache it would get (reads the header only)")
+    p.add_argument("--expert-cache", default="auto", metavar="SIZE", help="as serve's (auto | resident | a size)")
+    p.add_argument("--ctx", type=int, default=None, help="as serve's: sizes the KV budget beside the experts")
+    p.add_argument("--slots", type=int, default=1, help="as serve's: sizes the KV budget beside the experts")
     p.set_defaults(func=cmd_info)
     return p

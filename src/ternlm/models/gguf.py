@@ -636,8 +636,59 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
             and (name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")))
 
 
+def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quantized: bool,
+                  lanes: bool) -> "torch.Tensor | object":
+    """One expert matrix's raw GGML bytes -> the weight the resident load makes of it: a QWeight (in
+    the lanes layout with ``lanes``) where ``keep_quantized`` keeps its type, else dense (rows, cols)
+    in ``dtype`` (GGML blocks are independent: one slab dequantizes to the same values as inside the
+    whole tensor). The one conversion of the resident and the streamed experts [SAME-BITS]."""
+    from .qweight import QUANTIZED_TYPES, from_gguf, to_lanes
+    qtype = QT(slab.qtype)
+    if keep_quantized and qtype in QUANTIZED_TYPES:
+        q = from_gguf(raw, qtype, slab.rows, slab.cols)
+        return (to_lanes(q) or q) if lanes else q
+    return dequantize(raw, qtype, slab.rows * slab.cols, dtype).reshape(slab.rows, slab.cols)
+
+
+def expert_slabs(reader: GGUFReader, config: ModelConfig) -> dict[tuple[int, int], tuple["Slab", "Slab", "Slab"]]:
+    """(layer, expert) -> the file offsets of its gate, up and down matrices (moe.Slab): slab e of
+    each stacked ffn_{gate,up,down}_exps tensor ([in, out, E] in GGUF order). Reads no tensor data."""
+    from .moe import Slab
+    names = {t.name: t for t in reader.tensors}
+    out = {}
+    for i in range(config.num_layers):
+        per_kind = []
+        for kind in ("gate", "up", "down"):
+            t = names[f"blk.{i}.ffn_{kind}_exps.weight"]
+            k, n, E = (int(d) for d in t.shape.tolist())
+            per = int(t.n_bytes) // E
+            per_kind.append([Slab(int(t.data_offset) + e * per, per, int(t.tensor_type), n, k) for e in range(E)])
+        for e in range(config.num_experts):
+            out[(i, e)] = (per_kind[0][e], per_kind[1][e], per_kind[2][e])
+    return out
+
+
+def _expert_memory(reader: GGUFReader, dtype: torch.dtype, keep_quantized: bool) -> tuple[int, int]:
+    """(experts, the rest): bytes the weights take in memory once loaded, estimated from the header:
+    a tensor kept quantized ~ its file bytes, a dense one elements x the dtype's size."""
+    from .qweight import QUANTIZED_TYPES
+    experts = rest = 0
+    for t in reader.tensors:
+        kept = keep_quantized and t.tensor_type in QUANTIZED_TYPES
+        size = int(t.n_bytes) if kept else int(t.n_elements) * dtype.itemsize
+        if t.name.endswith(_MOE_PER_LAYER[1:]):
+            experts += size
+        else:
+            rest += size
+    return experts, rest
+
+
+ExpertBudget = "int | Callable[[ModelConfig, int, int], int | None] | None"
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | None = None,
-              keep_quantized: bool = False, lanes: bool = False) -> LoadedModel:
+              keep_quantized: bool = False, lanes: bool = False,
+              expert_budget: ExpertBudget = None) -> LoadedModel:
     """Read a GGUF file into a LoadedModel with weights dequantized to ``dtype``, or, with
     ``keep_quantized``, the quantized matrices as QWeights (models/qweight.py) and the rest dequantized;
     with ``lanes`` too, each QWeight in its lanes layout where it has one (qweight.to_lanes), converted as
@@ -647,6 +698,10 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
 
     ``sha256``: the file's known digest (e.g. from the registry); when None the file is hashed
     (cached by path+size+mtime under the ternlm cache dir, so usually only once).
+    ``expert_budget`` (mixture of experts only): None = every expert converted now (resident); bytes =
+    the experts stay in the file and stream through a cache of that many bytes (moe.StreamedExperts,
+    ``LoadedModel.experts``; their weights are absent from ``weights``); a callable (config, experts'
+    bytes, the rest's bytes in memory) -> either, decided once the header is read.
     Side effects: logs what is loading and the time taken (logger ``ternlm.models.gguf``);
     may write the sha256 index in the cache dir.
     """
@@ -659,8 +714,18 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
              len(reader.tensors), dtype)
     t_open = time.perf_counter()
 
+    streamed = None                 # experts read on demand (issue 36): nothing of them converted here
+    budget = expert_budget(config, *_expert_memory(reader, dtype, keep_quantized)) \
+        if callable(expert_budget) else expert_budget
+    if config.num_experts and budget is not None:
+        from .moe import StreamedExperts
+        streamed = StreamedExperts(path, expert_slabs(reader, config), budget, functools.partial(
+            expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes))
+        log.info("experts streamed from %s: %s in the file, cache budget %d bytes", path.name,
+                 streamed.file_bytes, budget)
     weights: dict[str, torch.Tensor] = {}
-    tensors = [t for t in reader.tensors if t.name not in _ROPE_TENSORS]
+    tensors = [t for t in reader.tensors if t.name not in _ROPE_TENSORS
+               and not (streamed is not None and t.name.endswith(_MOE_PER_LAYER[1:]))]
     with _parallel_jobs() as run:
         all_jobs: list[Callable[[], None]] = []
         quantized: list[ReaderTensor] = []
@@ -681,6 +746,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
                 weights[name] = w if rows is None else w[rows]
         dense.clear()
         if quantized:
+            from .moe import Slab
             from .qweight import from_gguf, to_lanes
             for t in quantized:     # one at a time: the row layout is dropped as soon as the lanes copy exists
                 experts = expert_parts(hf_name(t.name), config.num_experts)
@@ -688,9 +754,9 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
                     k, n, E = (int(d) for d in t.shape.tolist())     # expert is a contiguous slab of whole rows
                     raw = _tensor_bytes(t)
                     per = raw.numel() // E
-                    for name, e in experts:
-                        q = from_gguf(raw[e * per:(e + 1) * per], t.tensor_type, n, k)
-                        weights[name] = (to_lanes(q) or q) if lanes else q
+                    for name, e in experts:          # the streamed experts' conversion too [SAME-BITS]
+                        slab = Slab(e * per, per, int(t.tensor_type), n, k)
+                        weights[name] = expert_weight(raw[e * per:(e + 1) * per], slab, dtype, True, lanes)
                     continue
                 k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
                 q = from_gguf(_tensor_bytes(t), t.tensor_type, n, k)
@@ -712,4 +778,4 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     log.info("loaded %s in %.2fs (open %.2fs, weights %.2fs, tokenizer %.2fs, sha256 %.2fs)",
              path.name, t_end - t0, t_open - t0, t_weights - t_open, t_tok - t_weights, t_end - t_tok)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, chat_template=chat_template,
-                       sha256=digest, source=path)
+                       sha256=digest, source=path, experts=streamed)

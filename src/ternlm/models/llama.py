@@ -202,8 +202,11 @@ class Layer(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         dtype = w["input_layernorm.weight"].dtype
 
+        def build(parts: list, bias: torch.Tensor | None = None):   # holds no weights (streamed experts keep it)
+            return projection(parts, bias, dtype, pack, kernels if keep_quantized else None)
+
         def proj(names: list[str], bias: torch.Tensor | None = None):
-            return projection([w[n] for n in names], bias, dtype, pack, kernels if keep_quantized else None)
+            return build([w[n] for n in names], bias)
 
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
         # post_norm: the MLP's input norm (llama's post_attention_layernorm; Gemma's
@@ -220,18 +223,20 @@ class Layer(nn.Module):
         self.moe: MoE | None = None
         if cfg.num_experts:             # the MLP kind: experts behind a router (moe.py), no dense MLP
             self.gate_up = self.down = None
-            self.moe = self._experts(w, proj, pack, ExpertStore() if experts is None else experts)
+            self.moe = self._experts(w, build, pack, ExpertStore() if experts is None else experts)
             return
         self.gate_up = proj(["mlp.gate_proj.weight", "mlp.up_proj.weight"])   # (2 I, hidden)
         self.down = proj(["mlp.down_proj.weight"])                            # (hidden, I)
 
-    def _experts(self, w: dict, proj, pack: bool, store: ExpertStore) -> MoE:
-        """Each expert's gate|up (2 I, hidden) and down (hidden, I) into `store`; the router stays here."""
-        for e in range(self.cfg.num_experts):
-            names = [f"mlp.experts.{e}.{n}_proj.weight" for n in ("gate", "up", "down")]
-            nbytes = sum(w[n].nbytes if isinstance(w[n], QWeight) else w[n].numel() * w[n].element_size()
-                         for n in names)
-            store.put(self.index, e, proj(names[:2]), proj(names[2:]), nbytes)
+    def _experts(self, w: dict, build, pack: bool, store: ExpertStore) -> MoE:
+        """Each expert's gate|up (2 I, hidden) and down (hidden, I) into `store`; the router stays here.
+        A streamed store (moe.StreamedExperts) reads experts later and builds them with this `build`."""
+        if store.streamed:
+            store.bind(self.index, build)
+        for e in range(0 if store.streamed else self.cfg.num_experts):
+            parts = [w[f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")]
+            nbytes = sum(p.nbytes if isinstance(p, QWeight) else p.numel() * p.element_size() for p in parts)
+            store.put(self.index, e, build(parts[:2]), build(parts[2:]), nbytes)
         return MoE(w["mlp.gate.weight"], self.cfg.experts_per_token, self.cfg.norm_topk_prob, store,
                    self.index, pack)
 
@@ -300,8 +305,9 @@ EMBED_ROWS_KEPT = 4096     # rows kept there: 9.4 MB for smollm2's 576 fp32, 14.
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, "torch.Tensor | QWeight"],
                  dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: Kernels | None = None,
-                 keep_quantized: bool = False, kv_dtype: str = "float32"):
+                 keep_quantized: bool = False, kv_dtype: str = "float32", experts: ExpertStore | None = None):
         """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`.
+        experts: a mixture of experts' store when it is not every expert in `weights` (moe.StreamedExperts).
         kernels: the native kernels (attention, and with keep_quantized the quantized matmul: QWeights
         among the weights, from `--weights gguf`, stay quantized); without them QWeights are
         dequantized exactly and cast like the rest, and attention is `attention` below.
@@ -326,7 +332,7 @@ class Transformer(nn.Module):
             embed.dequantize().to(dtype) if isinstance(embed, QWeight) else embed)
         self._embed_rows: dict[int, torch.Tensor] = {}   # token id -> (hidden,): embed_ids' decode lookups
         # every layer's experts, fetched through one interface; its counters: self.experts.stats
-        self.experts: ExpertStore | None = ExpertStore() if cfg.num_experts else None
+        self.experts: ExpertStore | None = (ExpertStore() if experts is None else experts) if cfg.num_experts else None
         self.layers = [
             Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized, i,
                   self.experts)
@@ -378,8 +384,9 @@ class Transformer(nn.Module):
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                      pack: bool = True, kernels: Kernels | None = None,
-                     keep_quantized: bool = False, kv_dtype: str = "float32") -> "Transformer":
-        return cls(cfg, weights, dtype, pack, kernels, keep_quantized, kv_dtype)
+                     keep_quantized: bool = False, kv_dtype: str = "float32",
+                     experts: ExpertStore | None = None) -> "Transformer":
+        return cls(cfg, weights, dtype, pack, kernels, keep_quantized, kv_dtype, experts)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype, a new tensor (callers write into it).

@@ -24,3 +24,6 @@ class LoadedModel:
     # digest of what else the loader read that shapes the computation and is not in `sha256`
     # (an HF folder's config.json: rope scaling, eps, ... may change without the weights); "" if none
     extra_sha256: str = ""
+    # mixture of experts streamed from the file (models/moe.StreamedExperts; `--expert-cache`): its
+    # experts' weights are then absent from `weights`; None: every expert is in `weights`
+    experts: "object | None" = None

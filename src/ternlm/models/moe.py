@@ -17,19 +17,33 @@ softmax over its top-k logits is the same numbers). The output of a row is
     the lowest [SUM-ORDER] (transformers' index_add_ loop over experts adds in this order too, so
     dense fp32 matches it closely). The order is a property of the row alone.
 
-Expert weights are fetched through `ExpertStore.get(layer, expert)`, the one place that knows where
-they live. Today every expert is resident (a hit); the disk-streaming slice (issue 36) puts a
-budgeted cache behind the same call, and its counters (`ExpertStats`) are what timings and
-Prometheus will report.
+Expert weights are fetched through `get(layer, expert)`, the one place that knows where they live:
+  - `ExpertStore`: every expert resident, converted at load; every `get` is a hit;
+  - `StreamedExperts` (issue 36, `--expert-cache SIZE`): the loader records each expert's gate, up
+    and down byte slabs in the GGUF (`Slab`) and converts nothing; a miss preads the slabs, drops
+    their file pages (posix_fadvise DONTNEED: the page cache must not hold a second copy), converts
+    them with the SAME code as the resident load (gguf.expert_weight, then the layer's own
+    projection builder), and keeps the result in an LRU dict bounded by bytes. [SAME-BITS] the
+    bytes and the conversion are the resident path's, so a streamed expert's product is the same
+    bits; tests/test_moe_stream.py checks logits with torch.equal.
+Their counters (`ExpertStats`) are what timings, Prometheus and `ternlm info` report.
 """
 from __future__ import annotations
 
+import os
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 
+from ..sizes import format_size as fs
+from ..sizes import parse_size
 from .linear import Linear
 
 
@@ -53,10 +67,15 @@ class ExpertStats:
     bytes_read: int = 0
     bytes_used: int = 0
     rows: int = 0
+    evictions: int = 0          # experts dropped from a streamed store's cache to stay within its budget
 
     def as_dict(self) -> dict[str, int]:
         return dict(hits=self.hits, misses=self.misses, bytes_read=self.bytes_read,
-                    bytes_used=self.bytes_used, rows=self.rows)
+                    bytes_used=self.bytes_used, rows=self.rows, evictions=self.evictions)
+
+    def minus(self, before: dict[str, int]) -> dict[str, int]:
+        """These counters less an earlier `as_dict()`: what happened in between."""
+        return {k: v - before.get(k, 0) for k, v in self.as_dict().items()}
 
 
 @dataclass
@@ -65,6 +84,8 @@ class ExpertStore:
     `put` at load and every `get` is a hit. Not thread-safe: one engine step at a time uses it."""
     _experts: dict[tuple[int, int], Expert] = field(default_factory=dict)
     stats: ExpertStats = field(default_factory=ExpertStats)
+    streamed: ClassVar[bool] = False   # experts converted at load (Layer puts them here)
+    budget: ClassVar[int | None] = None
 
     def put(self, layer: int, expert: int, gate_up, down, nbytes: int) -> None:
         self._experts[(layer, expert)] = Expert(gate_up, down, nbytes)
@@ -84,6 +105,175 @@ class ExpertStore:
 
     def __len__(self) -> int:
         return len(self._experts)
+
+
+def weight_nbytes(w) -> int:
+    """Bytes of a QWeight (its `nbytes`) or a dense tensor."""
+    return w.nbytes if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+
+
+@dataclass(frozen=True)
+class Slab:
+    """One expert matrix in the file: bytes [offset, offset + length) of GGML type `qtype`, an
+    (rows, cols) weight (rows = output features). Quantization blocks run along the input, so an
+    expert of a stacked (E, rows, cols) tensor is one contiguous slab of whole rows."""
+    offset: int
+    length: int
+    qtype: int
+    rows: int
+    cols: int
+
+
+# An expert's weights as the layer builds projections from them: Slab bytes -> QWeight or tensor
+Decode = Callable[[torch.Tensor, Slab], object]
+# The layer's projection builder: [parts stacked along outputs] -> a callable projection
+Build = Callable[[list], Callable[[torch.Tensor], torch.Tensor]]
+
+
+class StreamedExperts:
+    """Experts read from the GGUF on demand into an LRU cache of at most `budget` bytes (converted
+    weights, `weight_nbytes`). The same `get` as ExpertStore. Not thread-safe: one engine step at a
+    time uses it (a metrics scrape only reads int counters).
+
+    Memory: after every `get` the experts kept hold <= budget bytes (`nbytes`); while a miss is being
+    converted, that expert, its raw bytes and the one the caller still holds come on top. An expert
+    larger than the whole budget is served and not kept. Side effects of a miss: preads, then
+    posix_fadvise(DONTNEED) on the bytes read, so the kernel's page cache does not keep a second copy.
+    [FILE-CHANGED] the file is held open from load (a replaced file keeps serving the loaded bytes);
+    a file modified in place (its mtime changed) raises instead of mixing two models' experts."""
+    streamed: ClassVar[bool] = True
+
+    def __init__(self, path: str | os.PathLike[str], slabs: dict[tuple[int, int], tuple[Slab, Slab, Slab]],
+                 budget: int, decode: Decode):
+        """slabs: (layer, expert) -> its (gate, up, down) slabs. decode: the loader's conversion of one
+        slab (gguf.expert_weight: the resident load's code). Opens `path` (closed with the store)."""
+        if budget < 0:
+            raise ValueError(f"expert cache budget {budget} < 0")
+        self.path = Path(path)
+        self.budget = int(budget)
+        self.stats = ExpertStats()
+        self._slabs = slabs
+        self._decode = decode
+        self._build: dict[int, Build] = {}
+        self._cache: OrderedDict[tuple[int, int], Expert] = OrderedDict()   # least recently used first
+        self._held = 0
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._mtime = os.fstat(self._fd).st_mtime_ns
+        self._closer = weakref.finalize(self, os.close, self._fd)
+
+    # ---- set up by the model -----------------------------------------------------------------------
+    def bind(self, layer: int, build: Build) -> None:
+        """The layer's projection builder (Layer._experts): a streamed expert's gate|up and down are
+        built by it exactly as the resident ones are."""
+        self._build[layer] = build
+
+    # ---- the interface -----------------------------------------------------------------------------
+    def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
+        """The expert's projections, from the cache or read now. Side effects: counters; a miss
+        reads (and may evict least-recently-used experts, never the one returned)."""
+        key = (layer, expert)
+        e = self._cache.get(key)
+        if e is not None:
+            self._cache.move_to_end(key)
+            self.stats.hits += 1
+        else:
+            e = self._read(key)
+            self.stats.misses += 1
+            if e.nbytes <= self.budget:
+                while self._held + e.nbytes > self.budget:
+                    _, old = self._cache.popitem(last=False)
+                    self._held -= old.nbytes
+                    self.stats.evictions += 1
+                self._cache[key] = e
+                self._held += e.nbytes
+        self.stats.bytes_used += e.nbytes
+        self.stats.rows += rows
+        return e
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the experts held now (<= budget)."""
+        return self._held
+
+    @property
+    def total_experts(self) -> int:
+        return len(self._slabs)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of every expert slab in the file (what `ternlm info` calls mapped)."""
+        return sum(s.length for slabs in self._slabs.values() for s in slabs)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._held = 0
+        self._closer()
+
+    # ---- reading -----------------------------------------------------------------------------------
+    def _read(self, key: tuple[int, int]) -> Expert:
+        if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
+            raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+        parts = []
+        for slab in self._slabs[key]:
+            parts.append(self._decode(torch.from_numpy(self._pread(slab)), slab))
+            self.stats.bytes_read += slab.length
+        build = self._build[key[0]]
+        return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
+
+    def _pread(self, slab: Slab) -> np.ndarray:
+        buf = np.empty(slab.length, dtype=np.uint8)
+        view, got = memoryview(buf), 0
+        while got < slab.length:
+            n = os.preadv(self._fd, [view[got:]], slab.offset + got)
+            if n <= 0:
+                raise OSError(f"{self.path}: short read at {slab.offset + got} (file truncated?)")
+            got += n
+        if hasattr(os, "posix_fadvise"):     # the bytes are converted now: their file pages are not needed
+            os.posix_fadvise(self._fd, slab.offset, slab.length, os.POSIX_FADV_DONTNEED)
+        return buf
+
+
+EXPERT_OVERHEAD = 256 << 20     # beside the resident parts: tokenizer, tables, allocator slack (as fit.py)
+
+
+@dataclass(frozen=True)
+class ExpertCachePlan:
+    """Where experts live: budget None = resident (converted at load); else streamed with this many
+    bytes of cache. reason: one line for the log and `ternlm info`."""
+    budget: int | None
+    reason: str
+
+
+def plan_expert_cache(requested: "str | int | None", experts: int, others: int, kv: int,
+                      available: int | None) -> ExpertCachePlan:
+    """--expert-cache -> ExpertCachePlan. Pure. requested: bytes (streamed, that budget), "resident"
+    or None (converted at load), "auto": resident when the experts fit in what is available beside
+    the resident parts (`others`), the KV budget (`kv`) and an overhead, else streamed with what
+    fits (at least 0: every use then reads). Sizes in bytes, as the weights are held in memory.
+    A size may be given as text ("8GiB", sizes.parse_size). Raises ValueError for anything else."""
+    if isinstance(requested, str) and requested not in ("auto", "resident"):
+        try:
+            requested = parse_size(requested)
+        except ValueError:
+            raise ValueError(f"--expert-cache {requested!r}: a size (e.g. 8GiB), auto or resident") from None
+    if isinstance(requested, int):
+        return ExpertCachePlan(requested, f"--expert-cache {fs(requested)}")
+    if requested in (None, "resident"):
+        return ExpertCachePlan(None, "resident (--expert-cache resident)")
+    if requested != "auto":
+        raise ValueError(f"--expert-cache {requested!r}: a size (e.g. 8GiB), auto or resident")
+    if available is None:
+        return ExpertCachePlan(None, "resident (available memory unknown)")
+    room = available - others - kv - EXPERT_OVERHEAD - others // 8
+    if experts <= room:
+        return ExpertCachePlan(None, f"resident: experts {fs(experts)} fit in {fs(room)} beside the rest "
+                                     f"and the KV ({fs(available)} available)")
+    budget = max(room, 0)
+    return ExpertCachePlan(budget, f"streamed: experts {fs(experts)} > {fs(room)} left beside the rest "
+                                   f"{fs(others)} and KV {fs(kv)} ({fs(available)} available)")
 
 
 def select_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,6 +83,7 @@ class ServeConfig:
     cache_redis_timeout: float = 0.5  # Redis connect/read timeout (seconds)
     reasoning_format: str = "auto"    # reasoning.py: auto (split <think> out) | none (raw text)
     chat_template: str | None = None  # jinja source replacing the model's own template (--chat-template)
+    expert_cache: str = "auto"        # mixture of experts: auto | resident | a size (models/moe.plan_expert_cache)
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -168,7 +169,8 @@ class ServerState:
         self.scheduler: Scheduler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.scheduler.state() if self.scheduler else None,
-                               lambda: self.engine.store.snapshot() if self.engine and self.engine.store else {})
+                               lambda: self.engine.store.snapshot() if self.engine and self.engine.store else {},
+                               lambda: self.engine.expert_stats() if self.engine else None)
         self.model_id = Path(config.model).stem if config.model.endswith(".gguf") else Path(config.model).name
         self.aliases = {config.model, self.model_id}
         self.created = int(time.time())
@@ -490,7 +492,8 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
         return Engine.load(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
                            prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
-                           chunk_size=config.chunk_size, cache=cache, chat_template=config.chat_template)
+                           chunk_size=config.chunk_size, cache=cache, chat_template=config.chat_template,
+                           expert_cache=config.expert_cache)
     return load
 
 

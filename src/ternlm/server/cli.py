@@ -100,7 +100,8 @@ def cmd_serve(args) -> int:
                          shutdown_grace_s=args.shutdown_grace, cache_ram=args.cache_ram,
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk, cache_redis=args.cache_redis,
                          cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout,
-                         reasoning_format=args.reasoning_format, chat_template=args.chat_template)
+                         reasoning_format=args.reasoning_format, chat_template=args.chat_template,
+                         expert_cache=args.expert_cache)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 

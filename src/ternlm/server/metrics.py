@@ -9,7 +9,10 @@ What is measured and where:
 - queue length and busy/idle slots: gauges that read the scheduler's state at scrape time;
 - KV tiers (RAM, disk, Redis): hits, misses, bytes, evictions, load seconds, damaged files: a collector that
   reads the store's counters at scrape time (the store counts on the worker thread; a scrape may see
-  a value one block old, never a torn one: each is one int/float attribute).
+  a value one block old, never a torn one: each is one int/float attribute);
+- mixture-of-experts store (issue 36): hits, misses, bytes read from the model file, evictions, and
+  the cache's bytes and budget: a collector over Engine.expert_stats() at scrape time (absent for a
+  dense model).
 """
 from __future__ import annotations
 
@@ -62,13 +65,42 @@ class TierCollector:
             yield fam
 
 
+# (Engine.expert_stats key, metric name, help, is_counter)
+_EXPERT_FIELDS = [("hits", "ternlm_expert_cache_hits", "expert fetches served from memory", True),
+                  ("misses", "ternlm_expert_cache_misses", "expert fetches that read the expert from the file", True),
+                  ("bytes_read", "ternlm_expert_cache_bytes_read", "bytes of expert weights read from the file", True),
+                  ("evictions", "ternlm_expert_cache_evictions", "experts dropped to stay within the budget", True),
+                  ("resident_bytes", "ternlm_expert_cache_bytes", "bytes of converted experts held now", False),
+                  ("budget", "ternlm_expert_cache_budget_bytes", "the expert cache's byte budget (streamed only)", False)]
+
+
+class ExpertCollector:
+    """Exports a mixture of experts' store counters at scrape time; nothing for a dense model."""
+
+    def __init__(self, snapshot: Callable[[], dict | None]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot()
+        if not snap:
+            return
+        for key, name, doc, counter in _EXPERT_FIELDS:
+            if snap.get(key) is None:
+                continue
+            fam = CounterMetricFamily(name, doc) if counter else GaugeMetricFamily(name, doc)
+            fam.add_metric([], float(snap[key]))
+            yield fam
+
+
 class Metrics:
     def __init__(self, state: Callable[[], SchedulerState | None],
-                 cache: Callable[[], dict[str, dict[str, float]]] = dict):
+                 cache: Callable[[], dict[str, dict[str, float]]] = dict,
+                 experts: Callable[[], dict | None] = lambda: None):
         """state: the scheduler's snapshot, or None while the model loads. cache: the KV store's
-        per-tier snapshot ({} without tiers)."""
+        per-tier snapshot ({} without tiers). experts: Engine.expert_stats (None: dense or loading)."""
         self.registry = r = CollectorRegistry()
         r.register(TierCollector(cache))
+        r.register(ExpertCollector(experts))
         self.reused_by_tier = Counter("ternlm_reused_tokens_by_tier",
                                       "prompt tokens reused, by where they came from", ["tier"], registry=r)
         for tier in ("slot", "ram", "disk", "redis"):

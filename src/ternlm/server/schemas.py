@@ -445,7 +445,11 @@ def timings(c: Completion) -> dict:
             "cache_load_ms": c.restored.load_s * 1e3,
             # why reuse stopped where it did ("diverged at token 812 of record 2034 (message 3): ..."); None: it
             # covered the whole record
-            "cache_reason": c.reuse.reason if c.reuse.diverged is not None else None}
+            "cache_reason": c.reuse.reason if c.reuse.diverged is not None else None,
+            # mixture of experts: the expert store's traffic in the steps this request took part in (hits,
+            # misses, bytes_read from the file, evictions; a step shared with other requests counts for
+            # each of them); absent for a dense model
+            **({"experts": experts} if (experts := getattr(c, "experts", None)) is not None else {})}
 
 
 class Shape:

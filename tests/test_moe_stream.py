@@ -1,0 +1,155 @@
+"""Experts streamed from the GGUF under a byte budget (issue 36): the same bits as resident experts.
+
+A tiny random qwen3moe written as llama.cpp's converter lays it out (tests/hf_to_gguf.py, Q8_0
+experts), loaded twice from the same file: every expert converted at load (resident), and the
+experts left in the file behind a cache (moe.StreamedExperts). Logits must be torch.equal, not
+close: a streamed expert is the same bytes through the same conversion. The cache's own accounting
+must never exceed its budget, and a budget that holds every expert reads nothing after warm-up.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ternlm.engine import Engine
+from ternlm.models.gguf import FastGGUFReader, config_from_gguf, expert_slabs, load_gguf
+from ternlm.models.moe import ExpertStore, StreamedExperts, plan_expert_cache
+from ternlm.weights import choose_weights
+from hf_to_gguf import write_gguf
+from test_moe import hf_model, ids_of
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "qwen3moe-q8.gguf"
+    write_gguf(hf_model("qwen3moe", seed=5), path, "qwen3moe", quant=QT.Q8_0)
+    return path
+
+
+def _engine(path, budget: int | None, quantized: bool = True) -> Engine:
+    loaded = load_gguf(path, torch.float32, keep_quantized=quantized, lanes=quantized, expert_budget=budget)
+    weights = choose_weights("gguf", "auto", True) if quantized else None
+    return Engine(loaded, dtype="float32", weights=weights, kv_dtype="float32")
+
+
+def _expert_bytes(engine: Engine) -> int:
+    """One converted expert's bytes (every expert has the same shapes and types here)."""
+    store = engine.model.experts
+    return store.get(0, 0).nbytes
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["q8_0-native", "q8_0-dense"])
+def test_streamed_experts_give_the_resident_bits(moe_file, quantized):
+    resident = _engine(moe_file, None, quantized)
+    assert isinstance(resident.model.experts, ExpertStore)
+    one = _expert_bytes(resident)
+    budget = 2 * one + one // 2                        # room for two experts of the 8 x 2 layers
+    streamed = _engine(moe_file, budget, quantized)
+    store = streamed.model.experts
+    assert isinstance(store, StreamedExperts) and len(store) == 0, "nothing converted at load"
+
+    ids = ids_of(70, seed=3)
+    whole = resident.logits(ids)
+    assert torch.equal(streamed.logits(ids), whole)
+    s = store.stats
+    assert s.misses > 0 and s.evictions > 0 and s.bytes_read > 0
+    assert store.nbytes <= budget and len(store) <= 2
+
+    # chunked prefill (chunks of 5: experts seeing 1..5 rows, the cache thrashing) then decode
+    streamed.runner.chunk_size = 5
+    resident.runner.chunk_size = 5
+    last = streamed.runner.prefill(streamed.slots[0], ids[:-1])
+    assert torch.equal(last, whole[-2])
+    assert torch.equal(streamed.runner.decode(streamed.slots[0], ids[-1]), whole[-1])
+    assert store.nbytes <= budget
+
+
+def test_each_expert_is_read_once_per_layer_per_step(moe_file):
+    """A prefill chunk asks the store once per expert a row uses, for all its rows: with a cache that
+    keeps nothing, bytes read == that many experts' slabs, never once per row."""
+    engine = _engine(moe_file, 0)
+    store, cfg = engine.model.experts, engine.config
+    ids = ids_of(40, seed=4)
+    engine.logits(ids)
+    s = store.stats
+    assert len(store) == 0 and store.nbytes == 0 and s.hits == 0
+    assert s.rows == 40 * cfg.experts_per_token * cfg.num_layers
+    assert s.misses <= cfg.num_layers * cfg.num_experts < s.rows      # grouped by expert
+    slab = sum(x.length for x in store._slabs[(0, 0)])
+    assert s.bytes_read == s.misses * slab
+
+
+def test_a_budget_for_every_expert_reads_nothing_after_warm_up(moe_file):
+    engine = _engine(moe_file, 1 << 30)
+    store = engine.model.experts
+    ids = ids_of(60, seed=6)
+    first = engine.logits(ids)
+    read, misses = store.stats.bytes_read, store.stats.misses
+    assert read > 0 and store.stats.evictions == 0
+    assert torch.equal(engine.logits(ids), first)
+    assert store.stats.bytes_read == read and store.stats.misses == misses     # all hits
+    assert store.stats.hits >= misses
+    stats = engine.expert_stats()
+    assert stats["streamed"] and stats["budget"] == 1 << 30 and stats["bytes_read"] == read
+    assert stats["resident_bytes"] == store.nbytes <= stats["budget"]
+
+
+def test_completion_reports_this_requests_expert_traffic(moe_file):
+    engine = _engine(moe_file, 0)
+    c = engine.generate(ids_of(20, seed=8), max_tokens=3, temperature=0.0)
+    assert c.experts["misses"] > 0 and c.experts["bytes_read"] > 0 and c.experts["hits"] == 0
+    before = engine.expert_stats()["bytes_read"]
+    c2 = engine.generate(ids_of(20, seed=8), max_tokens=3, temperature=0.0)
+    assert c2.experts["bytes_read"] == engine.expert_stats()["bytes_read"] - before
+    from ternlm.server.schemas import timings
+    assert timings(c2)["experts"] == c2.experts
+    assert Engine.expert_stats(_engine_dense_stub()) is None
+
+
+def _engine_dense_stub():
+    class Model:
+        experts = None
+
+    class Stub:
+        model = Model()
+    return Stub()
+
+
+def test_slabs_are_the_stacked_tensors_pieces(moe_file):
+    reader = FastGGUFReader(moe_file)
+    cfg = config_from_gguf(reader)
+    slabs = expert_slabs(reader, cfg)
+    assert len(slabs) == cfg.num_layers * cfg.num_experts
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    gate, up, down = slabs[(1, 3)]
+    per = int(t.n_bytes) // cfg.num_experts
+    assert down.offset == int(t.data_offset) + 3 * per and down.length == per
+    assert (down.rows, down.cols) == (cfg.hidden_size, cfg.expert_intermediate_size)
+    with open(moe_file, "rb") as f:
+        f.seek(down.offset)
+        assert f.read(per) == t.data.reshape(-1).view("uint8")[3 * per:4 * per].tobytes()
+
+
+def test_a_file_changed_in_place_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(hf_model("qwen3moe", seed=5), path, "qwen3moe", quant=QT.Q8_0)
+    engine = _engine(path, 0)
+    import os
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match="changed since it was loaded"):
+        engine.logits(ids_of(5))
+
+
+def test_plan_expert_cache():
+    G = 1 << 30
+    assert plan_expert_cache(5 * G, 10 * G, G, G, None).budget == 5 * G
+    assert plan_expert_cache("resident", 10 * G, G, G, 2 * G).budget is None
+    assert plan_expert_cache("auto", 2 * G, G, G, 64 * G).budget is None          # fits: resident
+    p = plan_expert_cache("auto", 17 * G, G, G, 8 * G)
+    assert p.budget is not None and 0 < p.budget < 8 * G and "streamed" in p.reason
+    assert plan_expert_cache("auto", 17 * G, 8 * G, G, 8 * G).budget == 0          # nothing left: read each use
+    assert plan_expert_cache("auto", 17 * G, G, G, None).budget is None           # unknown: as before
+    with pytest.raises(ValueError):
+        plan_expert_cache("lots", 1, 1, 1, 1)
