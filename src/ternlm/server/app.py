@@ -41,7 +41,7 @@ from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams
 from ..weights import WEIGHTS
 from .. import reasoning, tools
 from ..grammar import GrammarSpec
-from . import anthropic, ollama, schemas
+from . import anthropic, ollama, responses, schemas
 from .dialect import OPENAI, Dialect
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable
 from .metrics import CONTENT_TYPE, Metrics, StatusCounter
@@ -51,7 +51,8 @@ log = logging.getLogger("ternlm.server")
 
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
                        "/slots", "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens",
-                       "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps"})
+                       "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps",
+                       "/v1/responses"})
 _MAX_OWNERS = 4096      # namespaces remembered for /slots scoping (least recently used dropped)
 _POLL_S = 0.25          # how often a waiting non-stream request checks whether its client is still there
 
@@ -638,6 +639,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
     # the other client APIs, each a dialect of the same chat path (dialect.py)
     anthropic.add_routes(app, st, run_chat, read_json)
     ollama.add_routes(app, st, run_chat, run_completion, read_json)
+    responses.add_routes(app, st, run_chat, read_json)
 
     @app.get("/v1/models")
     async def models(request: Request):
