@@ -100,6 +100,7 @@ def test_thinking_off_per_request_and_format_none(server):
     on = ask(c, msgs, ANSWER_ONLY)
     assert getattr(off.choices[0].message, "reasoning_content", None) is None
     assert off.usage.prompt_tokens > on.usage.prompt_tokens, "the template pre-filled an empty thinking block"
+    assert ask(c, msgs, ANSWER_ONLY, reasoning_effort="low").choices[0].message.content   # reaches the template
     raw = ask(c, msgs, THINK_THEN_ANSWER, extra_body={"reasoning_format": "none"})
     assert raw.choices[0].message.content.startswith("<think>")
     opened = ask(c, msgs, {"type": "regex", "regex": r"[a-z]{2,8}( [a-z]{2,8}){3,6}\n</think>\n\n[a-z]{2,8}"},

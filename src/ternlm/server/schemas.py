@@ -369,7 +369,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "audio": (_always, "audio output is not supported"),
     "prediction": (_always, "predicted outputs are not supported"),
     "web_search_options": (_always, "web search is not supported"),
-    "reasoning_effort": (_always, "reasoning_effort is not supported"),
     "store": (lambda v: v is False, "store is not supported"),
 }
 
