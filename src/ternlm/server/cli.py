@@ -102,6 +102,11 @@ def cmd_serve(args) -> int:
                          cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout,
                          reasoning_format=args.reasoning_format, chat_template=args.chat_template,
                          expert_cache=args.expert_cache)
+    if not args.no_fit_check:    # one line and exit 2 before the port opens (fit.py); fetches a new model first
+        from ..fit import require_fit
+        require_fit(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
+                    ctx=config.ctx, slots=config.slots, ram_tier=config.cache_ram if config.prefix_reuse else 0,
+                    slots_flag=True)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 
