@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..chat_cli import OpenAIBackend, TurnStats
+from ..chat_backends import OpenAIBackend, TurnStats
 from .common import command_line, synthetic_text, write_json
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
 
