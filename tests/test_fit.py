@@ -291,3 +291,23 @@ def test_generate_refuses_in_one_line_and_no_fit_check_loads_anyway(smollm2_gguf
     assert ok.returncode == 0 and not _error_lines(ok.stderr), ok.stderr[-2000:]
     anyway = subprocess.run(args + ["--no-fit-check"], capture_output=True, text=True, timeout=300, env=env)
     assert anyway.returncode == 0 and not _error_lines(anyway.stderr), anyway.stderr[-2000:]
+
+
+def test_moe_experts_count_as_the_expert_cache_keeps_them(tmp_path):
+    """A mixture-of-experts file larger than RAM must not be refused for experts that will stream:
+    resident counts them all, a size counts that many bytes, auto (the engine keeps what fits) none."""
+    from gguf import GGMLQuantizationType as QT
+
+    from hf_to_gguf import write_gguf
+    from test_moe import MODELS, hf_model
+    from ternlm.fit import budget_for
+    from ternlm.models.gguf import FastGGUFReader
+
+    path = tmp_path / "moe.gguf"
+    write_gguf(hf_model("qwen3moe"), path, MODELS["qwen3moe"][3], quant=QT.Q8_0)
+    experts = sum(int(t.n_bytes) for t in FastGGUFReader(path).tensors if "_exps." in t.name)
+    assert experts > 0
+    whole = budget_for(str(path), weights="gguf", expert_cache="resident").model
+    assert whole == path.stat().st_size
+    assert budget_for(str(path), weights="gguf", expert_cache="auto").model == whole - experts
+    assert budget_for(str(path), weights="gguf", expert_cache="4096").model == whole - experts + 4096

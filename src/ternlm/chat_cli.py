@@ -295,10 +295,10 @@ def cmd_chat(args: argparse.Namespace, load_engine, default_model: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ternlm.chat_cli ARGS` == `ternlm chat ARGS` (same parser, same loader)."""
-    from .cli import _engine_args, _load
+    from .engine_args import engine_args, load_engine
     ap = argparse.ArgumentParser(prog="ternlm")
     ap.add_argument("-v", "--verbose", action="store_true")
-    add_chat_parser(ap.add_subparsers(dest="cmd", required=True), _engine_args, _load)
+    add_chat_parser(ap.add_subparsers(dest="cmd", required=True), engine_args, load_engine)
     args = ap.parse_args(["chat", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -5,62 +5,7 @@ import argparse
 import logging
 import sys
 
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help="registry name, .gguf path or HF folder")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (default: bfloat16 where the CPU has native bf16, AMX or AVX-512 BF16; float32 "
-                        "elsewhere) | float32 | bfloat16 | float16; `ternlm info` shows what auto picks")
-    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "bf16", "fp32"],
-                   help="gguf: keep a GGUF's quantized blocks and multiply them with a native kernel built for "
-                        "this CPU (fp32 activations; fastest decode); bf16/fp32: dense weights in that dtype; "
-                        "auto (default): gguf for a GGUF model when --dtype is auto and the kernel builds, "
-                        "else dense in the --dtype choice")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
-                        "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "
-                        "float32 | float16 (needs the fused layers)")
-    p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
-    p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size in tokens (256: best measured)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument("--chat-template", type=_template_file, default=None, metavar="FILE",
-                   help="a jinja chat template (Hugging Face semantics) replacing the model's own")
-    p.add_argument("--expert-cache", default="auto", metavar="SIZE",
-                   help="mixture of experts: bytes of experts kept in memory, the rest read from the file on "
-                        "demand (e.g. 8GiB); resident: all converted at load; auto (default): resident when they "
-                        "fit beside the KV budget, else what fits")
-    p.add_argument("--no-fit-check", action="store_true",
-                   help="load even when model + KV (+ RAM tier) look larger than the available memory (fit.py)")
-
-
-def _template_file(path: str) -> str:
-    """--chat-template FILE -> its text (read once at startup; a bad path is a usage error)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read chat template {path!r}: {e}") from None
-
-
-def _load(args, slots: int = 1):
-    import torch
-    from .engine import Engine
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.no_fit_check:      # refuse in one line before any weight is read (fit.py)
-        from .fit import require_fit
-        require_fit(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, ctx=args.ctx,
-                    slots=slots)
-    engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
-                         prefix_reuse=not args.no_prefix_kv,
-                         min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
-                         chat_template=args.chat_template, expert_cache=args.expert_cache)
-    args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
-    return engine
+from .engine_args import DEFAULT_MODEL, engine_args as _engine_args, load_engine as _load  # noqa: F401
 
 
 def cmd_pull(args) -> int:

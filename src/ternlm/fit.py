@@ -257,11 +257,13 @@ def _stat(path: Path, key: str, default: int | None = 0) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dtype: str = "auto",
-               ctx: int | None = None, slots: int = 1, ram_tier: int = 0) -> Budget:
+               ctx: int | None = None, slots: int = 1, ram_tier: int = 0, expert_cache: str = "auto") -> Budget:
     """The Budget of loading `model` (registry name, .gguf path, HF folder) with these flags, resolved
     as Engine.load resolves them. Side effects: a registry model not yet cached is fetched (with
     progress, as the load would); --weights may build the native kernels (cached; kernels/build.py).
-    Raises what the load would for a bad name or flag (ValueError and its subclasses)."""
+    Raises what the load would for a bad name or flag (ValueError and its subclasses).
+    Mixture-of-experts files: the experts count only as `--expert-cache` keeps them (resident: all; a
+    size: that many bytes; auto: nothing, since the engine then keeps what fits and streams the rest)."""
     from .cpu import choose_dtype, probe
     from .models.registry import REGISTRY, cached_file, resolve
     from .weights import choose_weights
@@ -276,8 +278,12 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     dense = wchoice.mode != "gguf"
     elem = WEIGHT_BYTES[choose_dtype(wchoice.dtype, probe()).dtype]
     shape = _gguf_shape(path) if kind == "gguf" else _hf_shape(path)
-    layers, kv_heads, head_dim, max_ctx, params, tied_embed = shape
+    layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes = shape
     model_bytes = (params + tied_embed) * elem if dense else path.stat().st_size
+    if expert_bytes and expert_cache != "resident":
+        from .sizes import parse_size
+        kept = 0 if expert_cache == "auto" else min(parse_size(expert_cache), expert_bytes)
+        model_bytes = max(model_bytes - expert_bytes, 0) + kept
     # Transformer._choose_kv_dtype: auto is fp16 where every layer runs fused in C (--weights gguf);
     # a model whose layers stay in torch gets fp32, twice this: rare, and the load logs why.
     kv = kv_dtype if kv_dtype != "auto" else ("float32" if dense else "float16")
@@ -286,18 +292,20 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
                   dense=dense and kind == "gguf")
 
 
-def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int]:
-    """(layers, kv_heads, head_dim, context, parameters, tied embedding's parameters or 0) from the
-    GGUF header (FastGGUFReader maps the file; reads no tensor data)."""
+def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int]:
+    """(layers, kv_heads, head_dim, context, parameters, tied embedding's parameters or 0, bytes of
+    expert tensors) from the GGUF header (FastGGUFReader maps the file; reads no tensor data)."""
     from .models.gguf import FastGGUFReader, config_from_gguf
     reader = FastGGUFReader(path)
     cfg = config_from_gguf(reader)
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
     tied = sizes.get("token_embd.weight", 0) if cfg.tie_word_embeddings else 0
-    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied
+    experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied,
+            experts)
 
 
-def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int]:
+def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int]:
     """The same from config.json and the safetensors files' JSON headers (no tensor is read)."""
     from .models.hf import config_from_hf
     sizes: dict[str, int] = {}
@@ -305,7 +313,7 @@ def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int]:
         sizes |= _safetensors_sizes(file)
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()), set(sizes))
     tied = sizes.get("model.embed_tokens.weight", 0) if cfg.tie_word_embeddings else 0
-    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied, 0
 
 
 def _safetensors_sizes(file: Path) -> dict[str, int]:
