@@ -151,19 +151,13 @@ def test_ollama_conversation_reuses_and_tools(server):
             assert r.prompt_eval_count < prompt, f"turn {i} re-read its whole prompt"
         msgs.append({"role": "assistant", "content": r.message.content})
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}
-    forced = json.dumps({"name": "get_weather", "arguments": {"city": "paris"}})
-    fmt = "<tool_call>\n" + forced + "\n</tool_call>"
-    r = c.chat(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
-               format=None, options={"temperature": 0, "num_predict": 40}, stream=False)
-    assert r.done   # free-running: may or may not call; the forced round trip is below through raw HTTP
     body = {"model": MODEL, "stream": False, "messages": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "paris"}}}]},
         {"role": "tool", "content": "sunny", "tool_name": "get_weather"}], "tools": [tool],
         "options": {"temperature": 0, "num_predict": 12}}
     out = httpx.post(server.base + "/api/chat", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
-    assert out.status_code == 200 and out.json()["done"], out.text
-    assert fmt  # the call text the template renders for the assistant turn (tools.call_text)
+    assert out.status_code == 200 and out.json()["done"], out.text   # a call and its result in the history
 
 
 def test_ollama_generate_tags_show_version_and_errors(server):
@@ -227,3 +221,23 @@ def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
     body.setdefault("options", {"num_predict": 4}) if path.startswith("/api/") else body.setdefault("max_tokens", 4)
     r = httpx.post(server.base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
+
+
+def test_dialects_reshape_tool_calls_and_thinking():
+    """The chat answer's tool calls and thinking in each API's own shape (pure: no server). A forced
+    call through the server is in test_anthropic_tool_round_trip; Ollama's `format` cannot force one."""
+    from ternlm.server.anthropic import MessagesDialect
+    from ternlm.server.ollama import OllamaDialect
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}
+    body = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "", "reasoning_content": "need weather", "tool_calls": [call]}}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 20}},
+        "timings": {"prompt_n": 10, "prompt_ms": 5.0, "predicted_ms": 9.0}}
+    o = OllamaDialect(MODEL).response(body)
+    assert o["message"]["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "paris"}}}]
+    assert o["message"]["thinking"] == "need weather" and o["done"] and o["prompt_eval_count"] == 10
+    a = MessagesDialect(MODEL).response(body)
+    assert [b["type"] for b in a["content"]] == ["thinking", "tool_use"] and a["stop_reason"] == "tool_use"
+    assert a["content"][1]["input"] == {"city": "paris"}
+    assert a["usage"] == {"input_tokens": 10, "output_tokens": 9, "cache_read_input_tokens": 20,
+                          "cache_creation_input_tokens": 0}
