@@ -165,6 +165,32 @@ def test_fast_reader_fields_equal_the_packages_smollm2(smollm2_path):
     assert_same_fields(smollm2_path)    # a 49,152-token vocabulary and its merges
 
 
+def _mapped_rss(path: Path) -> int:
+    """Bytes of this process's mappings of `path` that are resident (/proc/self/smaps)."""
+    total, hit, target = 0, False, str(path.resolve())
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:          # a mapping's header line
+            hit = head[-1] == target
+        elif hit and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_dropped_pages_leave_the_resident_set_and_read_the_same(smollm2_path):
+    """FastGGUFReader.drop_pages (load_gguf, after each tensor is converted): the tensors' pages leave
+    the resident set, and reading them again gives the same bytes."""
+    reader = ggufmod.FastGGUFReader(smollm2_path)
+    tensors = [t for t in reader.tensors if t.n_bytes >= 1 << 20]
+    before = [t.data.tobytes() for t in tensors]          # every page of them touched
+    touched, size = _mapped_rss(smollm2_path), sum(int(t.n_bytes) for t in tensors)
+    for t in tensors:
+        reader.drop_pages(int(t.data_offset), int(t.n_bytes))
+    assert touched - _mapped_rss(smollm2_path) >= 0.9 * size
+    assert [t.data.tobytes() for t in tensors] == before
+
+
 def test_fast_reader_fields_equal_the_packages_every_array_kind(tmp_path):
     path = tmp_path / "arrays.gguf"
     w = GGUFWriter(str(path), "llama")

@@ -18,7 +18,8 @@ from gguf import GGUFReader, quants
 from ternlm.kernels.build import Kernels, Unavailable, load
 from ternlm.models.gguf import hf_name
 from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf
+from ternlm.models import qweight
+from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf, to_lanes
 from ternlm.weights import WeightsUnavailable, choose_weights
 from test_model import CHATS, LOGIT_ATOL, TEXTS, hf_greedy, hf_logits
 from lesser_isa import LESSER, run_built_for
@@ -62,6 +63,41 @@ def test_layouts_equal_gguf_dequantization(qtype):
     assert torch.equal(q.dequantize(), ref)          # equal values (an exact zero's sign aside)
     rows = torch.tensor([5, 0, 7])
     assert torch.equal(q.dequantize(rows), ref[rows])
+
+
+def _same_bits(a: QWeight, b: QWeight) -> bool:
+    fields = ("codes", "scale", "bias", "high", "sup")
+    return a.fmt == b.fmt and all(
+        (x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype and torch.equal(x, y))
+        for x, y in ((getattr(a, f), getattr(b, f)) for f in fields))
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANTIZED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+@pytest.mark.parametrize("inf_late", [False, True], ids=["finite", "inf-in-last-chunk"])
+def test_chunked_conversion_equals_the_whole_matrix(qtype, inf_late, monkeypatch):
+    """from_gguf and to_lanes convert CHUNK_ROWS rows at a time into tensors allocated once: the same
+    bits as the whole matrix at once, in the row and the lanes layouts. With an fp16 inf scale in the
+    last chunk only, the mode is still decided on the whole matrix (f32 for every chunk)."""
+    out, inp = 160, 512                                   # chunks of 48: 48, 48, 48, 16 rows
+    raw = random_blocks(qtype, out, inp, seed=7)
+    if inf_late and qtype not in (QT.Q4_K, QT.Q5_K, QT.Q6_K):       # (the K-quants' modes never change)
+        size = _CONVERT[qtype][2]
+        raw.reshape(-1, size)[-1, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
+    raw = torch.from_numpy(raw)
+    monkeypatch.setattr(qweight, "CHUNK_ROWS", 1 << 30)   # whole: one chunk
+    whole = from_gguf(raw, qtype, out, inp)
+    whole_lanes = to_lanes(whole)
+    if qtype == QT.Q8_0:                                  # the byte trick is q + 128
+        q = raw.view(-1, 34)[:, 2:].view(torch.int8).to(torch.int16) + 128
+        assert torch.equal(whole.codes, q.to(torch.uint8).reshape(out, -1))
+    if inf_late and qtype not in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        assert whole.mode == "f32"
+    monkeypatch.setattr(qweight, "CHUNK_ROWS", 48)
+    assert _same_bits(from_gguf(raw, qtype, out, inp), whole)
+    lanes = from_gguf(raw, qtype, out, inp, lanes=True)
+    assert _same_bits(lanes, whole_lanes or whole)
+    if whole_lanes is not None:
+        assert lanes.lanes and _same_bits(to_lanes(whole), whole_lanes)
 
 
 def test_model_tensors_equal_gguf_dequantization(smollm2_gguf):

@@ -173,12 +173,26 @@ def to_lanes(q: QWeight) -> QWeight | None:
     """q in its lanes layout (kernels/qlanes.c; the same codes, scales and biases, so the same weights,
     with 16 rows interleaved), or None where qlanes.c has no kernel for it (q8g16 but Q6_K's "k6", an
     output count not a multiple of 16). Already lanes: q itself. Pure: q is not changed and the result
-    holds no view of it (the caller drops q: the same bytes once loading is done)."""
+    holds no view of it (the caller drops q: the same bytes once loading is done). Converted CHUNK_ROWS
+    rows at a time into tensors allocated once (_chunked)."""
     if q.lanes:
         return q
     fmt = LANES.get((q.fmt, q.mode))
     if fmt is None or q.shape[0] % BLOCK_ROWS:
         return None
+    return _chunked(q.shape[0], lambda r0, r1: _lanes_of(_row_slice(q, r0, r1), fmt))
+
+
+def _row_slice(q: QWeight, r0: int, r1: int) -> QWeight:
+    """Rows [r0, r1) of a row layout: views, no copy."""
+    def rows(t):
+        return None if t is None else t[r0:r1]
+    return QWeight(q.fmt, rows(q.codes), rows(q.scale), q.bias if q.mode == "f16s" else rows(q.bias),
+                   rows(q.high), rows(q.sup))
+
+
+def _lanes_of(q: QWeight, fmt: str) -> QWeight:
+    """A row layout (rows a multiple of 16) -> lanes layout `fmt`: every field copied, 16 rows interleaved."""
     n, k = q.shape
     nb = n // BLOCK_ROWS
 
@@ -186,21 +200,50 @@ def to_lanes(q: QWeight) -> QWeight | None:
         t = t.reshape(nb, BLOCK_ROWS, *t.shape[1:])
         return t.permute(0, *range(2, t.dim()), 1).contiguous()
 
-    codes, high = [], []
-    step = 4096                                            # rows at a time: bounds the (rows, in) temporaries
-    for r0 in range(0, n, step):
-        rows = q.codes_of_rows(slice(r0, min(n, r0 + step)))                     # (r, in) 0..255
-        t = rows.reshape(-1, BLOCK_ROWS, k).transpose(1, 2).contiguous()          # (r/16, in, 16)
-        if fmt in (Q8L, Q6L):
-            codes.append(t.contiguous())
-            continue
+    t = q.codes_of_rows(slice(None)).reshape(nb, BLOCK_ROWS, k).transpose(1, 2).contiguous()   # (n/16, in, 16)
+    high = None
+    if fmt in (Q8L, Q6L):
+        codes = t
+    else:
         low = t & 0x0F
-        codes.append((low[:, 0::2] | (low[:, 1::2] << 4)).contiguous())           # (r/16, in/2, 16)
+        codes = (low[:, 0::2] | (low[:, 1::2] << 4)).contiguous()                             # (n/16, in/2, 16)
         if fmt == Q5L:
-            high.append(pack_bits((t >> 4) & 1))                                  # (r/16, in, 2): lanes 0-7, 8-15
+            high = pack_bits((t >> 4) & 1)                                                     # (n/16, in, 2): lanes 0-7, 8-15
     bias = q.bias if q.bias is None or q.mode == "f16s" else interleave(q.bias)
     sup = None if q.sup is None else interleave(q.sup)   # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
-    return QWeight(fmt, torch.cat(codes), interleave(q.scale), bias, torch.cat(high) if high else None, sup)
+    return QWeight(fmt, codes, interleave(q.scale), bias, high, sup)
+
+
+CHUNK_ROWS = 4096   # rows converted at a time (a multiple of 16): bounds the conversions' temporaries
+
+
+def _chunked(n: int, make) -> QWeight:
+    """make(r0, r1) -> the QWeight of rows [r0, r1), for each CHUNK_ROWS rows of n, written into tensors
+    allocated once for all n rows: no whole-matrix temporaries, no list of parts and cat copy (qwen2.5's
+    151,936-row embedding and LM head: +1.5 GiB of peak RSS when converted whole). The parts must share
+    one layout and scale mode ("f16s": one constant), so the result is the whole matrix's conversion bit
+    for bit. One chunk: make's own result."""
+    if n <= CHUNK_ROWS:
+        return make(0, n)
+    assert CHUNK_ROWS % BLOCK_ROWS == 0, CHUNK_ROWS      # a lanes part is whole blocks of 16 rows
+    out: QWeight | None = None
+    for r0 in range(0, n, CHUNK_ROWS):
+        r1 = min(n, r0 + CHUNK_ROWS)
+        part = make(r0, r1)
+        per = BLOCK_ROWS if part.lanes else 1                # lanes: dim 0 counts blocks of 16 rows
+        if out is None:
+            out = QWeight(part.fmt, *(t if t is None or (f == "bias" and part.mode == "f16s")
+                                      else torch.empty((n // per, *t.shape[1:]), dtype=t.dtype)
+                                      for f, t in _fields(part)))
+        assert part.fmt == out.fmt and part.mode == out.mode, (part.fmt, part.mode, out.fmt, out.mode)
+        for (f, dst), (_, src) in zip(_fields(out), _fields(part)):
+            if dst is not None and not (f == "bias" and out.mode == "f16s"):
+                dst[r0 // per:r1 // per] = src
+    return out
+
+
+def _fields(q: QWeight) -> list[tuple[str, torch.Tensor | None]]:
+    return [("codes", q.codes), ("scale", q.scale), ("bias", q.bias), ("high", q.high), ("sup", q.sup)]
 
 
 # ---- GGML blocks -> layouts. Each takes (n_blocks, type_size) uint8 and returns
@@ -237,8 +280,7 @@ def _q4_k(b):
 
 def _q8_0(b):
     d = _f16(b, 0)
-    codes = (b[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    return codes, d, d * -128.0
+    return b[:, 2:] ^ 0x80, d, d * -128.0           # int8 q + 128 as a byte: q's byte with the top bit flipped
 
 
 # The 5-bit converters return each element's full code 0..31 (n, 32 or 256): from_gguf packs them.
@@ -296,36 +338,76 @@ _SUB_SCALES = {QT.Q4_K: _k_sub, QT.Q5_K: _k_sub, QT.Q6_K: _k6_sub}
 _DERIVED_OFFSET = {QT.Q4_0: -8.0, QT.Q5_0: -16.0, QT.Q8_0: -128.0}
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """t (fp32) as fp16 when that is exact for every value (GGML's own fp16 fields), else t."""
+def _fp16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of t (fp32) is exactly an fp16 (GGML's own fp16 fields)."""
     h = t.half()
-    return h if torch.equal(h.float(), t) and bool(torch.isfinite(h).all()) else t
+    return torch.equal(h.float(), t) and bool(torch.isfinite(h).all())
 
 
-def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int) -> QWeight:
-    """Raw GGML bytes (flat uint8) of an (out, in) weight -> QWeight. Raises KeyError for a type with no
-    exact layout (float types stay dense: the caller checks QUANTIZED_TYPES first)."""
+def _scale_bias(b: torch.Tensor, qtype: QT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_blocks, type_size) blocks of a type with one scale a block (not the K-quants) -> fp32 (n_blocks, 1)
+    scale and bias, as its converter computes them, from the fp16 fields alone."""
+    d, c = _f16(b, 0), _DERIVED_OFFSET.get(qtype)
+    return (d, d * c) if c is not None else (d, _f16(b, 2))
+
+
+def _scale_mode(rows: torch.Tensor, qtype: QT) -> str:
+    """The whole matrix's scale mode (the module docstring's; `rows`: (out, bytes a row) GGML blocks): the
+    K-quants' own, else decided on every block's scale and bias, read CHUNK_ROWS rows at a time. Decided
+    before any chunk is converted, so that every chunk is converted alike."""
+    if qtype in _SUB_SCALES:
+        return "k6" if qtype == QT.Q6_K else "k"
+    size, c = _CONVERT[qtype][2], _DERIVED_OFFSET.get(qtype)
+    exact_s = exact_b = derived = True
+    for r0 in range(0, rows.shape[0], CHUNK_ROWS):
+        scale, bias = _scale_bias(rows[r0:r0 + CHUNK_ROWS].reshape(-1, size), qtype)
+        exact_s = exact_s and _fp16_exact(scale)
+        exact_b = exact_b and _fp16_exact(bias)
+        derived = derived and c is not None and torch.equal(scale * c, bias)
+    if exact_s and derived:
+        return "f16s"
+    return "f16" if exact_s and exact_b else "f32"     # one dtype for both: one kernel variant reads them
+
+
+def _convert_rows(rows: torch.Tensor, qtype: QT, in_features: int, mode: str) -> QWeight:
+    """(n, bytes a row) GGML blocks -> the row layout of those n rows, in scale mode `mode` (_scale_mode's)."""
     fmt, block, size, fn = _CONVERT[qtype]
-    if in_features % block:
-        raise ValueError(f"input size {in_features} is not a multiple of the {qtype.name} block {block}")
-    codes, scale, bias = fn(raw.view(-1, size))
+    n = rows.shape[0]
+    b = rows.reshape(-1, size)
+    codes, scale, bias = fn(b)
     high = None
     if fmt == Q5:
-        codes, high = _pack_q5(codes.reshape(out_features, -1))
+        codes, high = _pack_q5(codes.reshape(n, -1))
         high = high.contiguous()
-    codes = codes.reshape(out_features, -1).contiguous()
+    codes = codes.reshape(n, -1).contiguous()
     if qtype in _SUB_SCALES:
-        sc, mn, sup = _SUB_SCALES[qtype](raw.view(-1, size))
-        blocks = in_features // block
-        sup = sup.reshape(out_features, blocks, -1).squeeze(-1).contiguous()
-        return QWeight(fmt, codes, sc.reshape(out_features, -1).contiguous(),
-                       None if mn is None else mn.reshape(out_features, -1).contiguous(), high, sup)
-    scale = scale.float().reshape(out_features, -1).contiguous()
-    bias = bias.float().reshape(out_features, -1).contiguous()
-    s16, b16 = _compact(scale), _compact(bias)
-    c = _DERIVED_OFFSET.get(qtype)
-    if c is not None and s16.dtype == torch.float16 and torch.equal(scale * c, bias):
-        return QWeight(fmt, codes, s16, torch.tensor([c], dtype=torch.float32), high)
-    if s16.dtype == b16.dtype == torch.float16:       # one dtype for both: one kernel variant reads them
-        scale, bias = s16, b16
+        sc, mn, sup = _SUB_SCALES[qtype](b)
+        sup = sup.reshape(n, in_features // block, -1).squeeze(-1).contiguous()
+        return QWeight(fmt, codes, sc.reshape(n, -1).contiguous(),
+                       None if mn is None else mn.reshape(n, -1).contiguous(), high, sup)
+    scale = scale.float().reshape(n, -1).contiguous()
+    bias = bias.float().reshape(n, -1).contiguous()
+    if mode == "f16s":
+        return QWeight(fmt, codes, scale.half(), torch.tensor([_DERIVED_OFFSET[qtype]], dtype=torch.float32), high)
+    if mode == "f16":
+        return QWeight(fmt, codes, scale.half(), bias.half(), high)
     return QWeight(fmt, codes, scale, bias, high)
+
+
+def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int, lanes: bool = False) -> QWeight:
+    """Raw GGML bytes (flat uint8) of an (out, in) weight -> QWeight in its row layout; with ``lanes``, in
+    its lanes layout where it has one (the bits of ``to_lanes(q) or q``), straight from the blocks.
+    Converted CHUNK_ROWS rows at a time into tensors allocated once (_chunked), the scale mode decided on
+    the whole matrix first: the same bits as converting it whole. Raises KeyError for a type with no exact layout (float types stay dense: the caller checks
+    QUANTIZED_TYPES first)."""
+    fmt, block = _CONVERT[qtype][:2]
+    if in_features % block:
+        raise ValueError(f"input size {in_features} is not a multiple of the {qtype.name} block {block}")
+    rows = raw.view(out_features, -1)                    # (out, bytes a row): blocks run along the input
+    mode = _scale_mode(rows, qtype)
+    lanes_fmt = LANES.get((fmt, mode)) if lanes and out_features % BLOCK_ROWS == 0 else None
+
+    def make(r0: int, r1: int) -> QWeight:
+        q = _convert_rows(rows[r0:r1], qtype, in_features, mode)
+        return _lanes_of(q, lanes_fmt) if lanes_fmt else q
+    return _chunked(out_features, make)
