@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from .gguf import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits
+from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits
 
 Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
 # The lanes layouts (kernels/qlanes.c): the same codes and scales, 16 weight rows interleaved so that a
