@@ -200,25 +200,33 @@ def test_deeply_nested_json_is_a_400(server):
     assert r.status_code == 400
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False) | st.text(max_size=8),
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                      lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
                      max_leaves=12)
 _KEYS = ["model", "messages", "max_tokens", "stream", "tools", "tool_choice", "system", "options", "format", "prompt",
-         "role", "content", "type", "text", "input", "stop_sequences", "temperature", "think", "raw", "name"]
+         "role", "content", "type", "text", "input", "stop_sequences", "temperature", "think", "raw", "name",
+         "instructions", "previous_response_id", "max_output_tokens"]
 _BODY = st.dictionaries(st.sampled_from(_KEYS), _JSON | st.just(MODEL) |
                         st.just([{"role": "user", "content": "hi"}]), max_size=6)
 _PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
-          "/api/generate", "/api/show"]
+          "/api/generate", "/api/show", "/v1/responses"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(_PATHS), body=_BODY)
 def test_fuzzed_bodies_never_get_a_5xx(server, path, body):
     """Random JSON bodies (with real keys and a valid model/messages mixed in) to every POST endpoint:
     4xx or a bounded 200, never a 5xx. max_tokens is capped so a valid request stays short."""
     if isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = min(max(body["max_tokens"], 1), 4)
-    body.setdefault("options", {"num_predict": 4}) if path.startswith("/api/") else body.setdefault("max_tokens", 4)
+    if path.startswith("/api/"):
+        body.setdefault("options", {"num_predict": 4})
+    elif path == "/v1/responses":
+        body.setdefault("max_output_tokens", 4)
+        if isinstance(body.get("max_output_tokens"), int):
+            body["max_output_tokens"] = min(max(body["max_output_tokens"], 1), 4)
+    else:
+        body.setdefault("max_tokens", 4)
     r = httpx.post(server.base + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
 
