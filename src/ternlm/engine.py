@@ -305,7 +305,8 @@ class Engine:
         chat = isinstance(prompt_in, ChatIds)
         reuse = decide_reuse(slot.record, prompt, ns, prompt_digests=digests, min_reuse=self.min_reuse,
                              enabled=self.prefix_reuse, message_ends=prompt_in.message_ends if chat else None,
-                             message_roles=tuple(m.get("role", "") for m in prompt_in.messages) if chat else None)
+                             message_roles=tuple(m.get("role", "") for m in getattr(prompt_in, "messages", ()))
+                             if chat else None)
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
         if fork_from is not None and self.prefix_reuse:
             src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from
