@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from ..invariants import check
 from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits
 
 Q4, Q5, Q8, Q8W = "q4g32", "q5g32", "q8g16", "q8g32"
@@ -225,7 +226,7 @@ def _chunked(n: int, make) -> QWeight:
     for bit. One chunk: make's own result."""
     if n <= CHUNK_ROWS:
         return make(0, n)
-    assert CHUNK_ROWS % BLOCK_ROWS == 0, CHUNK_ROWS      # a lanes part is whole blocks of 16 rows
+    check(CHUNK_ROWS % BLOCK_ROWS == 0, f"CHUNK_ROWS {CHUNK_ROWS}: a lanes part is whole blocks of 16 rows")
     out: QWeight | None = None
     for r0 in range(0, n, CHUNK_ROWS):
         r1 = min(n, r0 + CHUNK_ROWS)
@@ -235,7 +236,8 @@ def _chunked(n: int, make) -> QWeight:
             out = QWeight(part.fmt, *(t if t is None or (f == "bias" and part.mode == "f16s")
                                       else torch.empty((n // per, *t.shape[1:]), dtype=t.dtype)
                                       for f, t in _fields(part)))
-        assert part.fmt == out.fmt and part.mode == out.mode, (part.fmt, part.mode, out.fmt, out.mode)
+        check(part.fmt == out.fmt and part.mode == out.mode,
+              f"chunked conversion: a part in {part.fmt}/{part.mode}, the matrix in {out.fmt}/{out.mode}")
         for (f, dst), (_, src) in zip(_fields(out), _fields(part)):
             if dst is not None and not (f == "bias" and out.mode == "f16s"):
                 dst[r0 // per:r1 // per] = src
