@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .procs import die_with_parent
+
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("cluster", help="Redis + N serve replicas + HAProxy, one command (Ctrl-C stops all)",
@@ -107,7 +109,7 @@ def _spawn(stack: contextlib.ExitStack, name: str, cmd: list[str], logdir: Path,
     with open(log, "wb") as out:
         # own session: a terminal's Ctrl-C reaches us only, and we stop the children in order
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
     child = Child(name, proc, log)
     stack.callback(child.stop, grace)
     return child
@@ -133,15 +135,6 @@ def free_ports(n: int) -> int:
             for t in socks:
                 t.close()
     raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when `ternlm cluster` itself dies (even by SIGKILL), so nothing outlives it."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        pass
 
 
 def _healthy(url: str) -> bool:

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from ..procs import die_with_parent
+
 T = TypeVar("T")
 
 WORDS = ("the of and to in is that for it as with was on be by this are from at or an have not which "
@@ -181,7 +183,8 @@ class LlamaCppWorker:
     def __init__(self, python: str, model_path: Path, threads: int, n_ctx: int):
         worker = Path(__file__).resolve().parents[3] / "benchmarks" / "llamacpp_worker.py"
         self.proc = subprocess.Popen([python, str(worker), str(model_path), str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=die_with_parent)
         self.call({"op": "ping"})
 
     def status(self) -> dict[str, int]:

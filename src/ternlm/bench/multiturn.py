@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from ..chat_backends import OpenAIBackend, TurnStats
+from ..procs import die_with_parent
 from .common import command_line, synthetic_text, write_json
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
 
@@ -118,7 +119,7 @@ class ServeProcess:
             serve_args = [*serve_args, "--cache-dir", self._kv_dir]
         cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent)
 
     @property
     def url(self) -> str:
