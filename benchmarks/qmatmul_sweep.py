@@ -15,7 +15,7 @@ they have one, so a --base from before qlanes.c has no kernel for them: compare 
      M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
      interleaved, and prints medians and the new/base ratio.
 --amx new|base: on an AMX host, that build's products run on AMX tiles (kernels/qmatmul_amx.h; as the
-engine does unless TERNLM_AMX=0), the other's on AVX-512: step 1 then reports the largest difference
+engine does with TERNLM_AMX=1, an opt-in), the other's on AVX-512: step 1 then reports the largest difference
 between the two instead of requiring the same bits (the paths round differently by design).
 Timing only, for this machine; not a test. Writes nothing.
 """

@@ -7,7 +7,7 @@
    cache file verifies, the answers after the restart equal the cold server's). Never timings, and
    not the RSS verdict either: 2 s of warm-up and 3 samples of a restarted server measure how fast
    its working set fills on the host (CI read +5.0%, 954 -> 1002 MiB; three runs on the same host
-   +3.1% to +6.8%: RESULTS.md, sixth AVX2 session), not an outcome. The exit status must agree with
+   +3.1% to +6.8% on an AVX2 host: RESULTS.md, Soak), not an outcome. The exit status must agree with
    whatever was missed.
 2. Counting rules, in-process against a mock transport (fast): a 429 honoured is back-pressure, a
    connection error during the restart is retried, the same error outside it or a 500 is a failure.

@@ -14,7 +14,7 @@ again (measured: 5-6 million faults, ~10 s of system time in a 16-18 s smollm2 4
 with 1 GiB thresholds ~0 faults and 10.5 s). The native attention (kernels/attention.c) never builds
 them: with it, raising the thresholds changed a 4,000-token prefill by <1% (gguf) / ~2% (dense) and
 only kept the loader's freed temporaries resident (qwen gguf: load adds 1,020 MiB with the thresholds,
-606-725 without; RESULTS.md, Kernels fourth pass), so the engine raises them only when it has to fall back.
+606-725 without; measured in the fourth kernels session, commit history of RESULTS.md), so the engine raises them only when it has to fall back.
 Loader temporaries returned (`loading`, around every model load): glibc's mmap threshold is dynamic —
 freeing an mmap'ed block raises it to that block's size (up to 32 MiB), so the loader's next converted-
 then-freed temporaries of that size come from the heap and, fragmented, stay there. An earlier fix
@@ -23,7 +23,7 @@ temporary was page-faulted in afresh: qwen2.5 gguf's load took 2.2 million fault
 time, 16 s in all. Now the loader reuses the heap (thresholds 256 MiB / 1 GiB while loading: few
 faults) and `malloc_trim(0)` hands the freed pages back at the end (glibc releases every whole free
 page inside the heap, not only its top): the same load 8.9 s, 0.46 M faults, and a lower RSS after it
-(753 against 791 MiB in the same process; benchmarks/RESULTS.md, load time). After the load the
+(753 against 791 MiB in the same process; measured at the loader change, see git log of this file). After the load the
 thresholds are set where the dynamic ones end up (32 MiB, trim 64 MiB), so serving keeps its large
 buffers as it did.
 TERNLM_MALLOC_TUNE=0 leaves the allocator alone altogether.

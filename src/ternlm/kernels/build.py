@@ -1,4 +1,4 @@
-"""Compile the native kernels (qmatmul.c, attention.c, layer.c) for this CPU on first use; load them with ctypes.
+"""Compile the native kernels (qlanes.c, qmatmul.c, attention.c, layer.c) for this CPU on first use; load them with ctypes.
 
 Why at run time, not at install: the kernel is compiled with -march=native, so the binary must be
 built on the CPU it runs on (users' CPUs differ: AMX, AVX-512, AVX2-only), and pip's wheel for this

@@ -4,8 +4,8 @@
  * Activations and accumulation stay fp32.
  *
  * Why lanes: qmatmul.c puts the inputs k in the lanes, so every output ends in a horizontal sum and a
- * prefill tile ran at 123-278 GFLOP/s against a measured 477 peak (benchmarks/RESULTS.md, the lanes
- * probe). Here lane j of a vector is weight row j of a block of 16, an activation is broadcast, and every
+ * prefill tile ran at 123-278 GFLOP/s against a measured 477 peak (benchmarks/RESULTS.md, Decisions: weight rows in the
+ * vector lanes). Here lane j of a vector is weight row j of a block of 16, an activation is broadcast, and every
  * output is one chain of FMAs in the order of k: no horizontal sum, and a row's bits depend on nothing but
  * that order.
  *

@@ -1,4 +1,5 @@
-"""GGUF weights kept quantized: the layouts the native kernel multiplies (kernels/qmatmul.c).
+"""GGUF weights kept quantized: the layouts the native kernels multiply (kernels/qmatmul.c: the row
+layouts below; kernels/qlanes.c: their lanes layouts, the default wherever one exists).
 
   q4g32: 4-bit codes, groups of 32 along the input: codes (out, in/2) bytes, byte j of a group holding
          elements j (low nibble) and j+16 (high nibble); scale/bias (out, in/32).
