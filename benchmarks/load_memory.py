@@ -29,7 +29,7 @@ set the same. The peak's parts: the full-matrix conversion of the two 151,936-ro
 Q8_0: +680 MiB of int16 and uint8 temporaries; output Q5_0: +800 MiB of nibble/bit temporaries, and
 to_lanes' list of slabs plus its torch.cat copy), the GGUF's pages (RssFile grows to the whole file by
 the end of the weights), the reader's parsed vocabulary (+118 MiB). The steady set above the file:
-Q6_K's q6x16 (53.4 MiB for GGML's 40.9: a byte a 6-bit code), RoPE tables at the model's full context
+Q6_K's q6x16 (53.4 MiB for GGML's 40.9: a byte a 6-bit code then; 4 + 1 + 1 bits, GGML's bytes, since 6ea8fef), RoPE tables at the model's full context
 (16 MiB), the tokenizer (~37 MiB) and ~34 MiB of code, grammar tables and heap.
 
 One model per process (VmHWM is the process's; it is reset before the load anyway). Reads only:
