@@ -10,6 +10,10 @@ What the converter does that a loader must undo, reproduced from its documented 
   - mixture of experts (qwen3moe, Mixtral as a llama file): the router as ffn_gate_inp (kept F32, as
     llama.cpp's quantizer does), each expert matrix stacked into one 3-D tensor ffn_{gate,up,down}_exps
     (torch (E, rows, in)), and {arch}.expert_count / expert_used_count / expert_feed_forward_length;
+  - qwen2moe's shared expert as ffn_{gate,up,down}_shexp, its gate (1, hidden) as ffn_gate_inp_shexp
+    (kept F32: GGUF [hidden, 1], which llama.cpp reads as its {n_embd}), expert_shared_feed_forward_length;
+    expert_weights_norm written only where it differs from what llama.cpp runs for the architecture
+    (qwen3moe: normalised; qwen2moe and olmoe: not); olmoe's full-width q/k norms as attn_q/k_norm;
   - gemma3: every RMSNorm weight stored as 1 + w (the converter's norm_shift: HF applies x * (1 + w)),
     post_attention_norm / ffn_norm (= pre_feedforward_layernorm) / post_ffw_norm, the window as
     attention.sliding_window with the 5:1 layer pattern left implicit (written as
@@ -98,10 +102,14 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
         E, I = hf.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape[:2]
         w.add_expert_count(int(E))
         w.add_expert_used_count(int(c.num_experts_per_tok))
-        if gguf_arch == "qwen3moe":
+        if gguf_arch in ("qwen3moe", "qwen2moe"):
             w.add_expert_feed_forward_length(int(I) // 2)
-            if not c.norm_topk_prob:
-                w.add_expert_weights_norm(False)
+        if gguf_arch == "qwen3moe" and not c.norm_topk_prob:
+            w.add_expert_weights_norm(False)
+        if gguf_arch in ("qwen2moe", "olmoe") and c.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(int(c.shared_expert_intermediate_size))
     _add_tokenizer(w, c.vocab_size)
     kind = rp.get("rope_type", "default")
     if kind == "llama3":
@@ -168,7 +176,7 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
             vector(b + "post_ffw_norm.weight", p + "post_feedforward_layernorm.weight")
         else:
             vector(b + "ffn_norm.weight", p + "post_attention_layernorm.weight")
-        if p + "self_attn.q_norm.weight" in sd:      # qwen3 / qwen3moe
+        if p + "self_attn.q_norm.weight" in sd:      # qwen3 / qwen3moe; olmoe's span the whole projection
             vector(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight")
             vector(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight")
         if gguf_arch == "phi3":
@@ -199,6 +207,10 @@ def write_gguf(hf, path: Path, gguf_arch: str, quant: QT | None = None) -> None:
             if quant is not None:
                 replaced[p + "mlp.experts.gate_up_proj"] = torch.cat([g, u], dim=1)
                 replaced[p + "mlp.experts.down_proj"] = down
+            if p + "mlp.shared_expert_gate.weight" in sd:     # qwen2moe
+                for n in ("gate", "up", "down"):
+                    matrix(b + f"ffn_{n}_shexp.weight", [p + f"mlp.shared_expert.{n}_proj.weight"], [None])
+                w.add_tensor(b + "ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"].float().numpy())
         else:
             matrix(b + "ffn_down.weight", [p + "mlp.down_proj.weight"], [None])
     w.write_header_to_file()

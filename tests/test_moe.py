@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (qwen3moe; Mixtral, a llama GGUF with expert tensors): exact against
-transformers and batch-invariant.
+"""Mixture-of-experts models (qwen3moe; Mixtral, a llama GGUF with expert tensors; qwen2moe with its
+shared expert; olmoe with full-width q/k norms): exact against transformers and batch-invariant.
 
 Oracles we did not write: tiny random transformers Qwen3MoeForCausalLM / MixtralForCausalLM, run on
 exactly the numbers our loaders read: a save_pretrained folder, and a GGUF laid out as llama.cpp's
@@ -40,6 +40,13 @@ MODELS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=8, intermediate_size=64, sliding_window=None, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "llama"),
+    # a shared expert wider than the routed ones, q/k/v biases, top-k weights not renormalised (as the real ones)
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=96,
+        norm_topk_prob=False, tie_word_embeddings=False), "qwen2moe"),
+    # q_norm over all 4 x 16 q features, k_norm over 2 x 16; norm_topk_prob false (transformers' default)
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        num_experts=8, intermediate_size=32, norm_topk_prob=False, tie_word_embeddings=False), "olmoe"),
 }
 
 
@@ -160,7 +167,7 @@ def test_hf_folder_matches_transformers(name, tmp_path):
     _save_tokenizer(tmp_path)
     loaded = load_hf_folder(tmp_path, torch.float32)
     assert loaded.config.num_experts == 8 and loaded.config.experts_per_token == 2
-    assert loaded.config.norm_topk_prob == (name != "qwen3moe-unnormed")
+    assert loaded.config.norm_topk_prob == getattr(hf.config, "norm_topk_prob", True)       # Mixtral: always
     engine = _engine(loaded, quantized=False)
     ids = ids_of(60)
     _compare(engine.logits(ids), hf_logits(hf, ids), 2e-5)
@@ -193,7 +200,7 @@ def test_gguf_matches_transformers(name, quantized, tmp_path):
 # ---- bits: chunks, batches ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("quantized", [False, True, "bf16"], ids=["f32", "q8_0-native", "bf16"])
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
     """[BATCH-INVARIANT] chunks of 7 (each routing its own rows, experts seeing 1..7 rows), then decode,
     give the bits of one pass over 90 rows."""
@@ -207,7 +214,7 @@ def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
 
 
 @pytest.mark.parametrize("quantized", [False, True, "bf16"], ids=["f32", "q8_0-native", "bf16"])
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_alone_and_batched_are_bit_exact(name, quantized, tmp_path):
     """A sequence's logits alone == the same sequence in one forward_batch with another sequence's
     prefill (its rows sharing experts with ours), and a decode step in company == alone."""
@@ -249,3 +256,30 @@ def test_hf_stacked_expert_tensors_load_like_per_expert_ones(tmp_path):
     stacked = to_llama_layout(sd, cfg)
     assert cfg == per_expert.config and set(stacked) == set(per_expert.weights)
     assert all(torch.equal(stacked[n], per_expert.weights[n]) for n in stacked)
+
+
+# ---- what `ternlm bench engine` reports ----------------------------------------------------------------
+
+def test_bench_engine_reports_expert_traffic_per_prefill_and_per_decoded_token(tmp_path):
+    """bench/engine.py's counters: the prefill's expert traffic and the decode steps' alone (the decode
+    context's own prefill excluded), from the store's ExpertStats: every row routed to k experts a layer."""
+    from ternlm.bench.engine import _expert_traffic, _ternlm
+    hf = hf_model("qwen3moe", seed=5)
+    path = tmp_path / "q8.gguf"
+    write_gguf(hf, path, "qwen3moe", quant=QT.Q8_0)
+    for budget in (None, 0):             # resident; streamed through a cache that keeps nothing
+        loaded = load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget)
+        engine = _engine(loaded, True)
+        cfg, traffic = engine.config, []
+        _ternlm(engine, ids_of(30, seed=1), 5, ids_of(20, seed=2), traffic)
+        e = _expert_traffic(traffic, 30)
+        p, d = e["per_prefill"], e["per_decode_token"]
+        per_row = cfg.experts_per_token * cfg.num_layers
+        assert p["rows"] == 30 * per_row and d["rows"] == per_row
+        assert traffic[0]["decode_tokens"] == 5
+        if budget is None:
+            assert p["misses"] == d["misses"] == p["bytes_read"] == d["bytes_read"] == 0 and p["hits"] > 0
+        else:
+            slab = sum(s.length for s in engine.model.experts._slabs[(0, 0)])
+            assert p["hits"] == d["hits"] == 0 and d["misses"] == per_row     # one row: k distinct experts a layer
+            assert p["bytes_read"] == p["misses"] * slab and d["bytes_read"] == d["misses"] * slab

@@ -8,9 +8,12 @@ from .models.rope import Rope
 # phi3 and mistral run the llama layout: the loaders split phi3's fused q/k/v and gate/up into it,
 # and mistral files are llama files (GGUF says "llama"; config.json says "mistral"). Mixtral is the
 # llama layout with a mixture-of-experts MLP (GGUF says "llama" with expert tensors: the num_experts
-# fields below, not the name, make a layer MoE); qwen3moe is qwen3's attention with experts.
+# fields below, not the name, make a layer MoE); qwen3moe is qwen3's attention with experts;
+# qwen2moe is qwen2's (q/k/v bias) with experts plus a gated shared expert; olmoe is llama's with
+# q/k RMSNorm over the whole projection width (qk_norm_full).
 # gemma3 (text) is the llama layout plus per-layer kinds (the fields after norm_topk_prob below).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
+                   "qwen2moe", "olmoe")
 MLP_ACTS = ("silu", "gelu_tanh")   # the gated MLP's activation: SwiGLU, GeGLU (gelu, tanh approximation)
 
 
@@ -34,6 +37,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False        # qwen2: bias on q/k/v projections
     qk_norm: bool = False         # qwen3: RMSNorm over head_dim on q and k
+    qk_norm_full: bool = False    # olmoe: that RMSNorm over the whole q (H*D) / k (KV*D) projection instead
     rope: Rope | None = None      # scaled or partial RoPE (models/rope.py); None: plain, theta rope_theta
     # Mixture of experts (models/moe.py); num_experts 0: a dense SwiGLU MLP of intermediate_size.
     # Otherwise every layer's MLP is a router over num_experts SwiGLU experts of
@@ -43,6 +47,9 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # qwen2moe: one more SwiGLU expert of this width that every row uses, added after the routed sum
+    # times sigmoid(shared gate . h) (models/moe.py [SUM-ORDER]); 0: none
+    shared_expert_intermediate_size: int = 0
     # Per-layer kinds (issue 37; Gemma 3, and any sliding-window layout on the same mechanism).
     # layer_windows[i]: layer i's attention window W: a query at t reads keys (t - W, t], W keys
     # including its own (transformers' `kv_idx > q_idx - W`); 0: full causal. (): every layer full.
@@ -84,7 +91,8 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.num_experts < 0 or self.experts_per_token < 0 or self.expert_intermediate_size < 0:
+        if min(self.num_experts, self.experts_per_token, self.expert_intermediate_size,
+               self.shared_expert_intermediate_size) < 0:
             raise ValueError("ModelConfig: expert counts and sizes must not be negative")
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
@@ -92,8 +100,11 @@ class ModelConfig:
                                  f"{self.num_experts}]")
             if self.expert_intermediate_size <= 0:
                 raise ValueError("a mixture-of-experts model needs expert_intermediate_size > 0")
-        elif self.experts_per_token or self.expert_intermediate_size:
-            raise ValueError("experts_per_token / expert_intermediate_size given without num_experts")
+        elif self.experts_per_token or self.expert_intermediate_size or self.shared_expert_intermediate_size:
+            raise ValueError("experts_per_token / expert_intermediate_size / shared_expert_intermediate_size "
+                             "given without num_experts")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ValueError("qk_norm_full needs qk_norm")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise ValueError(f"layer_windows {self.layer_windows} must give each of {self.num_layers} layers "
                              f"a window >= 0")

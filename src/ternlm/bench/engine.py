@@ -26,13 +26,45 @@ def _prompt_ids(engine, n: int) -> list[int]:
     return ids[:n]
 
 
-def _ternlm(engine, ids: list[int], decode_n: int, before: list[int]) -> tuple[float, float]:
-    """(prefill tok/s of ids, decode tok/s after the prompt `before`) through the engine API, reuse off."""
+def _ternlm(engine, ids: list[int], decode_n: int, before: list[int], traffic: list[dict]) -> tuple[float, float]:
+    """(prefill tok/s of ids, decode tok/s after the prompt `before`) through the engine API, reuse off.
+    Side effect (a mixture of experts): appends to `traffic` the expert store's counters (moe.ExpertStats)
+    of the prefill of ids and of the decode steps alone (after `before`'s prefill), with decode_tokens."""
     engine.prefix_reuse = False
+    store = engine.model.experts
+    start = store.stats.as_dict() if store is not None else None
     c = engine.generate(ids, max_tokens=1)
     prefill = c.timings.prefill_tokens / c.timings.prefill_s
-    c = engine.generate(before, max_tokens=decode_n + 1, ignore_eos=True)
+    used = {"prefill": store.stats.minus(start)} if store is not None else None
+    mark = None
+    for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True):
+        if mark is None and store is not None:    # the first token is out: `before`'s prefill is done
+            mark = store.stats.as_dict()
+        c = ev
+    if used is not None:
+        traffic.append(used | {"decode": store.stats.minus(mark), "decode_tokens": c.timings.decode_tokens})
     return prefill, c.timings.decode_tokens / c.timings.decode_s
+
+
+def _expert_traffic(traffic: list[dict], prompt_tokens: int) -> dict | None:
+    """The timed repeats' mean expert-store traffic: per prefill of the prompt and per decoded token."""
+    if not traffic:
+        return None
+    n = len(traffic)
+    prefill = {k: sum(t["prefill"][k] for t in traffic) / n for k in traffic[0]["prefill"]}
+    tokens = sum(t["decode_tokens"] for t in traffic)
+    decode = {k: sum(t["decode"][k] for t in traffic) / max(tokens, 1) for k in traffic[0]["decode"]}
+    return {"per_prefill": prefill, "prefill_tokens": prompt_tokens, "per_decode_token": decode}
+
+
+def _print_experts(e: dict, engine) -> None:
+    st = engine.expert_stats()
+    held = (f"streamed, cache {st['budget'] / _MIB:.0f} MiB" if st["streamed"] else "resident") + \
+        f", {st['resident_bytes'] / _MIB:.0f} MiB of experts held"
+    p, d = e["per_prefill"], e["per_decode_token"]
+    print(f"\nternlm experts ({held}): per prefill of {e['prefill_tokens']} tokens: hits {p['hits']:.0f}, "
+          f"misses {p['misses']:.0f}, read {p['bytes_read'] / _MIB:.1f} MiB; per decoded token: hits {d['hits']:.1f}, "
+          f"misses {d['misses']:.1f}, read {d['bytes_read'] / _MIB:.2f} MiB")
 
 
 def _transformers(model, ids: list[int], decode_n: int, before: list[int]) -> tuple[float, float]:
@@ -108,7 +140,8 @@ def run(args, load_engine) -> dict:
     ctx = args.decode_context
     full = _prompt_ids(engine, max(args.prompt_tokens, ctx))
     ids, before = full[:args.prompt_tokens], full[:ctx]   # the prefill prompt; the decode's context
-    contenders = {"ternlm": lambda: _ternlm(engine, ids, args.decode_tokens, before)}
+    traffic: list[dict] = []     # a mixture of experts' store counters per ternlm call (_ternlm)
+    contenders = {"ternlm": lambda: _ternlm(engine, ids, args.decode_tokens, before, traffic)}
     if "transformers" in args.peers:
         hf, hf_mem = measure_load(lambda: _load_transformers(model, engine.dtype))
         load["transformers"] = _load_row(hf_mem, model.file_bytes)   # its KV grows per request: no budget
@@ -128,6 +161,7 @@ def run(args, load_engine) -> dict:
         contenders["llama.cpp"] = llamacpp
     for f in contenders.values():   # warm-up, not counted
         f()
+    traffic.clear()
     samples = {name: {"prefill": [], "decode": []} for name in contenders}
     for r in range(args.repeats):
         for name, f in contenders.items():   # A B C A B C: drift on a shared machine hits all alike
@@ -146,7 +180,8 @@ def run(args, load_engine) -> dict:
               "threads": args.threads, "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
               "decode_context": ctx, "repeats": args.repeats, "rss_mib": _rss_mib(),
               "ctx": engine.ctx, "kv_budget_bytes": kv_bytes, "load": load,
-              "median_tok_s": med, "ratios": ratios, "samples": samples}
+              "median_tok_s": med, "ratios": ratios, "samples": samples,
+              "experts": _expert_traffic(traffic, len(ids))}
     print(f"\n{'':13s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   (median of {args.repeats}, "
           f"{len(ids)}-token prompt, {args.decode_tokens} decoded after {ctx}, {args.threads} threads, "
           f"weights {weights})")
@@ -154,6 +189,8 @@ def run(args, load_engine) -> dict:
         print(f"{n:13s} {m['prefill']:14.1f} {m['decode']:13.1f}")
     for n, r in ratios.items():
         print(f"{n:24s} prefill x{r['prefill']:.2f}  decode x{r['decode']:.2f}")
+    if result["experts"] is not None:
+        _print_experts(result["experts"], engine)
     _print_load(load, model, kv_bytes, engine.ctx)
     path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}.json", result)
     print(f"wrote {path}")

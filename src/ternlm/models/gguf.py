@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, gemma3) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -280,6 +280,11 @@ _LAYER_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
+    # qwen2moe's shared expert (resident, dense) and its gate: [hidden] or [hidden, 1] = torch (hidden,) or (1, hidden)
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     # Gemma's norms after attention and after the MLP (ModelConfig.post_norms); in such a file ffn_norm
     # is the MLP's pre-norm, pre_feedforward_layernorm (_POST_NORM_NAMES)
     "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -293,6 +298,10 @@ _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "at
                        "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                        "ffn_down.weight")
 _MOE_PER_LAYER = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_SHARED_PER_LAYER = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+# llama.cpp builds these with norm_w = false whatever the file says (qwen2moe.cpp, olmoe.cpp): unnormalised
+# top-k weights unless the file says expert_weights_norm = true (real Qwen1.5/2-MoE and OLMoE are all false)
+_TOPK_UNNORMED = ("qwen2moe", "olmoe")
 
 
 def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
@@ -322,22 +331,26 @@ def _moe_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor]
     """ModelConfig's expert fields from `{arch}.expert_*` metadata; {} for a dense model. Mixtral
     files are llama files with expert tensors (llama.expert_count) and no expert_feed_forward_length:
     their feed_forward_length is the expert's. Weights are renormalised over the top k (llama.cpp
-    does for llama and qwen3moe) unless the file says expert_weights_norm = false."""
+    does for llama and qwen3moe) unless the file says expert_weights_norm = false; qwen2moe and olmoe
+    the other way round (_TOPK_UNNORMED). A shared expert (qwen2moe) is there when its tensors are:
+    its width from ffn_gate_shexp (llama.cpp reads no expert_shared_count for qwen2moe)."""
     count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
     if not count:
         return {}
+    shexp = names.get("blk.0.ffn_gate_shexp.weight")
     shared = int(_field(reader, f"{arch}.expert_shared_count", 0) or 0)
     gating = int(_field(reader, f"{arch}.expert_gating_func", 1) or 1)      # 1: softmax
     scale = float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0)
-    if shared or gating != 1 or scale != 1.0:
+    if shared > 1 or (shared and shexp is None) or gating != 1 or scale != 1.0:
         raise UnsupportedModelError(f"mixture of experts with shared experts ({shared}), gating function "
-                                    f"{gating} or weights scale {scale}: only softmax routing without "
-                                    f"shared experts is supported")
+                                    f"{gating} or weights scale {scale}: only softmax routing with at most "
+                                    f"one shared expert (ffn_*_shexp tensors) is supported")
     gate = names.get("blk.0.ffn_gate_exps.weight")
     default_ff = int(gate.shape[1]) if gate is not None else int(_field(reader, f"{arch}.feed_forward_length"))
     return dict(num_experts=count, experts_per_token=int(_field(reader, f"{arch}.expert_used_count")),
                 expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", default_ff)),
-                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)))
+                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", arch not in _TOPK_UNNORMED)),
+                shared_expert_intermediate_size=0 if shexp is None else int(shexp.shape[1]))
 
 
 def _field(reader: GGUFReader, key: str, default=_MISSING):
@@ -404,6 +417,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm_full=arch == "olmoe" and "blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
         **_moe_from_gguf(reader, arch, names),
         **kinds,
@@ -513,6 +527,8 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     if config.num_experts:         # every layer's MLP is experts (a dense layer among them: not yet)
         per_layer = [n for n in per_layer if n not in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
         per_layer += list(_MOE_PER_LAYER)
+        if config.shared_expert_intermediate_size:
+            per_layer += list(_SHARED_PER_LAYER)
     required += [f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
     missing = [n for n in required if n not in names]
     if missing:
@@ -521,15 +537,23 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
         E, ff, hidden = config.num_experts, config.expert_intermediate_size, config.hidden_size
         want = {"ffn_gate_inp.weight": [hidden, E], "ffn_gate_exps.weight": [hidden, ff, E],
                 "ffn_up_exps.weight": [hidden, ff, E], "ffn_down_exps.weight": [ff, hidden, E]}
+        if sff := config.shared_expert_intermediate_size:
+            want |= {"ffn_gate_inp_shexp.weight": [hidden], "ffn_gate_shexp.weight": [hidden, sff],
+                     "ffn_up_shexp.weight": [hidden, sff], "ffn_down_shexp.weight": [sff, hidden]}
         shapes = {t.name: t.shape.tolist() for t in reader.tensors}
         for i in range(config.num_layers):
             for n, shape in want.items():
                 got = [int(d) for d in shapes[f"blk.{i}.{n}"]]
+                if n == "ffn_gate_inp_shexp.weight" and got[1:] == [1]:     # [hidden, 1]: the converter's (1, hidden)
+                    got = got[:1]
                 if got != shape:
                     raise UnsupportedModelError(f"GGUF tensor blk.{i}.{n} has shape {got}, expected {shape}")
     elif stray := sorted(n for n in names if n.startswith("blk.") and n.endswith(_MOE_PER_LAYER)):
         raise UnsupportedModelError(f"GGUF has expert tensors ({', '.join(stray[:4])}) but no "
                                     f"{config.arch}.expert_count metadata")
+    if not config.shared_expert_intermediate_size and (stray := sorted(n for n in names if n.endswith(_SHARED_PER_LAYER))):
+        raise UnsupportedModelError(f"GGUF has shared-expert tensors ({', '.join(stray[:4])}) but layer 0 "
+                                    f"has no ffn_gate_shexp")
     extra_layers = sorted({int(m.group(1)) for n in names if (m := _LAYER_RE.fullmatch(n))} - set(range(config.num_layers)))
     if extra_layers:
         raise UnsupportedModelError(f"GGUF has layers {extra_layers[:4]} beyond block_count {config.num_layers}")

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
-                 "Gemma3ForCausalLM": "gemma3"}
-_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}   # config.json's model_type -> ours, where they differ
+                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe"}
+_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe"}   # config.json's model_type -> ours, where they differ
 # Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
 # runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
 _NORMS_FROM_ONE = ("gemma3",)
@@ -45,6 +45,8 @@ _LAYER_PARAMS = {
 _BIAS_PARAMS = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
 _QK_NORM_PARAMS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 _MOE_LAYER_PARAMS = {"mlp.gate.weight"}     # + mlp.experts.{e}.{gate,up,down}_proj.weight per expert
+_SHARED_PARAMS = {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                  "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"}   # qwen2moe
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Mixtral checkpoints: block_sparse_moe.{gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)}
 _MIXTRAL_RE = re.compile(r"block_sparse_moe\.(gate|experts\.(\d+)\.w([123]))\.weight")
@@ -154,6 +156,7 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in param_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in param_names,
+        qk_norm_full=arch == "olmoe" and "model.layers.0.self_attn.q_norm.weight" in param_names,
         rope=rope,
         **_moe_from_hf(cfg, arch),
     )
@@ -210,21 +213,28 @@ def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
 
 
 def _moe_from_hf(cfg: dict, arch: str) -> dict:
-    """ModelConfig's expert fields; {} for a dense model. qwen3moe: moe_intermediate_size and
-    norm_topk_prob (transformers' default False); Mixtral: the experts are intermediate_size wide
-    and always renormalised. Every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers)."""
-    count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in ("qwen3moe", "mixtral") else 0
+    """ModelConfig's expert fields; {} for a dense model. qwen3moe, qwen2moe: moe_intermediate_size
+    and norm_topk_prob (transformers' default False), qwen2moe's shared expert of
+    shared_expert_intermediate_size; olmoe: intermediate_size wide experts, norm_topk_prob (default
+    False); Mixtral: intermediate_size wide, always renormalised. Every layer must be sparse
+    (decoder_sparse_step 1, no mlp_only_layers); olmoe's clip_qkv is not run."""
+    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe")
+    count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in moe_archs else 0
     if not count:
         return {}
     if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
         raise UnsupportedModelError("dense MLP layers among the expert layers (decoder_sparse_step, "
                                     "mlp_only_layers) are not supported")
-    if cfg.get("shared_expert_intermediate_size"):
-        raise UnsupportedModelError("shared experts are not supported")
-    qwen = arch == "qwen3moe"
+    if cfg.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"clip_qkv {cfg['clip_qkv']} is not supported")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "qwen2moe" else 0
+    if cfg.get("shared_expert_intermediate_size") and not shared:
+        raise UnsupportedModelError(f"shared experts are supported for qwen2moe only, not {arch}")
+    qwen = arch in ("qwen3moe", "qwen2moe")
     return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
                 expert_intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if qwen else True)
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if arch != "mixtral" else True,
+                shared_expert_intermediate_size=shared)
 
 
 def _check_params(names: set[str], config: ModelConfig) -> None:
@@ -234,6 +244,8 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
     if config.num_experts:
         per_layer = {p for p in per_layer if not p.startswith("mlp.")} | _MOE_LAYER_PARAMS | {
             f"mlp.experts.{e}.{n}_proj.weight" for e in range(config.num_experts) for n in ("gate", "up", "down")}
+        if config.shared_expert_intermediate_size:
+            per_layer |= _SHARED_PARAMS
     if config.qkv_bias:
         per_layer |= _BIAS_PARAMS
     if config.qk_norm:

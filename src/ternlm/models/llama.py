@@ -17,15 +17,16 @@ Differences between the architectures are fields on ModelConfig, not branches on
   post_norms: RMSNorm on the attention and MLP outputs before the residual adds (Gemma's 4 norms)
   mlp_act: SwiGLU or GeGLU; embed_scale, query_scale, final_logit_softcap (Gemma 3 sets them)
 The MLP is one of two kinds: a dense gated MLP, or mixture of experts (num_experts > 0: qwen3moe,
-Mixtral; models/moe.py, batch-invariant by its fixed top-k ties and sum order).
+Mixtral, qwen2moe with its shared expert, olmoe; models/moe.py, batch-invariant by its fixed top-k
+ties and sum order). olmoe's q/k norms span the whole projection (qk_norm_full), not each head.
 
 Sliding-window layers [SWA-KV]: the KV keeps EVERY position on every layer, windowed or not; a windowed
 layer only reads fewer keys (torch: the mask; native: attention.c starts at the window's first block).
 So truncating to any reuse point k stays exact exactly as for full layers (position < k never depends
 on a later token), with no ring buffer, snapshots or "cache too short" miss. The cost: a windowed
 layer's KV is as large as a global one's, 2 * kv_heads * head_dim * 4 bytes a position a layer in fp32
-(gemma3-270m: 18 layers * 2 KiB = 36 KiB a token). A ring of the window plus snapshots at turn
-boundaries would cut the 15 local layers' share (W * 2 KiB each) and is future work (issue 37).
+(gemma3-270m: 18 layers * 2 KiB = 36 KiB a token; 18 KiB in the fp16 cache its fused layers get with
+--kv-dtype auto). A ring of the window plus snapshots at turn boundaries would cut the 15 local layers' share (W * 2 KiB each) and is future work (issue 37).
 Weights arrive with Hugging Face names and layouts; q/k/v and gate/up are fused here at load so a
 layer is two matmuls for attention and two for the MLP.
 """
@@ -42,7 +43,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..invariants import check
 from ..kernels.build import Kernels
-from .moe import ExpertStore, MoE
+from .moe import ExpertStore, MoE, SharedExpert
 from .qlinear import projection
 from .qweight import QWeight, to_lanes
 
@@ -237,8 +238,12 @@ class Layer(nn.Module):
             parts = [w[f"mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down")]
             nbytes = sum(p.nbytes if isinstance(p, QWeight) else p.numel() * p.element_size() for p in parts)
             store.put(self.index, e, build(parts[:2]), build(parts[2:]), nbytes)
+        shared = None
+        if self.cfg.shared_expert_intermediate_size:     # qwen2moe: dense, every row: held here, never in the store
+            shared = SharedExpert(build([w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"]]),
+                                  build([w["mlp.shared_expert.down_proj.weight"]]), w["mlp.shared_expert_gate.weight"])
         return MoE(w["mlp.gate.weight"], self.cfg.experts_per_token, self.cfg.norm_topk_prob, store,
-                   self.index, pack)
+                   self.index, pack, shared)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part],
                 table: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,9 +255,13 @@ class Layer(nn.Module):
         cfg, M = self.cfg, x.shape[0]
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv)
+        if cfg.qk_norm_full:            # olmoe: one RMSNorm over all of q, one over all of k, before the heads split
+            qs, ks = self.q_size, self.kv_size
+            qkv = torch.cat([rms_norm(qkv[:, :qs], self.q_norm, eps), rms_norm(qkv[:, qs:qs + ks], self.k_norm, eps),
+                             qkv[:, qs + ks:]], dim=1)
         qk = qkv[:, : self.q_size + self.kv_size].view(M, H + KV, d).transpose(0, 1)  # (H + KV, M, D)
         v = qkv[:, self.q_size + self.kv_size:].view(M, KV, d).transpose(0, 1)        # (KV, M, D)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not cfg.qk_norm_full:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
         qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
         if table is not None:
@@ -371,8 +380,9 @@ class Transformer(nn.Module):
 
     def _native_layers(self) -> "list[NativeLayer] | None":
         """Every layer as one kernels/layer.c call, when all of them fit it (fp32 activations, every
-        projection quantized, shapes it takes); else None and the torch layers run. Deterministic in
-        the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
+        projection quantized, shapes it takes; gemma3's kinds are data there: window, GeGLU, output
+        norms, query scale, each layer's own RoPE tables); else None and the torch layers run.
+        Deterministic in the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
         from ..kernels.layer import NativeLayer
         built = [NativeLayer.build(self.kernels, layer, *self.ropes[layer.rope]) for layer in self.layers]
         why = next((b for b in built if isinstance(b, str)), None)

@@ -1,9 +1,10 @@
-"""Mixture-of-experts MLP (qwen3moe, Mixtral): a router picks k of E SwiGLU experts per row.
+"""Mixture-of-experts MLP (qwen3moe, Mixtral, qwen2moe, olmoe): a router picks k of E SwiGLU experts per row.
 
 Routing, as transformers and llama.cpp compute it: router logits in fp32, softmax over all E
 experts, the k largest probabilities, renormalised to sum 1 when `norm_topk_prob` (Mixtral's
 softmax over its top-k logits is the same numbers). The output of a row is
-    sum over its k experts e of  weight_e * down_e(silu(gate_e(h)) * up_e(h)).
+    sum over its k experts e of  weight_e * down_e(silu(gate_e(h)) * up_e(h))
+    [+ sigmoid(g . h) * shared(h)]     qwen2moe's shared expert (`SharedExpert`): every row, dense.
 
 [BATCH-INVARIANT] A row's bits never depend on the other rows in the batch:
   - the router is a packed fp32 Linear (linear.py: row-invariant for any M), softmax and the sort
@@ -15,7 +16,9 @@ softmax over its top-k logits is the same numbers). The output of a row is
     is the same whether 1 or 500 rows share that expert;
   - a row's k weighted outputs are summed in ONE fixed order: ascending expert index, starting from
     the lowest [SUM-ORDER] (transformers' index_add_ loop over experts adds in this order too, so
-    dense fp32 matches it closely). The order is a property of the row alone.
+    dense fp32 matches it closely). The order is a property of the row alone. A shared expert
+    (qwen2moe) is added last, to the finished routed sum: (e_1 + ... + e_k) + shared, the order
+    of transformers' `expert_output + shared_expert_output` and llama.cpp's ggml_add(moe_out, shexp).
 
 Expert weights are fetched through `get(layer, expert)`, the one place that knows where they live:
   - `ExpertStore`: every expert resident, converted at load; every `get` is a hit;
@@ -26,7 +29,8 @@ Expert weights are fetched through `get(layer, expert)`, the one place that know
     projection builder), and keeps the result in an LRU dict bounded by bytes. [SAME-BITS] the
     bytes and the conversion are the resident path's, so a streamed expert's product is the same
     bits; tests/test_moe_stream.py checks logits with torch.equal.
-Their counters (`ExpertStats`) are what timings, Prometheus and `ternlm info` report.
+Their counters (`ExpertStats`) are what timings, Prometheus and `ternlm info` report. A shared
+expert is not in either store: it is a dense part of the layer (resident, never in the LRU, not counted).
 """
 from __future__ import annotations
 
@@ -284,6 +288,18 @@ def select_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 @dataclass(frozen=True)
+class SharedExpert:
+    """qwen2moe's shared expert: one more SwiGLU MLP that every row goes through, scaled per row by
+    sigmoid(gate . h). Dense and always used, so it is held by the layer (resident), never by a
+    store. gate_up (2 I_s, hidden) [gate rows first], down (hidden, I_s): built as an expert's
+    projections; gate: (1, hidden) weight (transformers' shared_expert_gate, llama.cpp's
+    ffn_gate_inp_shexp), applied in fp32 as the router is."""
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    gate: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Routing:
     """Each row's experts, ascending index [SUM-ORDER], and their weights (fp32), (M, k) each."""
     experts: torch.Tensor
@@ -294,11 +310,14 @@ class MoE:
     """Not an nn.Module: a frozen MoE MLP of one layer. router: (E, hidden) weight."""
 
     def __init__(self, router: torch.Tensor, top_k: int, norm_topk_prob: bool, store: ExpertStore,
-                 layer: int, pack: bool = True):
+                 layer: int, pack: bool = True, shared: SharedExpert | None = None):
         self.num_experts, self.hidden = router.shape
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.router = Linear(router.float().contiguous(), None, pack)   # logits in fp32, as the reference
         self.store, self.layer = store, layer
+        self.shared = shared
+        self.shared_gate = None if shared is None else Linear(
+            shared.gate.float().reshape(1, self.hidden).contiguous(), None, pack)   # (1, hidden) fp32
 
     def route(self, h: torch.Tensor) -> Routing:
         """h: (M, hidden) -> each row's k experts and weights. Pure."""
@@ -312,8 +331,33 @@ class MoE:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h: (M, hidden), the post-attention-normed rows -> (M, hidden) in h's dtype.
         Side effect: the store's counters (one `get` per expert any row uses)."""
-        M, k = h.shape[0], self.top_k
         r = self.route(h)
+        out = self._one_row(h, r) if h.shape[0] == 1 else self._grouped(h, r)
+        if self.shared is not None:                                            # [SUM-ORDER] then the shared expert
+            out += self._shared(h).to(out.dtype)
+        return out.to(h.dtype)
+
+    def _one_row(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
+        """A lone row (a decode step alone): its k experts in ascending index, each product on h
+        itself, summed as they come. The same operations on the same values as `_grouped` with one
+        row (its y * weight, its sum from the lowest index up, its `get`s in the same order), so the
+        same bits, without the grouping's ~8 small torch ops an expert (argsort, bincount, gathers,
+        the scatter into slots): 128 experts a token on olmoe-small. -> (1, hidden)."""
+        out = None
+        for j, e in enumerate(r.experts[0].tolist()):                          # [SUM-ORDER] ascending index
+            ex = self.store.get(self.layer, e, 1)
+            g, u = ex.gate_up(h).chunk(2, dim=-1)                              # (1, I) each
+            y = ex.down(F.silu(g) * u)                                         # (1, hidden)
+            y = y * r.weights[:, j:j + 1].to(y.dtype)
+            if out is None:
+                out = y
+            else:
+                out += y
+        return out
+
+    def _grouped(self, h: torch.Tensor, r: Routing) -> torch.Tensor:
+        """Rows grouped by expert: each expert's product once over all its rows. -> (M, hidden)."""
+        M, k = h.shape[0], self.top_k
         flat = r.experts.reshape(-1)                                           # (M k,) row-major
         order = torch.argsort(flat, stable=True)                               # grouped by expert, rows ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -337,4 +381,15 @@ class MoE:
         out = slots[:, 0].clone()
         for j in range(1, k):                                                  # [SUM-ORDER] ascending expert index
             out += slots[:, j]
-        return out.to(h.dtype)
+        return out
+
+    def _shared(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (M, hidden) -> (M, hidden): sigmoid(gate . h) * down(silu(gate(h)) * up(h)), row-wise."""
+        g, u = self.shared.gate_up(h).chunk(2, dim=-1)                         # (M, I_s) each
+        y = self.shared.down(F.silu(g) * u)                                    # (M, hidden)
+        z = self.shared_gate(h.float())                                        # (M, 1) fp32, as the router
+        # [BATCH-INVARIANT] sigmoid(z) as softmax([z, 0])[0]: the last-dim softmax computes each row alone,
+        # while torch.sigmoid over the (M, 1) column takes its vector or its scalar path by the row's
+        # place in the batch (1 ulp apart: a chunked prefill changed the logits' bits)
+        gate = torch.softmax(F.pad(z, (0, 1)), dim=-1)[:, :1]                  # (M, 1)
+        return y * gate.to(y.dtype)
