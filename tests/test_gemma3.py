@@ -9,7 +9,9 @@ does (tests/hf_to_gguf.py: norms stored as 1 + w, ffn_norm = pre-feedforward), d
 
 Bits [BATCH-INVARIANT][SWA-KV]: a prompt in chunks of 7 (straddling the window edges) then decoded
 equals one pass; a sequence alone equals the same sequence batched with another; the native windowed
-attention gives a row the same bits whatever T / start / batch.
+attention gives a row the same bits whatever T / start / batch. With quantized weights every layer runs
+fused in kernels/layer.c (GeGLU, the 4 norms, the window, each layer's RoPE as data), with an fp32 or
+an fp16 cache; the fused layers agree with the torch layers on the same weights and with transformers.
 """
 from __future__ import annotations
 
@@ -72,9 +74,9 @@ def ids_of(n: int, seed: int = 1) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _engine(loaded, quantized: bool) -> Engine:
+def _engine(loaded, quantized: bool, kv_dtype: str = "float32") -> Engine:
     if quantized:
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype="float32")
+        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype=kv_dtype)
     return Engine(loaded, dtype=torch.float32)
 
 
@@ -167,7 +169,7 @@ def test_gguf_matches_transformers(quantized, tmp_path):
     ref = hf_logits(hf, ids)
     assert close(torch_logits(load_gguf(path, torch.float32), ids), ref) <= 2e-5
     engine = _engine(load_gguf(path, torch.float32, keep_quantized=quantized, lanes=quantized), quantized)
-    assert engine.model.native is None, "layer.c refuses gemma3's layers: the torch layers run"
+    assert (engine.model.native is not None) == quantized, "quantized: every layer fused in layer.c"
     assert close(engine.logits(ids), ref) <= 2e-5
 
 
@@ -187,15 +189,49 @@ def test_mistral_window_on_every_layer_matches_transformers(tmp_path):
 
 # ---- bits ----------------------------------------------------------------------------------------
 
-def _q8_engine(tmp_path, seed: int = 7) -> Engine:
+def _q8_engine(tmp_path, seed: int = 7, kv_dtype: str = "float32") -> Engine:
     path = tmp_path / "g.gguf"
     write_gguf(gemma(seed=seed), path, "gemma3", quant=QT.Q8_0)
-    return _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), quantized=True)
+    engine = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True, kv_dtype)
+    assert engine.model.native is not None, "every gemma3 layer fused in layer.c"
+    return engine
 
 
-def test_chunked_prefill_and_decode_are_bit_exact(tmp_path):
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+
+
+def test_fused_layers_match_the_torch_layers_and_transformers(tmp_path):
+    """layer.c's gemma3 layers (fp32 cache) against the torch layers on the same quantized weights, to
+    fp32 rounding as the other architectures' fused layers; and both against transformers. The fp16
+    cache (what `auto` picks for fused layers) stays within fp16's precision of transformers."""
+    hf = gemma(seed=10)
+    path = tmp_path / "g.gguf"
+    write_gguf(hf, path, "gemma3", quant=QT.Q8_0)
+    engine = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True)
+    model = engine.model
+    ids = ids_of(90, seed=9)
+    ref = hf_logits(hf, ids)
+
+    def run() -> torch.Tensor:
+        k = torch.zeros(model.cfg.num_layers, model.cfg.num_kv_heads, ATTN_BLOCK, model.cfg.head_dim)
+        return model(model.embed_ids(torch.tensor(ids)), 0, k, torch.zeros_like(k), all_logits=True)
+    fused = run()
+    native, model.native = model.native, None
+    try:
+        in_torch = run()
+    finally:
+        model.native = native
+    assert (fused - in_torch).abs().max().item() <= 1e-4 * in_torch.abs().max().item()
+    assert close(fused, ref) <= 2e-5 and close(in_torch, ref) <= 2e-5
+    auto = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True, "auto")
+    assert auto.model.kv_dtype == torch.float16 and auto.model.native is not None
+    assert close(auto.logits(ids), ref) <= 1e-2
+
+
+@KV_DTYPES
+def test_chunked_prefill_and_decode_are_bit_exact(tmp_path, kv_dtype):
     """[SWA-KV] chunks of 7 straddle the window edges (8); then decode: the bits of one pass."""
-    engine = _q8_engine(tmp_path)
+    engine = _q8_engine(tmp_path, kv_dtype=kv_dtype)
     ids = ids_of(90, seed=2)
     whole = engine.logits(ids)
     engine.runner.chunk_size = 7
@@ -204,10 +240,11 @@ def test_chunked_prefill_and_decode_are_bit_exact(tmp_path):
     assert torch.equal(engine.runner.decode(slot, ids[-1]), whole[-1])
 
 
-def test_reuse_at_any_divergence_is_bit_exact(tmp_path):
+@KV_DTYPES
+def test_reuse_at_any_divergence_is_bit_exact(tmp_path, kv_dtype):
     """Truncating to a divergence before, inside and after the last window, then prefilling the new
     tail, gives the bits of a cold pass: every position's K/V was kept on the windowed layers too."""
-    engine = _q8_engine(tmp_path, seed=8)
+    engine = _q8_engine(tmp_path, seed=8, kv_dtype=kv_dtype)
     ids = ids_of(70, seed=3)
     engine.runner.chunk_size = 5
     for keep in (20, 62, 66):
@@ -220,18 +257,27 @@ def test_reuse_at_any_divergence_is_bit_exact(tmp_path):
         assert torch.equal(engine.runner.prefill(slot, other[keep:]), cold[-1]), f"kept {keep}"
 
 
-def test_batched_with_another_sequence_gives_the_same_bits(tmp_path):
-    engine = _q8_engine(tmp_path, seed=9)
+@KV_DTYPES
+def test_batched_with_another_sequence_gives_the_same_bits(tmp_path, kv_dtype):
+    """A prompt alone = batched after another prompt; a decode row alone = the same row batched with
+    another sequence's decode row (bits of logits and KV)."""
+    engine = _q8_engine(tmp_path, seed=9, kv_dtype=kv_dtype)
     model, cfg = engine.model, engine.config
     a, b = ids_of(37, seed=11), ids_of(53, seed=12)
 
     def caches():
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, ATTN_BLOCK, cfg.head_dim)
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, ATTN_BLOCK, cfg.head_dim, dtype=model.kv_dtype)
         return k, torch.zeros_like(k)
-    alone = model.forward_batch(model.embed_ids(torch.tensor(a)), [Segment(0, len(a), *caches(), "all")])[0]
+    ka, va = caches()
+    alone = model.forward_batch(model.embed_ids(torch.tensor(a)), [Segment(0, len(a), ka, va, "all")])[0]
+    step = model.forward_batch(model.embed_ids(torch.tensor(b[:1])), [Segment(len(a), 1, ka, va)])[0]
     x = model.embed_ids(torch.tensor(b + a))
-    both = model.forward_batch(x, [Segment(0, len(b), *caches(), "all"), Segment(0, len(a), *caches(), "all")])
+    kb, vb, kc, vc = *caches(), *caches()
+    both = model.forward_batch(x, [Segment(0, len(b), kb, vb, "all"), Segment(0, len(a), kc, vc, "all")])
     assert torch.equal(both[1], alone)
+    rows = model.forward_batch(model.embed_ids(torch.tensor([a[0], b[0]])),
+                               [Segment(len(b), 1, kb, vb), Segment(len(a), 1, kc, vc)])
+    assert torch.equal(rows[1], step) and torch.equal(kc, ka) and torch.equal(vc, va)
 
 
 def test_native_window_rows_do_not_depend_on_the_call(tmp_path):

@@ -3,7 +3,9 @@
 Oracles: the torch layer in models/llama.py on the same weights (the fused layer must agree with it to
 fp32 rounding), transformers through tests/test_qweight.py (the real model), and the fused layer's own
 runs split differently (batch invariance, bit for bit). Synthetic models cover what the default model
-lacks: qwen2's q/k/v bias, qwen3's per-head q/k norms, mixed layouts in one projection."""
+lacks: qwen2's q/k/v bias, qwen3's per-head q/k norms, mixed layouts in one projection, and gemma3's
+layer kinds as data (GeGLU, post-attention / post-MLP norms, a window on one layer with its own RoPE
+base, a query scale other than head_dim ** -0.5; tests/test_gemma3.py checks them against transformers)."""
 from __future__ import annotations
 
 import textwrap
@@ -16,19 +18,28 @@ from ternlm.config import ModelConfig
 from ternlm.kernels.build import Unavailable, load
 from ternlm.models.llama import Segment, Transformer
 from ternlm.models.qweight import from_gguf
+from ternlm.models.rope import Rope
 from test_qweight import random_blocks
 from lesser_isa import LESSER, run_built_for
 
 
+GEMMA_WINDOW = 8
+
+
 def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = False,
-               kquants: bool = False, kv_dtype: str = "float32") -> Transformer:
-    """2 layers, 4 heads over 2 kv heads, random GGML blocks of several types: hidden 64 (head_dim 16)
-    with the 32-blocks types, or hidden 256 (head_dim 64) with the K-quants, whose blocks are 256."""
+               kquants: bool = False, kv_dtype: str = "float32", gemma: bool = False) -> Transformer:
+    """2 layers, 4 heads over 2 kv heads, random GGML blocks of several types: hidden 64 (head_dim 32)
+    with the 32-blocks types, or hidden 256 (head_dim 64) with the K-quants, whose blocks are 256.
+    gemma: gemma3's kinds (with qk_norm): GeGLU, 4 norms a layer, layer 0 windowed (GEMMA_WINDOW, RoPE
+    base 10k; layer 1 full, base 1e6), query scale 24 ** -0.5."""
     h, hd, inter = (256, 64, 512) if kquants else (64, 32, 160)
-    cfg = ModelConfig(arch="qwen3" if qk_norm else "qwen2" if qkv_bias else "llama", vocab_size=96,
-                      hidden_size=h, intermediate_size=inter, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=hd, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
-                      tie_word_embeddings=True, qkv_bias=qkv_bias, qk_norm=qk_norm)
+    kinds = dict(layer_windows=(GEMMA_WINDOW, 0), swa_rope=Rope(theta=10000.0), post_norms=True,
+                 mlp_act="gelu_tanh", embed_scale=h ** 0.5, query_scale=24 ** -0.5) if gemma else {}
+    cfg = ModelConfig(arch="gemma3" if gemma else "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama",
+                      vocab_size=96, hidden_size=h, intermediate_size=inter, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=hd, rope_theta=1e6 if gemma else 10000.0, rms_norm_eps=1e-6,
+                      max_position_embeddings=2048, tie_word_embeddings=True, qkv_bias=qkv_bias,
+                      qk_norm=qk_norm, **kinds)
     g = torch.Generator().manual_seed(seed)
     types = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q8_0] if kquants else [QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q4_0, QT.Q5_1]
 
@@ -49,7 +60,9 @@ def tiny_model(qkv_bias: bool, qk_norm: bool, seed: int = 0, dense_o: bool = Fal
             if dense_o and name == "self_attn.o_proj":
                 w[p + name + ".weight"] = w[p + name + ".weight"].dequantize()
             i += 1
-        for n in ("input_layernorm", "post_attention_layernorm"):
+        norms = ("input_layernorm", "post_attention_layernorm") + (
+            ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
+        for n in norms:
             w[p + n + ".weight"] = 1 + 0.1 * torch.randn(h, generator=g)
         if qkv_bias:
             for n, size in (("q", qs), ("k", kvs), ("v", kvs)):
@@ -68,13 +81,14 @@ def caches(m: Transformer, cap: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(shape, dtype=m.kv_dtype), torch.zeros(shape, dtype=m.kv_dtype)
 
 
-VARIANTS = [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]
-VARIANT_IDS = ["llama", "qwen2-bias", "qwen3-qknorm", "qwen2-kquants"]
+VARIANTS = [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+            (True, False, True, False), (False, True, False, True), (False, True, True, True)]
+VARIANT_IDS = ["llama", "qwen2-bias", "qwen3-qknorm", "qwen2-kquants", "gemma3", "gemma3-kquants"]
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
-def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm, kquants):
-    m = tiny_model(qkv_bias, qk_norm, kquants=kquants)
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants,gemma", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm, kquants, gemma):
+    m = tiny_model(qkv_bias, qk_norm, kquants=kquants, gemma=gemma)
     assert m.native is not None, "every layer of this model fits layer.c"
     ids = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(1))
     k1, v1 = caches(m)
@@ -93,11 +107,12 @@ def test_fused_layer_matches_the_torch_layer(qkv_bias, qk_norm, kquants):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
-@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
-def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants, kv_dtype):
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants,gemma", VARIANTS, ids=VARIANT_IDS)
+def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants, gemma, kv_dtype):
     """[BATCH-INVARIANT] a sequence's logits and KV bits are the same whole, in chunks, token by token,
-    and batched with other sequences, with an fp32 or an fp16 cache."""
-    m = tiny_model(qkv_bias, qk_norm, seed=2, kquants=kquants, kv_dtype=kv_dtype)
+    and batched with other sequences, with an fp32 or an fp16 cache (gemma3: 70 tokens span several of
+    layer 0's windows)."""
+    m = tiny_model(qkv_bias, qk_norm, seed=2, kquants=kquants, kv_dtype=kv_dtype, gemma=gemma)
     ids = torch.randint(0, 96, (70,), generator=torch.Generator().manual_seed(4))
     kw, vw = caches(m)
     whole = m.forward(m.embed_ids(ids), 0, kw, vw, all_logits=True)
@@ -124,8 +139,9 @@ def test_fused_layer_is_batch_invariant(qkv_bias, qk_norm, kquants, kv_dtype):
     assert torch.equal(kb, kw) and torch.equal(vb, vw)
 
 
-def test_fused_layer_threads_do_not_change_bits():
-    m = tiny_model(True, False, seed=3)
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen2-bias", "gemma3"])
+def test_fused_layer_threads_do_not_change_bits(gemma):
+    m = tiny_model(not gemma, gemma, seed=3, gemma=gemma)
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(6))
     k1, v1 = caches(m)
     two = m.forward(m.embed_ids(ids), 0, k1, v1, all_logits=True)
@@ -155,11 +171,11 @@ def test_kv_dtype_choice():
         tiny_model(False, False, kv_dtype="int8")
 
 
-def fp16_cache_check(qkv_bias: bool, qk_norm: bool, kquants: bool) -> None:
+def fp16_cache_check(qkv_bias: bool, qk_norm: bool, kquants: bool, gemma: bool = False) -> None:
     """The fp16 cache holds exactly the fp32 layer's K/V rounded to nearest even (torch's .half()), and
     the model's answers stay those of the fp32 cache to fp16's precision."""
-    m16 = tiny_model(qkv_bias, qk_norm, kquants=kquants, kv_dtype="float16")
-    m32 = tiny_model(qkv_bias, qk_norm, kquants=kquants)
+    m16 = tiny_model(qkv_bias, qk_norm, kquants=kquants, kv_dtype="float16", gemma=gemma)
+    m32 = tiny_model(qkv_bias, qk_norm, kquants=kquants, gemma=gemma)
     ids = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(7))
     k16, v16 = caches(m16)
     k32, v32 = caches(m32)
@@ -170,16 +186,16 @@ def fp16_cache_check(qkv_bias: bool, qk_norm: bool, kquants: bool) -> None:
     assert (a16 - a32).abs().max() <= 1e-2 * a32.abs().max()
 
 
-@pytest.mark.parametrize("qkv_bias,qk_norm,kquants", VARIANTS, ids=VARIANT_IDS)
-def test_fp16_cache_is_the_rounded_fp32_cache(qkv_bias, qk_norm, kquants):
-    fp16_cache_check(qkv_bias, qk_norm, kquants)
+@pytest.mark.parametrize("qkv_bias,qk_norm,kquants,gemma", VARIANTS, ids=VARIANT_IDS)
+def test_fp16_cache_is_the_rounded_fp32_cache(qkv_bias, qk_norm, kquants, gemma):
+    fp16_cache_check(qkv_bias, qk_norm, kquants, gemma)
 
 
 _ISA_SCRIPT = textwrap.dedent("""
     import torch
-    from test_native_layer import tiny_model, caches, fp16_cache_check
-    for bias, norm, kq in [(False, False, False), (True, False, False), (False, True, False), (True, False, True)]:
-        m = tiny_model(bias, norm, kquants=kq)
+    from test_native_layer import tiny_model, caches, fp16_cache_check, VARIANTS
+    for bias, norm, kq, gemma in VARIANTS:
+        m = tiny_model(bias, norm, kquants=kq, gemma=gemma)
         assert m.native is not None
         ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(1))
         k1, v1 = caches(m)
@@ -192,12 +208,13 @@ _ISA_SCRIPT = textwrap.dedent("""
         ref = m.forward(m.embed_ids(ids), 0, k3, v3, all_logits=True)
         m.native = native
         assert (whole - ref).abs().max() <= 1e-4 * ref.abs().max()
-        fp16_cache_check(bias, norm, kq)      # F16C (AVX2) / libgcc (baseline) rounding = torch's
+        fp16_cache_check(bias, norm, kq, gemma)   # F16C (AVX2) / libgcc (baseline) rounding = torch's
     print(m.kernels.isa, "ok")
 """)
 
 
 @LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
-    """layer.c as an AVX2-only (or baseline x86-64) CPU builds it: agrees with torch, invariant."""
+    """layer.c as an AVX2-only (or baseline x86-64) CPU builds it: agrees with torch, invariant (gemma3's
+    kinds included: GeGLU, output norms, the window)."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

@@ -1,8 +1,10 @@
-/* One whole decoder layer (llama / qwen2 / qwen3) for fp32 activations and quantized projections, in one
- * call: RMSNorm -> q/k/v -> (q/k norm) -> RoPE -> KV write -> attention -> o + residual -> RMSNorm ->
- * gate/up -> SiLU * up -> down + residual. models/llama.py's torch code computes the same layer; this
- * exists because at decode (one row) its ~35 small torch ops a layer cost more than the layer's
- * arithmetic (~4 ms a token on smollm2, a quarter of the step).
+/* One whole decoder layer (llama / qwen2 / qwen3 / gemma3) for fp32 activations and quantized projections,
+ * in one call: RMSNorm -> q/k/v -> (q/k norm) -> RoPE -> KV write -> attention (windowed or not) -> o
+ * (-> RMSNorm) + residual -> RMSNorm -> gate/up -> SiLU or GELU-tanh * up -> down (-> RMSNorm) + residual.
+ * What differs between the architectures is data in TqLayer (the activation, the optional output norms,
+ * the window, the query scale, the RoPE tables), never a branch on a name. models/llama.py's torch code
+ * computes the same layer; this exists because at decode (one row) its ~35 small torch ops a layer cost
+ * more than the layer's arithmetic (~4 ms a token on smollm2, a quarter of the step).
  *
  * [BATCH-INVARIANT] Everything here is row-wise (a row's norm, RoPE, SiLU read only that row, in a fixed
  * order) or one of the batch-invariant kernels (qmatmul.c, attention.c): a row's bits do not depend on
@@ -30,8 +32,9 @@ MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
 MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
 MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
 MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm) MM_DECL(tq_q6x16_k6_mm)
-int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half);
+int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
+                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
+                                 int64_t window);
 
 /* [layout][scale mode]: layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32, and qlanes.c's 4 q4x16, 5 q5x16,
  * 6 q8x16, 7 q6x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
@@ -67,10 +70,17 @@ typedef struct {
     double eps;
     const float *in_norm, *post_norm;           /* (hidden,) */
     const float *q_norm, *k_norm;               /* (D,) or NULL (qwen3's per-head norms) */
-    const float *cos, *sin;                     /* (max_pos, D) rotate-half tables */
+    const float *cos, *sin;                     /* (max_pos, D) rotate-half tables: this layer's own RoPE */
     TqProj qkv, o, gate_up, down;
     int64_t kv_half;                            /* the caches hold fp16 (rounded to nearest even), else fp32 */
+    int64_t act;                                /* the gated MLP's activation: ACT_SILU | ACT_GELU_TANH */
+    const float *attn_out_norm, *mlp_out_norm;  /* (hidden,) RMSNorm of the attention / MLP output before
+                                                 * its residual add (Gemma's post-norms), or NULL */
+    int64_t window;                             /* attention window W: keys (p - W, p]; 0: every key */
+    double q_scale;                             /* on q before attention, used as fp32 (the torch path's) */
 } TqLayer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* kernels/layer.py ACT_CODE */
 
 /* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices. */
 static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float *y, int nthreads) {
@@ -86,15 +96,14 @@ static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float
             for (int64_t j = 0; j < p->n_out; j++) y[m * p->n_out + j] += p->bias[j];
 }
 
-/* out = w * (x * 1/sqrt(mean(x^2) + eps)): the torch rms_norm's formula, sums in a fixed order. n % 16 == 0. */
+/* out = w * (x * 1/sqrt(mean(x^2) + eps)): the torch rms_norm's formula, sums in a fixed order, VN lanes
+ * (on AVX-512 the same bits as the former 16-float version: hsumn is hsum there). n % 16 == 0. out may
+ * be x (every x is read before the first write). */
 static void rms_row(const float *x, const float *w, int64_t n, float eps, float *out) {
-    v16 acc = splat(0.0f);
-    for (int64_t c = 0; c < n; c += 16) { v16 v = load16(x + c); acc += v * v; }
-    float r = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
-    for (int64_t c = 0; c < n; c += 16) {
-        v16 o = load16(w + c) * (load16(x + c) * splat(r));
-        memcpy(out + c, &o, sizeof o);
-    }
+    vf acc = splatn(0.0f);
+    for (int64_t c = 0; c < n; c += VN) { vf v = loadn(x + c); acc += v * v; }
+    float r = 1.0f / sqrtf(hsumn(acc) / (float)n + eps);
+    for (int64_t c = 0; c < n; c += VN) storen(out + c, loadn(w + c) * (loadn(x + c) * splatn(r)));
 }
 
 /* In place: x (D,) rotated for its position (rotate-half layout): x*cos + [-x2, x1]*sin. */
@@ -114,6 +123,21 @@ static inline vf silu_muln(vf g, vf u) {
     return num / (splatn(1.0f) + t) * u;
 }
 
+/* GELU (tanh approximation)(g) * u, VN lanes: torch's formula (ATen/native/cpu/Gelu.h), its constants
+ * and its order, 0.5 * g * (1 + tanh(beta * (g + kappa * g^3))) with g^3 = (g * g) * g; tanh from our
+ * exp (not libm's or Sleef's: ours changes only with this source, whose digest the KV namespace holds),
+ * tanh(y) = sign(y) (1 - e^-2|y|) / (1 + e^-2|y|), exp's argument <= 0 (no overflow). */
+static inline vf gelu_tanh_muln(vf g, vf u) {
+    const vf beta = splatn((float)(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa = splatn((float)0.044715);
+    vf inner = beta * (g + kappa * (g * g * g));
+    vfi neg = inner < splatn(0.0f);
+    vf na = selectn(neg, inner, -inner);                 /* -|inner| */
+    vf t = expn(na + na);                                /* e^-2|inner| */
+    vf th = (splatn(1.0f) - t) / (splatn(1.0f) + t);
+    th = selectn(neg, -th, th);
+    return splatn(0.5f) * g * (splatn(1.0f) + th) * u;
+}
+
 /* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
  * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (SCRATCH_PER_ROW
  * in kernels/layer.py).
@@ -123,7 +147,8 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
              int nthreads) {
     const int64_t hid = L->hidden, I = L->inter, H = L->H, KV = L->KV, D = L->D, nqkv = L->qkv.n_out;
     if (hid % 16 || I % 16 || D % 16 || D > 256 || H % KV || M <= 0 || nqkv != (H + 2 * KV) * D
-        || L->o.n_out != hid || L->gate_up.n_out != 2 * I || L->down.n_out != hid)
+        || L->o.n_out != hid || L->gate_up.n_out != 2 * I || L->down.n_out != hid || L->window < 0
+        || (L->act != ACT_SILU && L->act != ACT_GELU_TANH))
         return -1;
     const float eps = (float)L->eps;
     float *h = scratch, *qkv = h + M * hid, *qs = qkv + M * nqkv, *att = qs + M * H * D;
@@ -143,7 +168,7 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
     for (int64_t r = 0; r < M; r++) rms_row(x + r * hid, L->in_norm, hid, eps, h + r * hid);
     project(&L->qkv, h, M, hid, qkv, nthreads);
 
-    const float qscale = 1.0f / sqrtf((float)D);
+    const float qscale = (float)L->q_scale;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < M; r++) {
         const int64_t *sg = segs + 6 * seg[r];
@@ -172,21 +197,30 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
     }
     free(pos);
     free(seg);
-    if (tq_attention_segments(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads, (int)L->kv_half) != 0)
+    if (tq_attention_segments_window(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads, (int)L->kv_half,
+                                     L->window) != 0)
         return -1;
 
     project(&L->o, att, M, H * D, o, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < M; r++) {
+        if (L->attn_out_norm) rms_row(o + r * hid, L->attn_out_norm, hid, eps, o + r * hid);
         for (int64_t i = 0; i < hid; i++) x[r * hid + i] += o[r * hid + i];
         rms_row(x + r * hid, L->post_norm, hid, eps, h + r * hid);
     }
     project(&L->gate_up, h, M, hid, gu, nthreads);
+    const int gelu = L->act == ACT_GELU_TANH;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < M; r++)
-        for (int64_t c = 0; c < I; c += VN)
-            storen(act + r * I + c, silu_muln(loadn(gu + r * 2 * I + c), loadn(gu + r * 2 * I + I + c)));
+        for (int64_t c = 0; c < I; c += VN) {
+            vf g = loadn(gu + r * 2 * I + c), u = loadn(gu + r * 2 * I + I + c);
+            storen(act + r * I + c, gelu ? gelu_tanh_muln(g, u) : silu_muln(g, u));
+        }
     project(&L->down, act, M, I, o, nthreads);
-    for (int64_t i = 0; i < M * hid; i++) x[i] += o[i];
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++) {
+        if (L->mlp_out_norm) rms_row(o + r * hid, L->mlp_out_norm, hid, eps, o + r * hid);
+        for (int64_t i = 0; i < hid; i++) x[r * hid + i] += o[r * hid + i];
+    }
     return 0;
 }

@@ -1,4 +1,5 @@
-"""A decoder layer run whole by kernels/layer.c (fp32 activations, every projection quantized).
+"""A decoder layer run whole by kernels/layer.c (fp32 activations, every projection quantized): llama,
+qwen2, qwen3, and gemma3's (GeGLU, post-norms, sliding window, query_pre_attn_scalar) as data.
 
 `NativeLayer.build` returns one when the layer's shapes and weights fit layer.c, else a reason string
 (the caller keeps the torch layer then). The ctypes structures mirror layer.c's TqPart / TqProj /
@@ -15,6 +16,7 @@ from .build import MM_VARIANTS, Kernels
 
 LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7}   # layer.c's MM table: [layout][mode]
 MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
+ACT_CODE = {"silu": 0, "gelu_tanh": 1}          # layer.c's ACT_SILU, ACT_GELU_TANH (config.MLP_ACTS)
 MAXPARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -32,7 +34,9 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("inter", _i64), ("H", _i64), ("KV", _i64), ("D", _i64), ("index", _i64),
                 ("eps", ctypes.c_double), ("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr),
                 ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_half", _i64)]
+                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_half", _i64),
+                ("act", _i64), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
+                ("q_scale", ctypes.c_double)]
 
 
 def scratch_per_row(hidden: int, qkv_out: int, q_size: int, inter: int) -> int:
@@ -71,21 +75,19 @@ class NativeLayer:
 
     @classmethod
     def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeLayer | str":
-        """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32 rope tables (kept alive here)."""
+        """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32, that layer's own rope tables
+        (Gemma 3: base 10k on windowed layers, 1e6 on global ones; kept alive here)."""
         cfg = layer.cfg
         if getattr(layer, "moe", None) is not None:
             return "a mixture-of-experts layer (layer.c has no router or experts: models/moe.py runs it)"
-        # kinds layer.c does not compute (it would run them as a plain llama layer): the torch layer
-        # runs them, with attention.c's windowed attention
-        if getattr(layer, "window", 0):
-            return f"a sliding-window layer (window {layer.window}; layer.c attends to every key)"
-        if getattr(layer, "attn_out_norm", None) is not None or getattr(layer, "mlp_out_norm", None) is not None:
-            return "post-attention / post-MLP norms (layer.c has pre-norms only)"
-        if cfg.mlp_act != "silu":
-            return f"a {cfg.mlp_act} MLP (layer.c has SiLU only)"
-        if getattr(layer, "q_scale", cfg.head_dim ** -0.5) != cfg.head_dim ** -0.5:
-            return "a query scale other than head_dim ** -0.5"
-        norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, cos, sin]
+        # What differs between the architectures is data here (activation, output norms, window, query
+        # scale, this layer's RoPE tables); a kind layer.c does not compute is refused by name.
+        if getattr(cfg, "qk_norm_full", False):
+            return "q/k norms over the whole projection (layer.c norms each head)"
+        if cfg.mlp_act not in ACT_CODE:
+            return f"a {cfg.mlp_act} MLP (layer.c has {', '.join(ACT_CODE)})"
+        norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                 layer.mlp_out_norm, cos, sin]
         if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
             return "activations are not fp32"
         keep: list = [t for t in norms if t is not None]
@@ -99,7 +101,9 @@ class NativeLayer:
         spec = _Layer(hidden=cfg.hidden_size, inter=inter, H=cfg.num_heads, KV=cfg.num_kv_heads, D=d,
                       index=layer.index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
                       post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
-                      k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs)
+                      k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs,
+                      act=ACT_CODE[cfg.mlp_act], attn_out_norm=_ptr_of(layer.attn_out_norm),
+                      mlp_out_norm=_ptr_of(layer.mlp_out_norm), window=layer.window, q_scale=layer.q_scale)
         per_row = scratch_per_row(cfg.hidden_size, projs["qkv"].n_out, cfg.num_heads * d, inter)
         return cls(kernels, spec, per_row, keep)
 
