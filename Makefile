@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  ?= smollm2-135m
 
-.PHONY: install install-test test serve pull bench bench-peers soak info clean cluster
+.PHONY: install install-test test serve pull bench bench-quick bench-peers soak info clean cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,9 +49,15 @@ cluster: install
 info: install
 	$(BIN)/ternlm info
 
+# The headline benchmarks on this machine (engine, reuse, multi-turn, tiers, streams, grammar;
+# sized for ~30 min on a quiet 2-core host, far longer on a busy one),
+# peers when installed (make bench-peers): benchmarks/results/report/<date>-<ISA class>/summary.md + .json.
+# `make bench MODEL=x` runs them on that model only; bench-quick is a smoke test of minutes.
 bench: install-test
-	$(BIN)/ternlm bench engine -m $(MODEL)
-	$(BIN)/ternlm bench reuse -m $(MODEL)
+	$(BIN)/ternlm bench report $(if $(filter command line,$(origin MODEL)),--models $(MODEL))
+
+bench-quick: install-test
+	$(BIN)/ternlm bench report --quick
 
 # 32 concurrent chats for 10 minutes against one server with a kill -9 and restart halfway: failures,
 # reuse, RSS, latency per minute, cache verification, answers vs a cold server (exit 1 if a target is missed).

@@ -1,4 +1,4 @@
-"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak|cluster` argument parsing."""
+"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak|cluster|report` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -155,6 +155,31 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
 
     from .soak_cli import add_soak_parser
     add_soak_parser(which, engine_args)
+
+    p = which.add_parser("report", help="run the headline benchmarks here; write summary.md/.json (the results page's tables)",
+                         description="Runs engine, reuse, multiturn, tiers, streams and grammar as `ternlm bench` processes "
+                                     "(sized for about 30 min on a quiet 2-core host; --quick: a smoke test of minutes, smollm2-135m, no "
+                                     "peers) and writes DIR/summary.md and DIR/summary.json from the JSON they wrote, "
+                                     "with each table's command. Peers (transformers, llama.cpp from .venv-peers) "
+                                     "are used when installed, named as missing otherwise. Exit 1 if a benchmark failed.")
+    p.add_argument("--quick", action="store_true", help="tiny settings, smollm2-135m only, 1 repeat, no peers")
+    p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar")
+    p.add_argument("--models", default=None, metavar="NAMES",
+                   help="comma list (default: smollm2-135m,qwen2.5-coder-0.5b; --quick: smollm2-135m); "
+                        "tiers, streams and grammar run on smollm2-135m (or the first) only")
+    p.add_argument("--threads", type=int, default=None, help="threads of every contender (default: all cores)")
+    p.add_argument("--llamacpp-python", default=PEERS_PYTHON, help="python of the venv with llama-cpp-python")
+    p.add_argument("--llama-server", default=None, metavar="BIN",
+                   help="a llama-server binary: the streams part's batching peer (8 parallel slots); "
+                        "llama-cpp-python's server serves one request at a time, so it is not used there")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="default: benchmarks/results/report/<date>-<ISA class>/")
+    p.set_defaults(func=_report)
+
+
+def _report(args) -> int:
+    from .report import run
+    return run(args)
 
 
 def _cluster(args) -> int:
