@@ -1,0 +1,314 @@
+"""Replay glue shared by benchmarks/reasoning_replay.py and benchmarks/swa_replay.py: llama-cpp-python's
+OpenAI server as the llama.cpp peer, one streaming client for both engines, and the prompt arithmetic.
+
+There is no `llama-server` binary here: the peer is llama-cpp-python 0.3.36's server (`make bench-peers`,
+`.venv-peers/bin/python -m llama_cpp.server`). It cannot take a jinja chat template, so the replays render
+each prompt here with ternlm's own renderer (ternlm.chat.render_chat, the code `ternlm serve` runs) and
+send the text to its /v1/completions. What it did with the prompt is read from its verbose log:
+`Llama.generate: N prefix-match hit, remaining M prompt tokens to eval` (M = tokens it processed; no such
+line = it reset and processed the whole prompt) and `llama_perf_context_print: prompt eval time`.
+
+Both engines' processes get OMP_WAIT_POLICY=PASSIVE unless the caller set it: both are OpenMP builds
+(libggml links libgomp), and spinning OpenMP barriers collapse when the 2 cores are shared (measured
+here: llama.cpp decode 2.8 s a token spinning under load 11, in an early probe).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2 as httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from server_proc import ServerProc  # noqa: E402
+from ternlm.procs import die_with_parent  # noqa: E402
+
+PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+MODELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ternlm" / "models"
+
+_PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
+_PROMPT_EVAL = re.compile(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens")
+_EVAL = re.compile(r" eval time =\s+([\d.]+) ms /\s+(\d+) runs")
+_TOTAL = re.compile(r"total time =\s+([\d.]+) ms")
+
+
+# ---- one answer, whichever engine -------------------------------------------------------------
+
+@dataclass
+class Answer:
+    """One streamed answer. `processed`: prompt tokens the server evaluated for it (ternlm: timings.prompt_n;
+    llama.cpp: its log). `tokens`: generated ids where the server returns them (ternlm, return_tokens)."""
+    text: str
+    reasoning: str | None
+    ttft_s: float                      # client: request sent -> first chunk with text (thinking included)
+    e2e_s: float
+    prompt_tokens: int | None = None
+    processed: int | None = None
+    cached: int | None = None          # ternlm: usage.prompt_tokens_details.cached_tokens
+    server_prefill_s: float | None = None
+    tokens: list[int] | None = None
+    finish_reason: str | None = None
+    why: str | None = None             # ternlm: timings.cache_reason; llama.cpp: its prefix-match log line
+    completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+
+def stream_json(url: str, body: dict, timeout_s: float = 1800.0):
+    """POST `body` with stream=True and yield (arrival perf_counter, decoded SSE `data:` object); keep-alive
+    comments and [DONE] are skipped. Raises on a non-200 answer with its body."""
+    with httpx.stream("POST", url, json=body, timeout=timeout_s) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"POST {url}: {r.status_code} {r.text[:2000]}")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield time.perf_counter(), json.loads(line[6:])
+
+
+def collect(url: str, body: dict) -> Answer:
+    """Stream one completion or chat completion (either engine) and gather its text, thinking, first-text
+    time and ternlm's usage/timings/tokens. Thinking arrives as delta.reasoning_content (ternlm's split)."""
+    text, thought, first = [], [], None
+    usage = timings = tokens = finish = None
+    t0 = time.perf_counter()
+    for at, chunk in stream_json(url, body):
+        usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or timings
+        for c in chunk.get("choices", []):
+            finish = c.get("finish_reason") or finish
+            tokens = c.get("tokens", tokens)
+            d = c.get("delta") or {}
+            piece, think = c.get("text", d.get("content")) or "", d.get("reasoning_content") or ""
+            if (piece or think) and first is None:
+                first = at
+            text.append(piece)
+            thought.append(think)
+    t1 = time.perf_counter()
+    a = Answer("".join(text), "".join(thought) or None, (first or t1) - t0, t1 - t0, tokens=tokens,
+               finish_reason=finish)
+    if usage:
+        a.prompt_tokens, a.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        a.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        a.reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+    if timings:
+        a.processed, a.server_prefill_s = timings["prompt_n"], timings["prompt_ms"] / 1e3
+        a.why = timings.get("cache_reason")
+    return a
+
+
+# ---- ternlm -----------------------------------------------------------------------------------
+
+class Ternlm:
+    """`ternlm serve` through tests/server_proc.py (closed pass or fail). complete() sends token ids to
+    /v1/completions; chat() sends messages to /v1/chat/completions. Both stream, greedy."""
+
+    def __init__(self, label: str, *flags: str):
+        self.label = label
+        self.proc = ServerProc(*flags, env=ENV)
+        self.model = ""
+
+    def __enter__(self) -> "Ternlm":
+        self.proc.__enter__()
+        self.model = httpx.get(self.proc.v1 + "/models", timeout=10).json()["data"][0]["id"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.__exit__(*exc)
+
+    def complete(self, ids: list[int], max_tokens: int, **extra) -> Answer:
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "return_tokens": True, **extra}
+        return collect(self.proc.v1 + "/completions", body)
+
+    def chat(self, messages: list[dict], max_tokens: int, **extra) -> Answer:
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, **extra}
+        return collect(self.proc.v1 + "/chat/completions", body)
+
+    def slot_tokens(self) -> int:
+        """Tokens in the (single) slot's record now. Reads /slots; no side effect."""
+        return httpx.get(self.proc.base + "/slots", timeout=10).json()["slots"][0]["tokens"]
+
+    def kv_memory(self) -> dict:
+        """KV size as the server states it: /v1/models meta (kv_dtype, ctx, slots) and its startup memory
+        line (`KV 288.0 MiB for 1 slot x 16384 tokens`), from which bytes per token follow."""
+        meta = httpx.get(self.proc.v1 + "/models", timeout=10).json()["data"][0]["meta"]
+        line = next((x for x in self.proc.log().splitlines() if "memory: needs" in x), "")
+        m = re.search(r"KV ([\d.]+) (KiB|MiB|GiB) for (\d+) slots? x (\d+) tokens", line)
+        out = {"meta": meta, "log_line": line.split("INFO ternlm: ")[-1]}
+        if m:
+            size = float(m[1]) * {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[m[2]]
+            out |= {"kv_bytes_all_slots": int(size), "kv_bytes_per_slot": int(size) // int(m[3]),
+                    "kv_bytes_per_token": round(size / int(m[3]) / int(m[4]))}
+        return out
+
+
+# ---- llama.cpp (llama-cpp-python's server) ----------------------------------------------------
+
+class LlamaCpp:
+    """llama-cpp-python's OpenAI server on `port`, one context (its server has one), output to a log file.
+    A context manager: the process is terminated (killed after 30 s) on the way out, pass or fail, and
+    dies with this process (PR_SET_PDEATHSIG)."""
+
+    label = "llama.cpp"
+
+    def __init__(self, model_path: Path, port: int, n_ctx: int, threads: int = 2, logits_all: bool = False):
+        if not PEER_PYTHON.exists():
+            raise SystemExit(f"{PEER_PYTHON} missing: run `make bench-peers` first")
+        self.base = f"http://127.0.0.1:{port}"
+        self.cmd = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(model_path),
+                    "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+                    "--host", "127.0.0.1", "--port", str(port),
+                    # [LOGITS-ALL] its server defaults to logits_all=True: the full-vocabulary logits of EVERY
+                    # prompt position are computed and copied into an (n_ctx, vocab) numpy array (gemma3: 1 MiB
+                    # a token; RSS grew to 6.9 GiB at 5k tokens and prefill pays the 262k-row output matmul per
+                    # token). llama-server computes only the last; so do we, unless asked.
+                    "--logits_all", str(logits_all)]
+        self.log_path = Path(tempfile.mkstemp(prefix="llamacpp-peer-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "LlamaCpp":
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **ENV),
+                                         preexec_fn=die_with_parent)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"llama_cpp.server not ready after {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_path.unlink(missing_ok=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The ids its /v1/completions makes of `text` (BOS added when the file says so, specials parsed)."""
+        r = httpx.post(self.base + "/extras/tokenize", json={"input": text}, timeout=60)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    def complete(self, prompt: str, max_tokens: int, **extra) -> Answer:
+        """Stream one completion; `processed` and `why` from the log lines this request printed. Side
+        effect: its context now holds this prompt and answer."""
+        mark = self.log_path.stat().st_size
+        a = collect(self.base + "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0, "stream": True, **extra})
+        new = ""
+        for _ in range(100):          # the perf lines are printed as the answer ends: wait for them
+            with open(self.log_path, "rb") as f:
+                f.seek(mark)
+                new = f.read().decode(errors="replace")
+            if _TOTAL.search(new):
+                break
+            time.sleep(0.05)
+        hit, ev = _PREFIX_HIT.search(new), _PROMPT_EVAL.search(new)
+        a.why = hit[0] if hit else ("no prefix-match line: full prompt evaluated" if ev else None)
+        a.processed = int(hit[2]) if hit else (int(ev[2]) if ev else None)
+        # Its `prompt eval time` reads ~0 ms here (the counters are reset mid-request), so the server-side
+        # prefill is estimated as total - eval (decode) time: prompt eval plus its sampling overhead.
+        total, dec = _TOTAL.search(new), _EVAL.search(new)
+        a.server_prefill_s = (float(total[1]) - float(dec[1])) / 1e3 if total and dec else None
+        a.cached = int(hit[1]) if hit else 0
+        return a
+
+    def kv_memory(self) -> dict:
+        """What it allocated for its KV, from its startup log: the per-cache `size =` lines and whether the
+        sliding-window cache is full-size (`using full-size SWA cache`) or trimmed to the window."""
+        lines = [x.strip() for x in self.log().splitlines()
+                 if "llama_kv_cache: size" in x or "llama_kv_cache_iswa" in x]
+        total = sum(float(m[1]) for x in lines if (m := re.search(r"size =\s+([\d.]+) MiB", x)))
+        cells = max((int(m[1]) for x in lines if (m := re.search(r"\(\s*(\d+) cells", x))), default=0)
+        return {"log_lines": lines, "kv_bytes_per_slot": int(total * (1 << 20)),
+                "kv_bytes_per_token": round(total * (1 << 20) / cells) if cells else None,
+                "swa_full": any("full-size SWA cache" in x for x in lines)}
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+@dataclass
+class Renderer:
+    """Chat template text -> prompt text and ids, exactly as `ternlm serve` renders and tokenizes them
+    (ternlm.chat.render_chat, the model file's own tokenizer, no extra special tokens). Pure."""
+    template: str
+    gguf: Path
+    tok: object = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from ternlm.tokenizer import Tokenizer
+        self.tok = Tokenizer.from_gguf(str(self.gguf))
+
+    def text(self, messages: list[dict], **kw) -> str:
+        from ternlm.chat import render_chat
+        return render_chat(self.template, messages, add_generation_prompt=True, bos_token=self.tok.bos_token,
+                           eos_token=self.tok.eos_token, **kw)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def for_llamacpp(self, text: str, adds_bos: bool) -> str:
+        """The same prompt for a server that prepends BOS itself: the template's leading BOS text dropped
+        (else it would see two, as llama.cpp warns)."""
+        bos = self.tok.bos_token
+        return text[len(bos):] if adds_bos and bos and text.startswith(bos) else text
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def expected_reuse(record: list[int], prompt: list[int], min_reuse: int) -> int:
+    """What ternlm's slot should reuse of `record` for `prompt`: the common prefix, capped at n - 1 (the last
+    prompt token is always recomputed for fresh logits), and nothing below --min-reuse. Pure."""
+    k = min(lcp(record, prompt), len(prompt) - 1)
+    return k if k >= min_reuse else 0
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table; numbers as given (format before)."""
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def command_line() -> str:
+    return " ".join([".venv/bin/python", *[a if re.fullmatch(r"[\w./=,:-]+", a) else repr(a) for a in sys.argv]])
