@@ -1,7 +1,6 @@
 /* Weight-only quantized matmul with weight rows in the vector lanes ("lanes" layouts): y[m, n] =
  * sum_k x[m, k] * w[n, k] for GGML's group-of-32 types with a per-group scale (and bias): Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, and the K-quants Q4_K, Q5_K, Q6_K (models/qweight.py's q4x16, q5x16, q8x16, q6x16).
- * Activations and accumulation stay fp32.
+ * Q5_0, Q5_1, Q8_0 (models/qweight.py's q4x16, q5x16, q8x16). Activations and accumulation stay fp32.
  *
  * Why lanes: qmatmul.c puts the inputs k in the lanes, so every output ends in a horizontal sum and a
  * prefill tile ran at 123-278 GFLOP/s against a measured 477 peak (benchmarks/RESULTS.md, Decisions: weight rows in the
@@ -30,9 +29,6 @@
  *   q5x16: q4x16's codes (the low four bits) plus high (N/16, K) uint16 (little-endian): bit j of [b][k]
  *          is the fifth bit (value 16) of code(16b+j, k)
  *   q8x16: codes (N/16, K, 16) bytes 0..255: [b][k][j] = code(16b+j, k)
- *   q6x16: Q6_K's 6-bit codes as q4x16's codes (the low four bits) plus high (N/16, K, 2) uint16: [b][k][0]
- *          bit j = bit 4 (value 16) of code(16b+j, k), [b][k][1] bit j = bit 5 (value 32): 0.75 bytes a
- *          code where one byte a code (q8x16's shape) read 1.07 bytes a weight with the scales, GGML 0.82
  *   scale: (N/16, K/32, 16) fp32 ("f32") or fp16 ("f16", "f16s"); bias: the same shape ("f32", "f16"),
  *          or for "f16s" one fp32 constant C (bias = scale * C, the product in fp32 as qmatmul.c's).
  * Decode reads every weight byte once a token: these hold exactly GGML's bytes per weight.
@@ -48,7 +44,7 @@
 
 #define LINLINE static inline __attribute__((always_inline))
 
-enum { L4 = 4, L5 = 5, L6 = 6, L8 = 8 };         /* code kinds */
+enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds */
 /* Scale modes (qmatmul.c's SM_* numbers): LM_F16I is LM_F16S whose constant is the layout's own offset
  * (picked per call); LM_K: Q4_K / Q5_K's uint8 sc and m per group of 32 under an fp16 (d, dmin) per 256
  * inputs (scale d*sc, bias -(dmin*m): exact fp32 products); LM_K6: Q6_K's int8 sc per group of 16 under an
@@ -63,7 +59,7 @@ enum { LM_F32 = 0, LM_F16 = 1, LM_K = 2, LM_K6 = 3, LM_F16S = 4, LM_F16I = 5 };
 /* One matrix in a lanes layout (see the top of the file), K inputs. */
 typedef struct {
     const uint8_t *codes;
-    const uint16_t *high;       /* q5x16's fifth bits, q6x16's fifth and sixth bit planes, else NULL */
+    const uint16_t *high;       /* q5x16's fifth bits, else NULL */
     const void *scale, *bias;
     const uint16_t *sup;        /* LM_K: fp16 (N/16, K/256, 2, 16) d, dmin; LM_K6: (N/16, K/256, 16) d */
     int64_t K;
@@ -141,14 +137,14 @@ __attribute__((constructor)) static void fill_fifth(void) {
 #endif
 
 #if VN != 8
-/* + val (16: a fifth bit, 32: a sixth) on the bytes whose bit in m (lanes v * VN ..) is set */
-LINLINE bytes_t add_bit(bytes_t q, unsigned m, int v, int val) {
+/* + 16 on the bytes whose bit in m (lanes v * VN ..) is set */
+LINLINE bytes_t add_fifth(bytes_t q, unsigned m, int v) {
 #if VN == 16
     (void)v;
-    return _mm_mask_add_epi8(q, (__mmask16)m, q, _mm_set1_epi8((char)val));
+    return _mm_mask_add_epi8(q, (__mmask16)m, q, _mm_set1_epi8(16));
 #else
     const uint8_t *f = FIFTH[(m >> (VN * v)) & ((1u << VN) - 1)];
-    for (int j = 0; j < VN; j++) q.b[j] = (int8_t)(uint8_t)((uint8_t)q.b[j] + (f[j] ? val : 0));
+    for (int j = 0; j < VN; j++) q.b[j] = (int8_t)(uint8_t)((uint8_t)q.b[j] + f[j]);
     return q;
 #endif
 }
@@ -162,14 +158,9 @@ LINLINE bytes_t add_bit(bytes_t q, unsigned m, int v, int val) {
  * float is exactly 2^23 + c, and subtracting 2^23 + offset leaves c' (exact: every value an integer below
  * 2^24). The same values as the byte path, so the same bits. */
 static uint32_t FIFTH32[256][8] __attribute__((aligned(32)));
-/* SIXTH32: the same words with 32 (Q6_K's sixth bit): or-ed with FIFTH32's, 2^23 + c for c's two high bits */
-static uint32_t SIXTH32[256][8] __attribute__((aligned(32)));
 __attribute__((constructor)) static void fill_fifth32(void) {
     for (int m = 0; m < 256; m++)
-        for (int j = 0; j < 8; j++) {
-            FIFTH32[m][j] = 0x4B000000u | ((m >> j & 1) ? 16u : 0u);
-            SIXTH32[m][j] = 0x4B000000u | ((m >> j & 1) ? 32u : 0u);
-        }
+        for (int j = 0; j < 8; j++) FIFTH32[m][j] = 0x4B000000u | ((m >> j & 1) ? 16u : 0u);
 }
 
 LINLINE __m256i widen8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
@@ -194,17 +185,6 @@ LINLINE void codes_pair8(int kind, int hasoff, int off, const LMat *w, int64_t b
         const vf bias = splatn(8388608.0f + (float)off);
         *c0 = (vf)_mm256_castsi256_ps(_mm256_or_si256(lo, _mm256_load_si256((const __m256i *)FIFTH32[h[v]]))) - bias;
         *c1 = (vf)_mm256_castsi256_ps(_mm256_or_si256(hi, _mm256_load_si256((const __m256i *)FIFTH32[h[2 + v]]))) - bias;
-        return;
-    }
-    if (kind == L6) {        /* bytes: k = 2p's bit-4 plane (2), its bit-5 plane (2), then k = 2p + 1's */
-        const uint8_t *h = (const uint8_t *)(w->high + (b * K + 2 * p) * 2);
-        const vf bias = splatn(8388608.0f + (float)off);
-        const __m256i f0 = _mm256_or_si256(_mm256_load_si256((const __m256i *)FIFTH32[h[v]]),
-                                           _mm256_load_si256((const __m256i *)SIXTH32[h[2 + v]]));
-        const __m256i f1 = _mm256_or_si256(_mm256_load_si256((const __m256i *)FIFTH32[h[4 + v]]),
-                                           _mm256_load_si256((const __m256i *)SIXTH32[h[6 + v]]));
-        *c0 = (vf)_mm256_castsi256_ps(_mm256_or_si256(lo, f0)) - bias;
-        *c1 = (vf)_mm256_castsi256_ps(_mm256_or_si256(hi, f1)) - bias;
         return;
     }
     *c0 = int_codes(lo, hasoff, off);
@@ -234,12 +214,8 @@ LINLINE void codes_pair(int kind, int hasoff, int off, const LMat *w, int64_t b,
         nibbles(ld_bytes(w->codes + (b * (K / 2) + p) * BLK + v * VN), &q0, &q1);
         if (kind == L5) {          /* the fifth bits: lane j's bit j of the 16-bit mask, times 16 */
             const uint16_t *h = w->high + b * K + 2 * p;
-            q0 = add_bit(q0, h[0], v, 16);
-            q1 = add_bit(q1, h[1], v, 16);
-        } else if (kind == L6) {   /* and the sixth bits, times 32: [b][k][0], [b][k][1] */
-            const uint16_t *h = w->high + (b * K + 2 * p) * 2;
-            q0 = add_bit(add_bit(q0, h[0], v, 16), h[1], v, 32);
-            q1 = add_bit(add_bit(q1, h[2], v, 16), h[3], v, 32);
+            q0 = add_fifth(q0, h[0], v);
+            q1 = add_fifth(q1, h[1], v);
         }
     }
     if (hasoff) {                  /* c - off fits a signed byte: Q8_0's -128..127, Q4 -8..7, Q5 -16..15, Q6_K -32..31 */
@@ -405,7 +381,7 @@ LINLINE void gemv_blocks(int kind, int hasoff, int mode, const float *x, const f
     }
 }
 
-/* gemv_blocks with the code kind and whether it has an offset as constants (8 copies): left to run time,
+/* gemv_blocks with the code kind and whether it has an offset as constants (6 copies): left to run time,
  * every code pair tested both (the tests and the branches were most of the instructions of an AVX2 GEMV:
  * ~27 for 16 weights of Q4_1 against ~8 of arithmetic, counted by callgrind). The mode stays a run-time
  * value: it decides only the group's epilogue. */
@@ -417,7 +393,7 @@ static __attribute__((noinline)) void gemv_part(int kind, int mode, const float 
         if (hasoff) gemv_blocks(K_, 1, mode, x, xp, M, w, X, b0, b1, y, ldy);                    \
         else gemv_blocks(K_, 0, mode, x, xp, M, w, X, b0, b1, y, ldy);                           \
         return; }
-    GV_KIND(L4) GV_KIND(L5) GV_KIND(L6) GV_KIND(L8)
+    GV_KIND(L4) GV_KIND(L5) GV_KIND(L8)
 #undef GV_KIND
 }
 
@@ -432,7 +408,7 @@ static __attribute__((noinline)) void gemv_part(int kind, int mode, const float 
  * matrices at M = 8: 0.82-0.85x the GEMM's time; at 12 1.1x). Only timing depends on it
  * ([BATCH-INVARIANT]). */
 #ifndef LANES_GEMM_M
-#define LANES_GEMM_M(kind) (((kind) == L5 || (kind) == L6) && VN == 16 ? 8 : 12)
+#define LANES_GEMM_M(kind) ((kind) == L5 && VN == 16 ? 8 : 12)
 #endif
 #ifndef KC_BYTES
 #define KC_BYTES 131072                 /* a thread's converted codes: NW rows x KC inputs of fp32 */
@@ -654,4 +630,4 @@ LANES_EXPORT_F16S(tq_q5x16_f16s_mm, L5)
 LANES_EXPORT(tq_q8x16_f32_mm, L8, LM_F32)
 LANES_EXPORT(tq_q8x16_f16_mm, L8, LM_F16)
 LANES_EXPORT_F16S(tq_q8x16_f16s_mm, L8)
-LANES_EXPORT(tq_q6x16_k6_mm, L6, LM_K6)
+LANES_EXPORT(tq_q6x16_k6_mm, L8, LM_K6)

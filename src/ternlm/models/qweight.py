@@ -14,8 +14,8 @@ scale and offset is exactly an fp16 (GGML's own d and m: Q4_1, Q5_1); "k" (Q4_K,
 sub-block scales (uint8 sc and m, int8 sc for Q6_K) with the fp16 super-block d (and dmin) in `sup`,
 multiplied out in the kernel (exact products); "f32" otherwise. Decode reads every weight byte once per
 token, so the bytes per weight set its speed (Q8_0: 1.0625 instead of 1.5; Q5_0 0.6875 instead of 1.5;
-Q4_1 0.625 instead of 0.75; Q4_K 0.58 instead of 0.75: GGML's own sizes). Q6_K's row layout q8g16 holds
-a byte a code (1.07 a weight); its lanes layout q6x16 splits the code into 4 + 1 + 1 bits (0.82, GGML's).
+Q4_1 0.625 instead of 0.75; Q6_K 1.07 instead of 1.5; Q4_K 0.58 instead of 0.75: GGML's own sizes but
+Q6_K's).
 
 A weight is w = fma(scale, code, bias). Every GGML type below maps onto one layout with that value
 *exactly* equal to the fp32 GGML dequantization (gguf.quants.dequantize): the products d*sc, d*q and
@@ -56,14 +56,13 @@ class QWeight:
     """An (out, in) weight in one of the kernel's layouts (see the module docstring)."""
     fmt: str                   # "q4g32" | "q5g32" | "q8g16" | "q8g32" | lanes: "q4x16" | "q5x16" | "q8x16" | "q6x16"
     codes: torch.Tensor        # uint8 (out, in/2) for q4g32 and q5g32, (out, in) for the q8 layouts;
-                               # lanes: (out/16, in/2, 16) q4x16, q5x16, q6x16 (low 4 bits); (out/16, in, 16) q8x16
+                               # lanes: (out/16, in/2, 16) q4x16, q5x16; (out/16, in, 16) q8x16, q6x16
     scale: torch.Tensor        # (out, in/group): fp32 | fp16 | uint8 sc ("k") | int8 sc ("k6");
                                # lanes: (out/16, in/group, 16) of the same types
     bias: torch.Tensor | None  # (out, in/group): fp32 | fp16 | uint8 m ("k"); (1,) fp32 constant c ("f16s":
                                # bias = c * scale); None for "k6" (-32 * scale); lanes: as scale, or (1,)
     high: torch.Tensor | None = None   # uint8 (out, in/8) for q5g32; lanes q5x16: uint8 (out/16, in, 2),
-                                       # a little-endian uint16 per (block, input): bit j = row j's bit 4;
-                                       # q6x16: (out/16, in, 4), two such uint16: bit 4's, then bit 5's
+                                       # a little-endian uint16 per (block, input): bit j = row j's bit 4
     sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6");
                                        # lanes: (out/16, in/256, 2, 16) "k", (out/16, in/256, 16) "k6"
 
@@ -126,13 +125,12 @@ class QWeight:
         if self.lanes:
             block, lane = _block_lane(rows, self.shape[0])
             c = self.codes[block, :, lane]                                      # (n, in/2 or in)
-            if self.fmt == Q8L:
+            if self.fmt in (Q8L, Q6L):
                 return c
             q = torch.stack((c & 0x0F, c >> 4), dim=-1).reshape(c.shape[0], -1)  # (n, in): inputs 2p, 2p+1
-            shift = (lane % 8).to(torch.uint8).unsqueeze(1)
-            for plane in range({Q5L: 1, Q6L: 2}.get(self.fmt, 0)):             # bit 4 (, bit 5) planes
-                h = self.high[block, :, 2 * plane + lane // 8]                  # (n, in): the byte with bit j
-                q = q | (((h >> shift) & 1) << (4 + plane))
+            if self.fmt == Q5L:
+                h = self.high[block, :, lane // 8]                              # (n, in): the byte with bit j
+                q = q | (((h >> (lane % 8).to(torch.uint8).unsqueeze(1)) & 1) << 4)
             return q
         c = self.codes[rows]
         if self.fmt not in NIBBLES:
@@ -206,15 +204,13 @@ def _lanes_of(q: QWeight, fmt: str) -> QWeight:
 
     t = q.codes_of_rows(slice(None)).reshape(nb, BLOCK_ROWS, k).transpose(1, 2).contiguous()   # (n/16, in, 16)
     high = None
-    if fmt == Q8L:
+    if fmt in (Q8L, Q6L):
         codes = t
     else:
         low = t & 0x0F
         codes = (low[:, 0::2] | (low[:, 1::2] << 4)).contiguous()                             # (n/16, in/2, 16)
         if fmt == Q5L:
             high = pack_bits((t >> 4) & 1)                                                     # (n/16, in, 2): lanes 0-7, 8-15
-        elif fmt == Q6L:                    # (n/16, in, 4): bit 4's lanes 0-7, 8-15, then bit 5's
-            high = torch.cat((pack_bits((t >> 4) & 1), pack_bits((t >> 5) & 1)), dim=-1).contiguous()
     bias = q.bias if q.bias is None or q.mode == "f16s" else interleave(q.bias)
     sup = None if q.sup is None else interleave(q.sup)   # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
     return QWeight(fmt, codes, interleave(q.scale), bias, high, sup)
