@@ -1,0 +1,396 @@
+"""A mixture of experts under a memory cap (issue 36's headline): ternlm streaming experts from the
+GGUF vs llama.cpp mapping it, each server in its own memory cgroup with the SAME limit, on a 2-turn
+conversation. A cgroup v1 limit bounds the group's anonymous memory AND its page cache, so a capped
+llama.cpp cannot keep the mapped file resident either: both engines read from disk what does not fit.
+
+Contenders (each started fresh, the file's pages dropped from the page cache first: a cold start):
+  reuse       ternlm serve, prefix KV reuse on (slot only: RAM and disk tiers off), --expert-cache EC
+  no-reuse    the same with --no-prefix-kv
+  llama.cpp   llama-cpp-python's server (.venv-peers), same file, mmap without mlock (llama-server's
+              default; the Python server's own default mmap+mlock pins the whole mapping, so any cap
+              below the file OOM-kills it at load), weight repacking off (llama-server's --no-repack:
+              see NO_REPACK), its own prefix reuse (Llama.generate keeps the longest common prefix
+              of its previous input)
+  llama.cpp-repack  the same with llama.cpp's repacking on (its default: experts copied into anonymous memory)
+
+The conversation (identical rendered text for every contender; /v1/completions, greedy, stream):
+  turn 1: ChatML user message of ~T1 tokens of words -> max_tokens N answer
+  turn 2: turn 1's prompt + a FIXED answer text + a user message of ~T2 new tokens -> N tokens
+A fixed answer, not each engine's own: random weights generate `<extra_N>` filler tokens whose text
+re-tokenizes to ~13 byte tokens each, so neither engine could reuse its generated tokens anyway;
+a fixed answer keeps the turn-2 prompt the same bits for all three (reuse = the turn-1 prompt).
+
+Per turn: TTFT (request sent -> first streamed text), decode tok/s ((last - first text chunk) /
+(chunks - 1)), disk bytes read by the server process (/proc/PID/io read_bytes before/after; page
+faults on a mapping count too), ternlm's `timings.experts` counters. Per run: load time, the
+cgroup's peak charge (memory.max_usage_in_bytes: anon + page cache), failcnt, OOM kills
+(memory.oom_control), the process's VmHWM and whether it died.
+
+    .venv/bin/python benchmarks/moe_capped.py -m FILE.gguf --cap 2GiB [--expert-cache auto|SIZE]
+        [--contenders reuse no-reuse llama.cpp] [--chunk 256] [--t1 2000 --t2 200 --max-tokens 32]
+        [--port 8130] [--tag NAME] [--out benchmarks/results/moe-capped]
+
+Writes OUT/TAG-CONTENDER.json (+ .log) per run and regenerates OUT/runs.md from every JSON there. Must run
+as root (cgroup, /proc/PID/io); creates the cgroups under its own memory cgroup and removes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMCG = Path("/sys/fs/cgroup/memory")
+GiB = 1 << 30
+
+WORDS = ("the a of and to in is that it was for on are as with his they at be this from have or by one had "
+         "not but what all were when we there can an your which their said if do will each about how up out "
+         "them then she many some so these would other into has more her two like him see time could no make "
+         "than first been its who now people my made over did down only way find use may water long little "
+         "very after words called just where most know get through back much before go good new write our "
+         "used me man too any day same right look think also around another came come work three word must "
+         "because does part even place well such here take why things help put years different away again "
+         "off went old number great tell men say small every found still between name should home big give "
+         "air line set own under read last never us left end along while might next sound below saw").split()
+TOKENS_PER_CHAR = 0.93      # the synthetic files' byte-level BPE (5 merges) on these words: measured
+FIXED_ANSWER = "Here is a short answer to that one."   # ~32 tokens, as a max_tokens 32 answer
+
+
+# ---- the cgroup ------------------------------------------------------------------------------------
+
+@dataclass
+class Cgroup:
+    """A memory cgroup (v1) below this process's own, limited to `limit` bytes (memory + page cache).
+    `join` is a preexec_fn: the child moves itself in before exec, so every byte it touches counts."""
+    path: Path
+    limit: int
+
+    @classmethod
+    def create(cls, name: str, limit: int) -> "Cgroup":
+        mine = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                    if "memory" in line.split(":", 2)[1].split(","))
+        path = MEMCG / mine.strip().lstrip("/") / name
+        if path.exists():
+            path.rmdir()
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(limit))
+        return cls(path, limit)
+
+    def join(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def snapshot(self) -> dict:
+        stat = dict(line.split() for line in self.read("memory.stat").splitlines())
+        oom = dict(line.split() for line in self.read("memory.oom_control").splitlines())
+        return {"usage": int(self.read("memory.usage_in_bytes")), "peak": int(self.read("memory.max_usage_in_bytes")),
+                "failcnt": int(self.read("memory.failcnt")), "oom_kill": int(oom.get("oom_kill", 0)),
+                "rss": int(stat["rss"]), "cache": int(stat["cache"]), "mapped_file": int(stat["mapped_file"])}
+
+    def remove(self) -> None:
+        for _ in range(50):                 # the killed process leaves the group a moment after wait()
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"cgroup {self.path} not removable")
+
+
+def _preexec(cg: Cgroup):
+    def run() -> None:
+        os.setsid()
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG: dies with this script
+        cg.join()
+    return run
+
+
+def drop_file_pages(path: Path) -> None:
+    """Cold start for the next contender: the file's clean, unmapped pages leave the page cache
+    (posix_fadvise DONTNEED on this file only: other users' caches are left alone)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def proc_io(pid: int) -> dict:
+    return {k: int(v) for k, v in (line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())}
+
+
+def proc_status(pid: int) -> dict:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+            out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+# ---- the conversation ------------------------------------------------------------------------------
+
+def words(n_tokens: int, rng: random.Random) -> str:
+    out, chars = [], 0
+    while chars * TOKENS_PER_CHAR < n_tokens:
+        w = rng.choice(WORDS)
+        out.append(w)
+        chars += len(w) + 1
+    return " ".join(out)
+
+
+def conversation(t1: int, t2: int, seed: int = 0) -> tuple[str, str]:
+    """(turn-1 prompt, turn-2 prompt), ChatML rendered (the synthetic files' template)."""
+    rng = random.Random(seed)
+    p1 = f"<|im_start|>user\n{words(t1 - 10, rng)}<|im_end|>\n<|im_start|>assistant\n"
+    p2 = p1 + f"{FIXED_ANSWER}<|im_end|>\n<|im_start|>user\n{words(t2 - 10, rng)}<|im_end|>\n<|im_start|>assistant\n"
+    return p1, p2
+
+
+@dataclass
+class Turn:
+    ttft_s: float
+    total_s: float
+    chunks: int                     # streamed chunks with text (one token each for both servers here)
+    decode_tok_s: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    read_bytes: int                 # /proc/PID/io read_bytes delta: bytes the server pulled off the disk
+    rchar: int                      # bytes its read()/pread() calls returned (page cache or disk)
+    cgroup_after: dict
+    timings: dict | None            # ternlm's timings (prompt_n, cache_n, experts ...); None for llama.cpp
+    text: str
+
+
+def run_turn(url: str, model: str, prompt: str, max_tokens: int, pid: int, cg: Cgroup, timeout: float) -> Turn:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    io0 = proc_io(pid)
+    t0 = time.perf_counter()
+    times, text, usage, timings, done = [], [], None, None, False
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            done = done or line == "data: [DONE]"
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices") or []:
+                if c.get("text"):
+                    times.append(time.perf_counter() - t0)
+                    text.append(c["text"])
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+    total = time.perf_counter() - t0
+    if not done:                    # a server killed mid-stream closes the stream without [DONE]
+        raise ConnectionError(f"stream ended without [DONE] after {len(times)} chunks")
+    io1 = proc_io(pid)
+    n = len(times)
+    return Turn(ttft_s=times[0] if times else total, total_s=total, chunks=n,
+                decode_tok_s=(n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
+                prompt_tokens=(usage or {}).get("prompt_tokens"), completion_tokens=(usage or {}).get("completion_tokens"),
+                read_bytes=io1["read_bytes"] - io0["read_bytes"], rchar=io1["rchar"] - io0["rchar"],
+                cgroup_after=cg.snapshot(), timings=timings, text="".join(text)[:200])
+
+
+# ---- the contenders --------------------------------------------------------------------------------
+
+# llama-cpp-python's server with llama.cpp's weight repacking off (llama-server's --no-repack;
+# model param use_extra_bufts, which the Python server does not expose): on AVX-512 llama.cpp copies
+# the Q4_K expert tensors into an anonymous CPU_REPACK buffer at load (740 MiB of olmoe-small's
+# 930), i.e. it does NOT stream them from the mapping; repacking off keeps every weight mapped.
+NO_REPACK = ("import runpy, sys, llama_cpp.llama_cpp as C\n"
+             "_default = C.llama_model_default_params\n"
+             "def _params():\n    p = _default(); p.use_extra_bufts = False; return p\n"
+             "C.llama_model_default_params = _params\n"
+             "sys.argv[0] = 'llama_cpp.server'\n"
+             "runpy.run_module('llama_cpp.server', run_name='__main__')\n")
+LLAMA = ("llama.cpp", "llama.cpp-repack")
+PORTS = {"reuse": 0, "no-reuse": 1, "llama.cpp": 2, "llama.cpp-repack": 3}
+
+
+def command(kind: str, model: Path, port: int, args) -> list[str]:
+    if kind in LLAMA:
+        how = ["-c", NO_REPACK] if kind == "llama.cpp" else ["-m", "llama_cpp.server"]
+        return [str(ROOT / ".venv-peers/bin/python"), *how, "--model", str(model),
+                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", str(args.ctx),
+                "--use_mlock", "False",   # llama-server's default; the Python server's default mlock pins the mapping
+                "--host", "127.0.0.1", "--port", str(port), *args.llama_args]
+    cmd = [str(ROOT / ".venv/bin/ternlm"), "serve", "-m", str(model), "--port", str(port), "--threads",
+           str(args.threads), "--ctx", str(args.ctx), "--slots", "1", "--expert-cache", args.expert_cache,
+           "--chunk", str(args.chunk), "--cache-ram", "0", "--cache-disk", "0"]
+    return cmd + (["--no-prefix-kv"] if kind == "no-reuse" else [])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, health: bool) -> str:
+    """The served model's id once the server is ready (ternlm: /health 200, it answers /v1/models
+    while still loading; llama.cpp: /v1/models after its load). Raises if the process dies or time
+    runs out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while loading")
+        try:
+            if health:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()     # 503 while loading: raises
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
+                return json.loads(r.read())["data"][0]["id"]
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def run_contender(kind: str, args, out: Path) -> dict:
+    port = args.port + PORTS[kind]
+    url = f"http://127.0.0.1:{port}"
+    name = f"{args.tag}-{kind}"
+    cmd = command(kind, args.model, port, args)
+    rec = {"tag": args.tag, "contender": kind, "model": str(args.model), "file_bytes": args.model.stat().st_size,
+           "cap": args.cap, "expert_cache": args.expert_cache if kind not in LLAMA else None,
+           "chunk": args.chunk if kind not in LLAMA else None, "threads": args.threads, "ctx": args.ctx,
+           "t1": args.t1, "t2": args.t2, "max_tokens": args.max_tokens,
+           "env": dict(args.env) if kind not in LLAMA else {}, "command": " ".join(cmd),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_before": os.getloadavg(),
+           "turns": [], "died": False, "error": None}
+    drop_file_pages(args.model)
+    cg = Cgroup.create(f"ternlm-moe-capped-{kind}", args.cap)
+    log = open(out / f"{name}.log", "w")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **(dict(args.env) if kind not in LLAMA else {}))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_preexec(cg))
+    try:
+        t0 = time.perf_counter()
+        model = wait_ready(url, proc, args.load_timeout, health=kind not in LLAMA)
+        rec["load_s"] = time.perf_counter() - t0
+        rec["after_load"] = {"cgroup": cg.snapshot(), "proc": proc_status(proc.pid), "io": proc_io(proc.pid)}
+        # ternlm's load hashes the whole file (sha256: the KV namespace) through the page cache; drop
+        # those pages so turn 1 starts cold for every contender (mapped pages, llama.cpp's, stay: its
+        # mmap load populates them, part of its load)
+        drop_file_pages(args.model)
+        rec["after_drop"] = {"cgroup": cg.snapshot()}
+        p1, p2 = conversation(args.t1, args.t2)
+        for i, prompt in enumerate(() if args.load_only else (p1, p2), 1):
+            turn = run_turn(url, model, prompt, args.max_tokens, proc.pid, cg, args.turn_timeout)
+            rec["turns"].append(asdict(turn))
+            print(f"  {name} turn {i}: ttft {turn.ttft_s:.2f} s, decode {turn.decode_tok_s or 0:.2f} tok/s, "
+                  f"read {turn.read_bytes / 1e9:.2f} GB, prompt {turn.prompt_tokens}, "
+                  f"experts {(turn.timings or {}).get('experts')}", file=sys.stderr, flush=True)
+        rec["proc_end"] = proc_status(proc.pid)
+    except Exception as e:                                   # a failed run is a result: record it
+        rec["error"] = f"{type(e).__name__}: {e}"
+        print(f"  {name}: {rec['error']}", file=sys.stderr, flush=True)
+    finally:
+        rec["died"] = proc.poll() is not None
+        rec["returncode"] = proc.returncode
+        rec["cgroup_end"] = cg.snapshot()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)           # ternlm's shutdown grace waits for a running request
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+        cg.remove()
+    rec["log_tail"] = (out / f"{name}.log").read_text().splitlines()[-30:]
+    rec["expert_plan"] = next((line.split("expert cache: ", 1)[1] for line in rec["log_tail"] + (out / f"{name}.log").read_text().splitlines()
+                               if "expert cache: " in line), None)
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+# ---- the table -------------------------------------------------------------------------------------
+
+def _gb(b) -> str:
+    return "-" if b is None else f"{b / 1e9:.2f}"
+
+
+def table(out: Path) -> str:
+    rows = []
+    for f in sorted(out.glob("*.json")):
+        r = json.loads(f.read_text())
+        t = r["turns"] + [None] * (2 - len(r["turns"]))
+        cg = r.get("cgroup_end", {})
+        hwm = (r.get("proc_end") or {}).get("VmHWM")
+
+        def cell(turn, key, fmt="{:.2f}"):
+            v = turn.get(key) if turn else None
+            return "-" if v is None else fmt.format(v)
+
+        def reuse(turn):
+            tm = (turn or {}).get("timings") or {}
+            return f"{tm['cache_n']}/{tm['cache_n'] + tm['prompt_n']}" if "cache_n" in tm else "-"
+
+        def experts(turn):
+            e = ((turn or {}).get("timings") or {}).get("experts")
+            return "-" if not e else f"{e['misses']}/{e['hits'] + e['misses']} miss, {e['bytes_read'] / 1e9:.2f} GB"
+        status = "OOM-killed" if cg.get("oom_kill") else ("died" if r["died"] else ("error" if r["error"] else "ok"))
+        rows.append(f"| {r['tag']} | {r['contender']} | {r['cap'] / GiB:.2f} | {r['file_bytes'] / 1e9:.2f} | "
+                    f"{r['expert_cache'] or '-'} | {r['chunk'] or '-'} | {'yes' if r.get('env') else '-'} | "
+                    f"{r.get('load_s', 0):.1f} | "
+                    f"{cell(t[0], 'ttft_s')} | {cell(t[1], 'ttft_s')} | {reuse(t[1])} | "
+                    f"{cell(t[0], 'decode_tok_s')} | {cell(t[1], 'decode_tok_s')} | "
+                    f"{_gb((t[0] or {}).get('read_bytes'))} | {_gb((t[1] or {}).get('read_bytes'))} | "
+                    f"{experts(t[0])} | {experts(t[1])} | {_gb(cg.get('peak'))} | {_gb(hwm)} | "
+                    f"{cg.get('failcnt', '-')} | {status} |")
+    head = ("| run | contender | cap GiB | file GB | expert cache | chunk | alloc env | load s | turn-1 TTFT s | "
+            "turn-2 TTFT s | turn-2 reuse | turn-1 decode tok/s | turn-2 decode tok/s | read GB t1 | "
+            "read GB t2 | experts t1 | experts t2 | cgroup peak GB | VmHWM GB | failcnt | status |\n"
+            "|" + "---|" * 21)
+    return head + "\n" + "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", type=Path, required=True)
+    ap.add_argument("--cap", required=True, help="cgroup memory limit, e.g. 8GiB")
+    ap.add_argument("--expert-cache", default="auto")
+    ap.add_argument("--contenders", nargs="+", default=["reuse", "no-reuse", "llama.cpp"],
+                    choices=list(PORTS))
+    ap.add_argument("--chunk", type=int, default=256, help="ternlm's prefill chunk (--chunk)")
+    ap.add_argument("--t1", type=int, default=2000)
+    ap.add_argument("--t2", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--port", type=int, default=8130)
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--load-timeout", type=float, default=600)
+    ap.add_argument("--turn-timeout", type=float, default=1800)
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment for the ternlm contenders (e.g. allocator settings)")
+    ap.add_argument("--llama-args", nargs="*", action="extend", default=[], metavar="ARG",
+                    help="extra llama_cpp.server flags, e.g. --n_batch 128 (use --llama-args=--n_batch ...)")
+    ap.add_argument("--load-only", action="store_true", help="start, record the load (and the expert plan), stop")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/moe-capped")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    from ternlm.sizes import parse_size
+    args.cap = parse_size(args.cap)
+    args.env = [tuple(kv.split("=", 1)) for kv in args.env]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # `finally` stops the server, removes the cgroup
+    args.tag = args.tag or args.model.stem
+    args.out.mkdir(parents=True, exist_ok=True)
+    for kind in args.contenders:
+        print(f"{args.tag}: {kind} (cap {args.cap / GiB:.2f} GiB)", file=sys.stderr, flush=True)
+        run_contender(kind, args, args.out)
+    md = args.out / "runs.md"          # every run in OUT; TABLE.md (the notes) quotes it
+    md.write_text(table(args.out))
+    print(md.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
