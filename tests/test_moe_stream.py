@@ -153,3 +153,26 @@ def test_plan_expert_cache():
     assert plan_expert_cache("auto", 17 * G, G, G, None).budget is None           # unknown: as before
     with pytest.raises(ValueError):
         plan_expert_cache("lots", 1, 1, 1, 1)
+
+
+def test_auto_plan_leaves_room_for_the_prefill_chunk(moe_file, monkeypatch):
+    """--expert-cache auto counts the step's working set with the resident parts (beside the KV), so a
+    larger --chunk leaves the cache less (a 2,048-row chunk with a cache that took all the room was
+    OOM-killed under a cgroup cap: benchmarks/results/moe-capped)."""
+    import ternlm.models.moe as moe
+    real, seen = moe.plan_expert_cache, {}
+
+    def recording(requested, experts, others, kv, available):
+        seen["experts"], seen["others"], seen["kv"] = experts, others, kv
+        return real(requested, experts, others, kv, available)
+    monkeypatch.setattr(moe, "plan_expert_cache", recording)
+    others = {}
+    for chunk in (256, 2048):
+        e = Engine.load(str(moe_file), weights="gguf", expert_cache="auto", chunk_size=chunk, ctx=256)
+        others[chunk] = seen["others"]
+    cfg = e.config
+    assert others[2048] - others[256] == moe.step_work_bytes(cfg, 2048) - moe.step_work_bytes(cfg, 256) > 0
+    # with exactly the memory a 256-row chunk leaves the experts, the 2,048-row chunk streams them
+    avail = others[256] + seen["kv"] + moe.EXPERT_OVERHEAD + others[256] // 8 + seen["experts"]
+    assert real("auto", seen["experts"], others[256], seen["kv"], avail).budget is None
+    assert real("auto", seen["experts"], others[2048], seen["kv"], avail).budget is not None

@@ -160,7 +160,7 @@ class Engine:
         Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (high
         while loading, so the loader's temporaries reuse the heap, which is trimmed after; raised to
         1 GiB when the torch attention runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
-        from .malloc import loading, one_arena
+        from .malloc import loading, one_arena, streamed_blocks_return
         from .models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -186,6 +186,8 @@ class Engine:
                 loaded = load_hf_folder(r.path, tdtype)
             engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
             engine.expert_plan = plans[0] if plans else None
+        if engine.expert_plan is not None and engine.expert_plan.budget is not None:
+            streamed_blocks_return()             # after loading(): it sets the serving thresholds
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)
         return engine
 
@@ -488,14 +490,16 @@ def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
     header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx, fp32: the
     MoE layers run in torch) and the available memory (fit.available_memory where present, else
     MemAvailable). Side effects: appends the plan to `plans` and logs it."""
-    from .models.moe import plan_expert_cache
+    from .models.moe import plan_expert_cache, step_work_bytes
 
     def decide(cfg, experts: int, rest: int) -> int | None:
         ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ctx = -(-ctx // ATTN_BLOCK) * ATTN_BLOCK
         kv_elem = 2 if kw.get("kv_dtype") == "float16" else 4
         kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
-        plan = plan_expert_cache(requested, experts, rest, kv, _available_memory() if requested == "auto" else None)
+        work = step_work_bytes(cfg, kw.get("chunk_size", 256))
+        plan = plan_expert_cache(requested, experts, rest + work, kv,
+                                 _available_memory() if requested == "auto" else None)
         plans.append(plan)
         if cfg.num_experts:
             log.info("expert cache: %s", plan.reason)

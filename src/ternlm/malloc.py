@@ -45,6 +45,7 @@ _M_ARENA_MAX = -8
 _LIMIT = 1 << 30
 _LOAD_MMAP = 256 << 20     # while loading: temporaries reuse the heap (see the module docstring)
 _SERVE_MMAP = 32 << 20     # after: glibc's own dynamic maximum (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+_STREAM_MMAP = 256 << 10   # while experts stream: freed experts go back (streamed_blocks_return)
 _state = {"arena": False, "large": False}
 
 
@@ -86,6 +87,21 @@ def keep_large_buffers() -> bool:
         if mallopt and not _state["large"]:
             log.debug("mallopt refused the thresholds; large buffers stay mmap'ed")
     return _state["large"]
+
+
+def streamed_blocks_return() -> bool:
+    """While experts stream (models/moe.py StreamedExperts): blocks of 256 KiB and more get their own
+    mappings, so an evicted expert (1-3 MB of codes and scales, and its conversion's temporaries) goes
+    back to the system when freed. With the serving thresholds (32 MiB) they came from the heap and
+    stayed there, fragmented: under a cgroup cap a 583 MiB expert cache grew the anonymous set by
+    ~830 MiB and the server was OOM-killed (benchmarks/results/moe-capped); a 256 KiB threshold held it
+    to ~450 MiB. The cost, a fresh mapping's page faults per miss, is small beside the miss's read and
+    conversion. Side effect: process-wide allocator setting (not with keep_large_buffers, whose 1 GiB
+    thresholds then stay). Returns whether it is in force (False off glibc or TERNLM_MALLOC_TUNE=0)."""
+    libc = _libc()
+    if libc is None or _state["large"]:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _STREAM_MMAP) and libc.mallopt(_M_TRIM_THRESHOLD, 2 * _STREAM_MMAP))
 
 
 def large_buffers_kept() -> bool:

@@ -243,6 +243,19 @@ class StreamedExperts:
 EXPERT_OVERHEAD = 256 << 20     # beside the resident parts: tokenizer, tables, allocator slack (as fit.py)
 
 
+def step_work_bytes(cfg, rows: int) -> int:
+    """Bytes a prefill step of `rows` rows holds at its peak in one MoE layer, for the cache plan
+    (a streamed cache that takes all the room leaves the chunk's activations none: under a cgroup
+    cap, a 2,048-row chunk was OOM-killed, benchmarks/results/moe-capped). fp32 rows of: the
+    residual, the norm's output, q/k/v and the attention's output, and the experts' gate|up and
+    their product for each row's k experts (k * (2 I + I + hidden)), twice over for the grouping's
+    gathers and the torch temporaries beside them. An estimate, sized from the shapes. Pure."""
+    h, k, inter = cfg.hidden_size, max(cfg.experts_per_token, 1), cfg.expert_intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    per_row = 4 * (3 * h + qkv + cfg.num_heads * cfg.head_dim + k * (3 * inter + h))
+    return 2 * rows * per_row
+
+
 @dataclass(frozen=True)
 class ExpertCachePlan:
     """Where experts live: budget None = resident (converted at load); else streamed with this many
