@@ -38,16 +38,17 @@ from llamacpp_peer import ROOT, LlamaCpp, Renderer, Ternlm, command_line, md_tab
 REUSE, NO_REUSE, LLAMA = "ternlm-reuse", "ternlm-no-reuse", "llama.cpp"
 TEMPLATE = ROOT / "tests" / "data" / "thinking.jinja"
 WORD = "[a-z]{2,9}"
-# thinking of 100+ tokens (~60 words), then a short answer; the same shape for both engines
-FORMAT = {"type": "regex", "regex": rf"<think>\n{WORD}( {WORD}){{60,70}}\n</think>\n\n{WORD}( {WORD}){{8,14}}"}
-GBNF = ('root ::= "<think>\\n" w (" " w){60,70} "\\n</think>\\n\\n" w (" " w){8,14}\n'
+# thinking of 100-110 words, so >= 100 tokens (every " word" is at least one), then a short answer; the
+# same shape for both engines
+FORMAT = {"type": "regex", "regex": rf"<think>\n{WORD}( {WORD}){{99,109}}\n</think>\n\n{WORD}( {WORD}){{8,14}}"}
+GBNF = ('root ::= "<think>\\n" w (" " w){99,109} "\\n</think>\\n\\n" w (" " w){8,14}\n'
         "w ::= [a-z]{2,9}\n")
 QUESTIONS = ["Why is the sky blue?", "Why are sunsets red then?", "Does the moon have a sky?",
              "What colour is the sky on Mars?", "Why?", "Could a planet have a green sky?",
              "What about a purple one?", "How do we know the air's composition on exoplanets?",
              "Which telescope does that best?", "Summarise what we discussed."]
 SYSTEM = "You are a careful assistant. Think before answering. " * 6
-MAX_TOKENS = 400
+MAX_TOKENS = 1000
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:
