@@ -1,10 +1,10 @@
-"""The quantized products (qmatmul.c, qlanes.c) at two git revisions, side by side on a real model's matrices.
+"""The quantized products (qlanes.c; qmatmul.c at revisions that still have it) at two git revisions, side by
+side on a real model's matrices.
 
     python benchmarks/qmatmul_sweep.py -m qwen2.5-coder-0.5b --base HEAD~1 [--new WORKTREE] [--march native]
-    python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --amx new --timed-m 1,8,37,256
-    python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --cflags-new="-DKCHAIN=1 -DNBUF_BYTES=393216" --no-lm-head --timed-m 37,256
+    python benchmarks/qmatmul_sweep.py -m smollm2-135m --base WORKTREE --cflags-new="-DKC_BYTES=65536" --no-lm-head --timed-m 37,256
 
-Builds src/ternlm/kernels/qmatmul.c and qlanes.c as they are at --base and at --new (a revision, or
+Builds src/ternlm/kernels/qlanes.c (and qmatmul.c where the revision has it) as they are at --base and at --new (a revision, or
 WORKTREE for the files on disk) with the flags of kernels/build.py (-march as given: x86-64-v3 times the
 AVX2 path), loads the model with --weights gguf (its matrices in the layouts the engine holds: lanes where
 they have one, so a --base from before qlanes.c has no kernel for them: compare such revisions with
@@ -14,9 +14,8 @@ they have one, so a --base from before qlanes.c has no kernel for them: compare 
   2. times the whole sweep of matrices (a decode step's GEMVs, caches cold as in a real step) at
      M = 1 and M = 8 (--timed-m: other row counts, e.g. 256 for a prefill chunk), both builds
      interleaved, and prints medians and the new/base ratio.
---amx new|base: on an AMX host, that build's products run on AMX tiles (kernels/qmatmul_amx.h; as the
-engine does with TERNLM_AMX=1, an opt-in), the other's on AVX-512: step 1 then reports the largest difference
-between the two instead of requiring the same bits (the paths round differently by design).
+The opt-in AMX path (kernels/qamx.c) multiplies row layouts, which the engine no longer holds by default:
+time it with `TERNLM_AMX=0|1 ternlm bench engine`.
 Timing only, for this machine; not a test. Writes nothing.
 """
 from __future__ import annotations
@@ -35,7 +34,7 @@ from ternlm.engine import Engine
 from ternlm.models.qlinear import QLinear
 
 SOURCES = ["src/ternlm/kernels/qmatmul.c", "src/ternlm/kernels/qlanes.c"]     # those the revision has
-HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h"]   # their includes, likewise
+HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h"]   # their includes (qmatmul_amx.h: old revisions)
 
 
 def build(rev: str, march: str, out: Path, tag: str, cflags: list[str]) -> ctypes.CDLL:
@@ -105,25 +104,19 @@ def main() -> None:
     ap.add_argument("--timed-m", default="1,8", help="row counts to time, comma-separated (default 1,8)")
     ap.add_argument("--cflags-base", default="", help="extra compiler flags for the base build")
     ap.add_argument("--cflags-new", default="", help="extra compiler flags for the new build, written "
-                    "--cflags-new=\"-DX=1 ...\": the tile constants qmatmul.c leaves to the command line "
-                    "(#ifndef: NBUF_BYTES, DQ_M, KCHAIN; on the AVX-512 path also BR <= 6 and BC <= 4)")
+                    "--cflags-new=\"-DX=1 ...\": the constants qlanes.c leaves to the command line "
+                    "(#ifndef: LANES_GEMM_M, KC_BYTES, CHUNKS_PER_THREAD)")
     ap.add_argument("--no-lm-head", action="store_true",
                     help="leave out the output projection (the widest matrix), as a prefill chunk does")
-    ap.add_argument("--amx", choices=("none", "base", "new"), default="none",
-                    help="which build runs on AMX tiles (the other on AVX-512)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         libs = {k: build(rev, a.march, Path(tmp), k, flags.split())
                 for k, rev, flags in (("base", a.base, a.cflags_base), ("new", a.new, a.cflags_new))}
-        if a.amx != "none":
-            if not libs[a.amx].tq_amx_init():
-                raise SystemExit(f"--amx {a.amx}: that build has no AMX path, or the OS did not grant the tiles")
         parts = matrices(Engine.load(a.model, weights="gguf"))
         if a.no_lm_head:      # a prefill multiplies only its last row by the output projection
             parts = [p for p in parts if p.shape[0] != max(q.shape[0] for q in parts)]
         print(f"{a.model}: {len(parts)} matrices, {sum(p.nbytes for p in parts) / 1e6:.1f} MB; "
               f"base {a.base}, new {a.new}, -march={a.march}, {a.threads} threads")
-        worst = 0.0
         for M in (1, 3, 8, 13, 16, 37, 100):
             for p in parts:
                 x = torch.randn(M, p.shape[1])
@@ -131,15 +124,9 @@ def main() -> None:
                 for k, lib in libs.items():
                     f, args = call(lib, p, x, ys[k], a.threads)
                     f(*args)
-                if a.amx != "none":
-                    rel = ((ys["base"] - ys["new"]).abs().max() / ys["base"].abs().max()).item()
-                    worst = max(worst, rel)
-                elif not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
+                if not torch.equal(ys["base"].view(torch.int32), ys["new"].view(torch.int32)):
                     raise SystemExit(f"different bits: {p.fmt}/{p.mode} {p.shape} at M = {M}")
-        if a.amx != "none":
-            print(f"AMX vs AVX-512: largest difference {worst:.2e} of the largest output, every matrix at M = 1..100")
-        else:
-            print("same output bits on every matrix at M = 1, 3, 8, 13, 16, 37, 100")
+        print("same output bits on every matrix at M = 1, 3, 8, 13, 16, 37, 100")
         for M in (int(v) for v in a.timed_m.split(",")):
             xs = {p.shape[1]: torch.randn(M, p.shape[1]) for p in parts}
             ys = [torch.empty(M, p.shape[0]) for p in parts]   # kept alive: the calls hold raw pointers

@@ -13,20 +13,17 @@ import pytest
 import torch
 
 from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import LANES, Q8, QWeight, to_lanes
+from ternlm.models.qweight import Q8, QWeight, to_lanes
 from lesser_isa import run_built_for
 from test_qweight import K_LAYOUTS, LAYOUTS, _weights, kernels
 
 
 @pytest.mark.parametrize("layout", LAYOUTS + K_LAYOUTS, ids=lambda f: f"{f[0]}_{f[1]}")
 def test_to_lanes_keeps_every_weight(layout):
-    """The same weights, codes and bytes, rows interleaved; rows it has no kernel for: None."""
+    """The same weights, codes and bytes, rows interleaved."""
     q = _weights(layout, 96, 512)
     lanes = to_lanes(q)
-    if layout[0] == Q8 and layout[1] != "k6":       # groups of 16 with a bias: no lanes kernel
-        assert lanes is None and (q.fmt, q.mode) not in LANES
-        return
-    assert lanes.lanes and not q.lanes
+    assert lanes.lanes and not q.lanes and lanes.out is None
     assert (lanes.shape, lanes.mode, lanes.nbytes) == (q.shape, q.mode, q.nbytes)
     assert torch.equal(lanes.dequantize(), q.dequantize())
     rows = torch.tensor([0, 95, 17, 16, 15, 33])
@@ -37,14 +34,33 @@ def test_to_lanes_keeps_every_weight(layout):
         lanes.permute_rows(torch.arange(96))
 
 
-def test_to_lanes_needs_whole_blocks_of_rows():
-    assert to_lanes(_weights(LAYOUTS[0], 40, 512)) is None          # 40 = 2 x 16 + 8
-    q = _weights(LAYOUTS[0], 40, 512)
-    lin = QLinear([q], None, kernels())                               # the row kernel takes it
-    assert lin.parts[0] is q
-    x = torch.randn(3, 512)
+@pytest.mark.parametrize("layout", LAYOUTS + K_LAYOUTS, ids=lambda f: f"{f[0]}_{f[1]}")
+@pytest.mark.parametrize("out", [40, 8])                             # 2 x 16 + 8; less than one block
+def test_to_lanes_pads_the_last_block(layout, out):
+    """An output count not a multiple of 16: the last block padded with zero weights, the real count kept;
+    the kernel's product has the real columns only, equal to the float64 one, alone or in a batch."""
+    q = _weights(layout, out, 512)
+    lanes = to_lanes(q)
+    assert lanes.lanes and lanes.out == out and lanes.shape == q.shape and lanes.codes.shape[0] == -(-out // 16)
+    assert torch.equal(lanes.dequantize(), q.dequantize())
+    assert torch.equal(lanes.codes_of_rows(torch.tensor([out - 1, 0])), q.codes_of_rows(torch.tensor([out - 1, 0])))
+    lin = QLinear([q], None, kernels())
+    assert lin.parts[0].lanes
+    x = torch.randn(40, 512)
+    full = lin(x)
     ref = x.double() @ q.dequantize().double().T
-    assert (lin(x).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert full.shape == (40, out) and (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for m in (1, 3, 13):
+        assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), m
+
+
+def test_row_layout_without_lanes_has_no_kernel():
+    """q8g16 with a scale mode other than Q6_K's "k6" is made by no GGML type: no kernel, said at load."""
+    q = _weights((Q8, "k6"), 32, 512)
+    groups16 = QWeight(Q8, q.codes, q.scale_bias()[0].float(), q.scale_bias()[1].float())
+    assert groups16.mode == "f32" and to_lanes(groups16) is None
+    with pytest.raises(ValueError, match="no kernel"):
+        QLinear([groups16], None, kernels())
 
 
 _BITS_SCRIPT = textwrap.dedent("""
@@ -58,15 +74,14 @@ _BITS_SCRIPT = textwrap.dedent("""
     x = torch.randn(40, 1536)
     for lay in LAYOUTS + K_LAYOUTS:
         lin = QLinear([_weights(lay, 576, 1536)], None, k)
-        if lin.parts[0].lanes:
-            y = torch.cat([lin(x), lin(x[:1]), lin(x[1:5])])       # the GEMM and the GEMV paths
-            print(lay[0] + "_" + lay[1], hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16])
+        y = torch.cat([lin(x), lin(x[:1]), lin(x[1:5])])           # the GEMM and the GEMV paths
+        print(lay[0] + "_" + lay[1], hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16])
 """)
 
 
 def test_lanes_bits_do_not_depend_on_the_vector_width(tmp_path):
     """Each output is one chain of FMAs per lane in the order of k, so the AVX2 build (8 lanes) gives the
-    bits of this host's (16 lanes on AVX-512) -- what qmatmul.c's row kernels cannot (their partial sums
+    bits of this host's (16 lanes on AVX-512) -- what row kernels with a horizontal sum cannot (their partial sums
     are as wide as the vector). On an AVX2-only host both builds are AVX2 and this checks less."""
     native = run_built_for("native", _BITS_SCRIPT, tmp_path / "native")
     avx2 = run_built_for("x86-64-v3", _BITS_SCRIPT, tmp_path / "avx2")

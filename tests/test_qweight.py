@@ -116,15 +116,18 @@ def test_model_tensors_equal_gguf_dequantization(smollm2_gguf):
     assert seen, "the default model has quantized matrices"
 
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864)]   # smollm2 q+k+v, o, gate+up, down; qwen down
+# smollm2 q+k+v, o, gate+up, down; qwen down; an output count not a multiple of 16 (the lanes layout pads
+# its last block: qlanes.c writes only the real columns)
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (256, 4864), (40, 576)]
 
 
-# Every kernel variant (qmatmul.c's tq_<layout>_<mode>_mm). The f32/f16 variants are built from
-# Q4_1 / Q5_0 / Q8_0 blocks by re-expressing their (exact) scales, so any input size works; the
-# K-quant modes come from Q4_K / Q5_K / Q6_K blocks (inputs a multiple of 256: K_SHAPES).
-LAYOUTS = [(Q4, "f16"), (Q4, "f32"), (Q5, "f16"), (Q5, "f32"), (Q8, "f32"), (Q8, "f16"), (Q8W, "f16"), (Q8W, "f32")]
+# Every (layout, scale mode) GGML's types make (the kernels' variants: qlanes.c's tq_<lanes layout>_<mode>_mm,
+# QLinear converts each to its lanes layout). The f32/f16 variants are built from Q4_1 / Q5_0 / Q8_0
+# blocks by re-expressing their (exact) scales, so any input size works; the K-quant modes come from
+# Q4_K / Q5_K / Q6_K blocks (inputs a multiple of 256: K_SHAPES).
+LAYOUTS = [(Q4, "f16"), (Q4, "f32"), (Q5, "f16"), (Q5, "f32"), (Q8W, "f16"), (Q8W, "f32")]
 K_LAYOUTS = [(Q4, "k"), (Q5, "k"), (Q8, "k6"), (Q4, "f16s"), (Q5, "f16s"), (Q8W, "f16s")]   # straight from GGML types
-K_SHAPES = [(960, 512), (3072, 1536), (256, 4864)]
+K_SHAPES = [(960, 512), (3072, 1536), (256, 4864), (200, 512)]
 CASES = [(lay, shape) for lay in LAYOUTS for shape in SHAPES] + [(lay, shape) for lay in K_LAYOUTS for shape in K_SHAPES]
 CASE_IDS = [f"{f}_{m}-{o}x{i}" for (f, m), (o, i) in CASES]
 
@@ -137,12 +140,10 @@ def _weights(layout: tuple[str, str], out: int, inp: int) -> QWeight:
         q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
         assert (q.fmt, q.mode) == layout
         return q
-    qtype = {Q4: QT.Q4_1, Q5: QT.Q5_1, Q8: QT.Q8_0, Q8W: QT.Q8_0}[fmt]
+    qtype = {Q4: QT.Q4_1, Q5: QT.Q5_1, Q8W: QT.Q8_0}[fmt]
     q = from_gguf(torch.from_numpy(random_blocks(qtype, out, inp, seed=out + inp)), qtype, out, inp)
     scale, bias = q.scale_bias()     # exact values; re-expressed below in the variant's dtype
     scale, bias = scale.float(), bias.float()
-    if fmt == Q8:                    # the same values in groups of 16
-        scale, bias = scale.repeat_interleave(2, dim=1).contiguous(), bias.repeat_interleave(2, dim=1).contiguous()
     dtype = torch.float16 if mode == "f16" else torch.float32
     return QWeight(fmt, q.codes, scale.to(dtype), bias.to(dtype), q.high)
 
@@ -163,7 +164,7 @@ def test_kernel_rows_are_batch_invariant(layout, shape):
     lin = QLinear([_weights(layout, *shape)], None, kernels())
     x = torch.randn(512, shape[1])
     full = lin(x)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 63, 300):   # across every tile shape qmatmul.c picks
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 63, 300):   # across the GEMV and GEMM paths and their tiles
         for start in (0, 5):
             assert torch.equal(lin(x[start:start + m]), full[start:start + m]), (m, start)
     threads = torch.get_num_threads()
@@ -177,8 +178,8 @@ def test_kernel_rows_are_batch_invariant(layout, shape):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0, QT.Q8_0], ids=lambda t: t.name)
 def test_kernel_f16s_with_another_constant(qtype):
-    """GGML's own offset (-8, -16, -128 d) takes qmatmul.c's integer path (SM_F16I); any other constant
-    the general one (SM_F16S). Both: equal to the float64 product and batch-invariant."""
+    """GGML's own offset (-8, -16, -128 d) takes qlanes.c's integer codes (LM_F16I); any other constant
+    the general mode (LM_F16S). Both: equal to the float64 product and batch-invariant."""
     q = from_gguf(torch.from_numpy(random_blocks(qtype, 96, 512, seed=3)), qtype, 96, 512)
     x = torch.randn(11, 512)
     for c in (q.bias.item(), -5.0, 3.0):
@@ -192,15 +193,20 @@ def test_kernel_f16s_with_another_constant(qtype):
             assert torch.equal(lin(x[2:2 + m]), full[2:2 + m]), (c, m)
 
 
-def test_mixed_layouts_in_one_projection():
-    """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by side."""
-    a, b = _weights((Q4, "f16"), 64, 576), _weights((Q8, "f32"), 32, 576)
-    bias = torch.randn(96)
-    x = torch.randn(5, 576)
+@pytest.mark.parametrize("M", [5, 40])             # the GEMV and the GEMM path
+def test_mixed_layouts_in_one_projection(M):
+    """A fused q/k/v whose parts use different layouts (Q4_K_M keeps some v in Q6_K) = its parts side by
+    side; output counts not multiples of 16 (padded lanes blocks) write only their own columns."""
+    parts = [_weights((Q4, "k"), 40, 512), _weights((Q8, "k6"), 24, 512), _weights((Q4, "f16"), 8, 512)]
+    bias = torch.randn(72)
+    x = torch.randn(M, 512)
     k = kernels()
-    y = QLinear([a, b], bias, k)(x)
-    assert torch.equal(y[:, :64], QLinear([a], None, k)(x) + bias[:64])
-    assert torch.equal(y[:, 64:], QLinear([b], None, k)(x) + bias[64:])
+    y = QLinear(parts, bias, k)(x)
+    off = 0
+    for p in parts:
+        n = p.shape[0]
+        assert torch.equal(y[:, off:off + n], QLinear([p], None, k)(x) + bias[off:off + n])
+        off += n
 
 
 _ISA_SCRIPT = textwrap.dedent("""
@@ -211,13 +217,14 @@ _ISA_SCRIPT = textwrap.dedent("""
     k = load()
     print(k.isa)
     for fmt in LAYOUTS + K_LAYOUTS:
-        lin = QLinear([_weights(fmt, 576, 1536)], None, k)
-        x = torch.randn(40, 1536)
-        full = lin(x)
-        ref = x.double() @ lin.parts[0].dequantize().double().T
-        assert (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
-        for m in (1, 2, 3, 9):
-            assert torch.equal(lin(x[3:3 + m]), full[3:3 + m]), (fmt, m)
+        for out in (576, 40):        # 40: a padded last block of 16 rows
+            lin = QLinear([_weights(fmt, out, 1536)], None, k)
+            x = torch.randn(40, 1536)
+            full = lin(x)
+            ref = x.double() @ lin.parts[0].dequantize().double().T
+            assert (full.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+            for m in (1, 2, 3, 9):
+                assert torch.equal(lin(x[3:3 + m]), full[3:3 + m]), (fmt, out, m)
     print("ok")
 """)
 
@@ -229,7 +236,7 @@ def test_lesser_isa_paths(march, isa, tmp_path):
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
 
 
-# The opt-in AMX path (kernels/qmatmul_amx.h, TERNLM_AMX=1): a process-wide choice made when the kernels
+# The opt-in AMX path (kernels/qamx.c, TERNLM_AMX=1): a process-wide choice made when the kernels
 # load, so it runs in a child. Every layout and scale mode against float64, batch invariance across
 # the narrow (M <= 4) and wide (M >= 5) paths, a partial last tile of weight rows (200 = 3 x 64 + 8),
 # threads; then the engine: decoded KV equals one prefill's, bit for bit.

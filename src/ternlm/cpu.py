@@ -25,7 +25,7 @@ at M = 2..32, and with the thread count), while its AVX-512 BF16 kernels are, th
 with AMX, `import ternlm` caps oneDNN at AVX512_CORE_BF16 (cap_onednn_below_amx) unless
 ONEDNN_MAX_CPU_ISA is already set; a user who lifts the cap gets the `amx` class, where `auto` picks
 float32 and `--dtype bfloat16` is refused. (ternlm's own quantized kernels may use AMX tiles:
-kernels/qmatmul_amx.h, opt-in.)
+kernels/qamx.c, opt-in.)
 
 Bits: the same kernels give the same bits; different ISA classes, oneDNN caps or torch versions may
 not (RESULTS.md: one-row bf16 projections differ between an AMX and an AVX-512 host). The fingerprint

@@ -1,7 +1,7 @@
 """`--weights auto|gguf|bf16|fp32`: how the model's matrices are held and multiplied. Pure decisions.
 
   gguf  the GGUF file's own quantized blocks, kept quantized (models/qweight.py) and multiplied by the
-        native kernels (kernels/qlanes.c; qmatmul.c for shapes without a lanes layout) with fp32 activations: 4-5-bit weights read ~2.7x fewer
+        native kernels (kernels/qlanes.c; kernels/qamx.c with the opt-in TERNLM_AMX=1) with fp32 activations: 4-5-bit weights read ~2.7x fewer
         bytes per decode step than bf16. Needs a .gguf model and a C compiler (the kernel is built
         for this CPU on first use). Computes in float32.
   bf16, fp32  every matrix dequantized to that dtype, multiplied by oneDNN (models/linear.py); the

@@ -7,7 +7,7 @@
  * more than the layer's arithmetic (~4 ms a token on smollm2, a quarter of the step).
  *
  * [BATCH-INVARIANT] Everything here is row-wise (a row's norm, RoPE, SiLU read only that row, in a fixed
- * order) or one of the batch-invariant kernels (qmatmul.c, attention.c): a row's bits do not depend on
+ * order) or one of the batch-invariant kernels (qlanes.c, attention.c): a row's bits do not depend on
  * M, on the other sequences in the batch or on the thread count.
  *
  * [RECORD-WHERE-FED] The KV write is a side effect of this call, like the torch layer's; the caller
@@ -27,7 +27,7 @@ typedef void (*mm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes
                                 const void *, const uint16_t *, int64_t, float *, int64_t, int);
 MM_DECL(tq_q4g32_f32_mm) MM_DECL(tq_q4g32_f16_mm) MM_DECL(tq_q4g32_k_mm) MM_DECL(tq_q4g32_f16s_mm)
 MM_DECL(tq_q5g32_f32_mm) MM_DECL(tq_q5g32_f16_mm) MM_DECL(tq_q5g32_k_mm) MM_DECL(tq_q5g32_f16s_mm)
-MM_DECL(tq_q8g16_f32_mm) MM_DECL(tq_q8g16_f16_mm) MM_DECL(tq_q8g16_k6_mm)
+MM_DECL(tq_q8g16_k6_mm)
 MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
 MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
 MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
@@ -36,13 +36,13 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
 
-/* [layout][scale mode]: layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32, and qlanes.c's 4 q4x16, 5 q5x16,
- * 6 q8x16, 7 q6x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
+/* [layout][scale mode]: qamx.c's row layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32 (the opt-in AMX build), and
+ * qlanes.c's 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
  * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
 static const mm_fn MM[8][5] = {
     {tq_q4g32_f32_mm, tq_q4g32_f16_mm, tq_q4g32_k_mm, NULL, tq_q4g32_f16s_mm},
     {tq_q5g32_f32_mm, tq_q5g32_f16_mm, tq_q5g32_k_mm, NULL, tq_q5g32_f16s_mm},
-    {tq_q8g16_f32_mm, tq_q8g16_f16_mm, NULL, tq_q8g16_k6_mm, NULL},
+    {NULL, NULL, NULL, tq_q8g16_k6_mm, NULL},
     {tq_q8g32_f32_mm, tq_q8g32_f16_mm, NULL, NULL, tq_q8g32_f16s_mm},
     {tq_q4x16_f32_mm, tq_q4x16_f16_mm, tq_q4x16_k_mm, NULL, tq_q4x16_f16s_mm},
     {tq_q5x16_f32_mm, tq_q5x16_f16_mm, tq_q5x16_k_mm, NULL, tq_q5x16_f16s_mm},

@@ -1,12 +1,12 @@
 /* Weight-only quantized matmul with weight rows in the vector lanes ("lanes" layouts): y[m, n] =
- * sum_k x[m, k] * w[n, k] for GGML's group-of-32 types with a per-group scale (and bias): Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0 (models/qweight.py's q4x16, q5x16, q8x16). Activations and accumulation stay fp32.
+ * sum_k x[m, k] * w[n, k] for every GGML type kept quantized: Q4_0, Q4_1, Q4_K (q4x16), Q5_0, Q5_1, Q5_K
+ * (q5x16), Q8_0 (q8x16), Q6_K (q6x16; models/qweight.py). Activations and accumulation stay fp32.
  *
- * Why lanes: qmatmul.c puts the inputs k in the lanes, so every output ends in a horizontal sum and a
- * prefill tile ran at 123-278 GFLOP/s against a measured 477 peak (benchmarks/RESULTS.md, Decisions: weight rows in the
- * vector lanes). Here lane j of a vector is weight row j of a block of 16, an activation is broadcast, and every
- * output is one chain of FMAs in the order of k: no horizontal sum, and a row's bits depend on nothing but
- * that order.
+ * Why lanes: the row kernels this replaced put the inputs k in the lanes, so every output ended in a
+ * horizontal sum and a prefill tile ran at 123-278 GFLOP/s against a measured 477 peak
+ * (benchmarks/RESULTS.md, Decisions: weight rows in the vector lanes). Here lane j of a vector is weight
+ * row j of a block of 16, an activation is broadcast, and every output is one chain of FMAs in the order
+ * of k: no horizontal sum, and a row's bits depend on nothing but that order.
  *
  * The value, per output (m, n), groups g = 0 .. K/32-1 in order (GGML's own two-level structure):
  *     S_g = 0; S_g = fma(c'_k, x[m, k], S_g) for the 32 inputs k of g, in order
@@ -16,7 +16,7 @@
  * where c' is the code minus the layout's own offset (8, 16, 128) when the matrix's bias is exactly that
  * offset times its scale (Q4_0, Q5_0, Q8_0: mode "f16s" with constant -8/-16/-128; then there is no bias
  * term), else the raw code. So w = s * c' (+ b) is GGML's dequantized weight, and the scale is applied
- * once per group, which keeps the error near qmatmul.c's (the probe: 1.4-4.6e-7 of max|y|, against
+ * once per group, which keeps the error near the row kernels' (the probe: 1.4-4.6e-7 of max|y|, against
  * 0.8-2.2e-6 for one chain over all of K).
  *
  * [BATCH-INVARIANT] Every path below (the GEMV for small M, the buffered GEMM for large M, any tile, any
@@ -24,16 +24,18 @@
  * of rows nor the vector width (AVX-512, AVX2, SSE: VN lanes, vec.h) changes a bit. Threads split the
  * blocks of weight rows, never k. (A build without FMA rounds fman twice: its own bits, in its own digest.)
  *
- * Layouts (N a multiple of 16, K of 32; block b = weight rows 16b .. 16b+15, lane j = row 16b + j):
+ * Layouts (K a multiple of 32; block b = weight rows 16b .. 16b+15, lane j = row 16b + j; N rows in
+ * ceil(N/16) blocks, the last one padded with zero codes and scales where N % 16 != 0):
  *   q4x16: codes (N/16, K/2, 16) bytes: [b][p][j] = code(16b+j, 2p) | code(16b+j, 2p+1) << 4
  *   q5x16: q4x16's codes (the low four bits) plus high (N/16, K) uint16 (little-endian): bit j of [b][k]
  *          is the fifth bit (value 16) of code(16b+j, k)
  *   q8x16: codes (N/16, K, 16) bytes 0..255: [b][k][j] = code(16b+j, k)
  *   scale: (N/16, K/32, 16) fp32 ("f32") or fp16 ("f16", "f16s"); bias: the same shape ("f32", "f16"),
- *          or for "f16s" one fp32 constant C (bias = scale * C, the product in fp32 as qmatmul.c's).
+ *          or for "f16s" one fp32 constant C (bias = scale * C, the product in fp32).
  * Decode reads every weight byte once a token: these hold exactly GGML's bytes per weight.
  *
- * Built with qmatmul.c by kernels/build.py (cc -O3 -march=native -ffp-contract=off -fopenmp).
+ * The quantized product of every build (the opt-in AMX build aside: qamx.c, row layouts). Built by
+ * kernels/build.py (cc -O3 -march=native -ffp-contract=off -fopenmp).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,10 +47,10 @@
 #define LINLINE static inline __attribute__((always_inline))
 
 enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds */
-/* Scale modes (qmatmul.c's SM_* numbers): LM_F16I is LM_F16S whose constant is the layout's own offset
- * (picked per call); LM_K: Q4_K / Q5_K's uint8 sc and m per group of 32 under an fp16 (d, dmin) per 256
- * inputs (scale d*sc, bias -(dmin*m): exact fp32 products); LM_K6: Q6_K's int8 sc per group of 16 under an
- * fp16 d per 256 (scale d*sc, codes c - 32, no bias). */
+/* Scale modes (models/qweight.py's, numbered as kernels/layer.py's MODE_CODE): LM_F16I is LM_F16S whose
+ * constant is the layout's own offset (picked per call); LM_K: Q4_K / Q5_K's uint8 sc and m per group of
+ * 32 under an fp16 (d, dmin) per 256 inputs (scale d*sc, bias -(dmin*m): exact fp32 products); LM_K6:
+ * Q6_K's int8 sc per group of 16 under an fp16 d per 256 (scale d*sc, codes c - 32, no bias). */
 enum { LM_F32 = 0, LM_F16 = 1, LM_K = 2, LM_K6 = 3, LM_F16S = 4, LM_F16I = 5 };
 
 #define BLK 16                  /* weight rows a block (interleaved in the layout) */
@@ -232,7 +234,7 @@ LINLINE void codes_pair(int kind, int hasoff, int off, const LMat *w, int64_t b,
 LINLINE vf bytes_u(const uint8_t *p) { return widen_u(ld_bytes(p)); }
 LINLINE vf bytes_s(const int8_t *p) { return widen_s(ld_bytes((const uint8_t *)p)); }
 
-/* Lanes (v * VN ..) of block b's scale and bias for group g: the values qmatmul.c's lds / ldb give. */
+/* Lanes (v * VN ..) of block b's scale and bias for group g: exact fp32 values (GGML's, see above). */
 LINLINE vf scale_at(int mode, const LMat *w, int64_t b, int64_t g, int v) {
     const int64_t G = w->K / GS(mode), i = (b * G + g) * BLK + v * VN;
     switch (mode) {
@@ -280,14 +282,14 @@ LINLINE void add_group(int mode, float *t, vf s, vf S, vf b, float X, int first)
 
 /* S accumulators a GEMV tile holds: R rows x CB blocks x NV vectors (at most 8 blocks: GV_C's cases).
  * 8 measured best on Sapphire Rapids (2 and 4: 6-15% slower at M = 1). No software prefetch: unlike
- * qmatmul.c's GEMV this one measured slower with every kind tried (4 KB, 1 KB or 512 B ahead in a
+ * the row kernels' GEMV this one measured slower with every kind tried (4 KB, 1 KB or 512 B ahead in a
  * block's own stream, or the next tile's blocks at the same input; to L1 or L2): qwen's Q5_0 layers
  * 1.22-1.36x the time without, in a pass over 24 layers' matrices. */
 #define GV_ACC (VN == 16 ? 16 : 8)
 #define GV_RMAX (VN == 16 ? 8 : 4)      /* rows a GEMV tile: R x NV accumulators must fit beside the codes */
 
-/* R rows x CB blocks from b0: every output's chain, T accumulated in y. xt: the R rows packed input by
- * input (xt[k * R + r] = x[r, k]: one base address for all the broadcasts; 8 row pointers left GCC short
+/* R rows x CB blocks from b0: every output's chain, T accumulated in y (block b0's first column). xt: the
+ * R rows packed input by input (xt[k * R + r] = x[r, k]: one base address for all the broadcasts; 8 row pointers left GCC short
  * of registers, the output projection of 8 streams 1.4x slower; a single row is its own packing).
  * X: the rows' group sums (bias modes). */
 LINLINE void gemv_tile(int kind, int hasoff, int mode, int R, int CB, const float *xt, const LMat *w,
@@ -319,7 +321,7 @@ LINLINE void gemv_tile(int kind, int hasoff, int mode, int R, int CB, const floa
                 const vf s = scale_at(mode, w, b0 + c, g, v);
                 const vf b = HAS_BIAS(mode) ? bias_at(mode, w, b0 + c, g, v) : splatn(0.0f);
                 for (int r = 0; r < R; r++)
-                    add_group(mode, y + r * ldy + (b0 + c) * BLK + v * VN, s, S[r][c * NV + v], b,
+                    add_group(mode, y + r * ldy + c * BLK + v * VN, s, S[r][c * NV + v], b,
                               HAS_BIAS(mode) ? X[r * G + g] : 0.0f, g == 0);
             }
     }
@@ -329,7 +331,7 @@ LINLINE void gemv_tile(int kind, int hasoff, int mode, int R, int CB, const floa
 #define GV_CB(R) (GV_ACC / ((R) * NV) > 8 ? 8 : GV_ACC / ((R) * NV) > 0 ? GV_ACC / ((R) * NV) : 1)
 
 #define GV_C(R_, C_) case C_:                                                                   \
-    if ((C_) <= GV_CB(R_)) gemv_tile(kind, hasoff, mode, R_, C_, xm, w, Xm, b, ym, ldy);       \
+    if ((C_) <= GV_CB(R_)) gemv_tile(kind, hasoff, mode, R_, C_, xm, w, Xm, b, yb, ldy);       \
     break;
 #define GV_R(R_) case R_:                                                                       \
     switch (CB) { GV_C(R_, 1) GV_C(R_, 2) GV_C(R_, 3) GV_C(R_, 4) GV_C(R_, 5) GV_C(R_, 6) GV_C(R_, 7) GV_C(R_, 8) } \
@@ -342,7 +344,7 @@ LINLINE void gemv_tile(int kind, int hasoff, int mode, int R, int CB, const floa
 
 #if GV_RMAX > GV_SPEC_R
 static __attribute__((noinline)) void gemv_tile_rt(int kind, int hasoff, int mode, int R, int CB, const float *xm,
-                                                   const LMat *w, const float *Xm, int64_t b, float *ym, int64_t ldy) {
+                                                   const LMat *w, const float *Xm, int64_t b, float *yb, int64_t ldy) {
     switch (R) {
         GV_R(3) GV_R(4) GV_R(5) GV_R(6) GV_R(7) GV_R(8)
     }
@@ -355,7 +357,7 @@ static __attribute__((noinline)) void gemv_tile_rt(int kind, int hasoff, int mod
  * measured 1.45x the row kernel's time), or NULL: x's rows one at a time (same bits, M passes). */
 LINLINE void gemv_blocks(int kind, int hasoff, int mode, const float *x, const float *xp, int64_t M,
                          const LMat *w, const float *X, int64_t b0, int64_t b1, float *y, int64_t ldy) {
-    const int64_t K = w->K, G = K / 32, rmax = xp ? GV_RMAX : 1;
+    const int64_t K = w->K, G = K / 32, rmax = xp ? GV_RMAX : 1;     /* y: block b0's first column */
     for (int64_t m = 0; m < M; m += rmax) {
         const int R = (int)(M - m < rmax ? M - m : rmax);
         const float *xm = (xp ? xp : x) + m * K, *Xm = X ? X + m * G : NULL;
@@ -363,9 +365,10 @@ LINLINE void gemv_blocks(int kind, int hasoff, int mode, const float *x, const f
         for (int64_t b = b0; b < b1;) {
             const int full = GV_CB(R);
             const int CB = b1 - b >= full ? full : (int)(b1 - b);
+            float *yb = ym + (b - b0) * BLK;
 #if GV_RMAX > GV_SPEC_R
             if (R > GV_SPEC_R) {
-                gemv_tile_rt(kind, hasoff, mode, R, CB, xm, w, Xm, b, ym, ldy);
+                gemv_tile_rt(kind, hasoff, mode, R, CB, xm, w, Xm, b, yb, ldy);
                 b += CB;
                 continue;
             }
@@ -384,7 +387,7 @@ LINLINE void gemv_blocks(int kind, int hasoff, int mode, const float *x, const f
 /* gemv_blocks with the code kind and whether it has an offset as constants (6 copies): left to run time,
  * every code pair tested both (the tests and the branches were most of the instructions of an AVX2 GEMV:
  * ~27 for 16 weights of Q4_1 against ~8 of arithmetic, counted by callgrind). The mode stays a run-time
- * value: it decides only the group's epilogue. */
+ * value: it decides only the group's epilogue. y: block b0's first column. */
 static __attribute__((noinline)) void gemv_part(int kind, int mode, const float *x, const float *xp, int64_t M,
                                                 const LMat *w, const float *X, int64_t b0, int64_t b1, float *y,
                                                 int64_t ldy) {
@@ -476,8 +479,7 @@ LINLINE void gemm_tile(int mode, int R, const float *xt, int64_t K, const float 
     }
 }
 
-/* Rows of row tile t when M rows are cut into ceil(M / MR) tiles as even as can be (qmatmul.c's
- * tile_rows: timing only). */
+/* Rows of row tile t when M rows are cut into ceil(M / MR) tiles as even as can be (timing only). */
 LINLINE int lanes_tile_rows(int64_t M, int64_t t) {
     int64_t tiles = (M + MR - 1) / MR;
     return (int)(M / tiles + (t < M % tiles));
@@ -540,10 +542,13 @@ LINLINE void gemm_rows(int kind, int mode, const float *x, const float *xp, int6
             }
         }
     if (n < n1)          /* a last block of 16 rows narrower than a tile: the GEMV, the same chains */
-        gemv_part(kind, mode, x, NULL, M, w, X, n / BLK, n1 / BLK, y, ldy);
+        gemv_part(kind, mode, x, NULL, M, w, X, n / BLK, n1 / BLK, y + n, ldy);
 }
 
 /* ---- the entries ---------------------------------------------------------------------------------- */
+
+/* The vector path this build took (kernels/build.py: Kernels.isa, part of the cache namespace). */
+const char *tq_isa(void) { return VN == 16 ? "avx512" : VN == 8 ? "avx2" : "scalar"; }
 
 /* Blocks a chunk of lanes_mm's work: about CHUNKS_PER_THREAD chunks a thread, each whole tiles of the
  * path (the GEMM's NW rows, the GEMV's GV_CB blocks of its first row tile). Why chunks and not an even
@@ -562,12 +567,13 @@ static int64_t chunk_blocks(int gemm, int64_t M, int64_t nb, int nt) {
 }
 
 /* x: (M, K) fp32 contiguous; y: rows of stride ldy (a column slice of a wider output is fine); w: the
- * layout above. nthreads: passed in (the caller is often not the thread torch.set_num_threads ran on).
- * Side effects: writes y[:, :N] only; allocates and frees its scratch. */
+ * layout above, N real rows (the last block padded when N % 16 != 0). nthreads: passed in (the caller is
+ * often not the thread torch.set_num_threads ran on). Side effects: writes y[:, :N] only; allocates and
+ * frees its scratch. */
 static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *w, int64_t N, float *y,
                      int64_t ldy, int nthreads) {
-    const int64_t K = w->K, nb = N / BLK;
-    if (M <= 0 || nb <= 0) return;
+    const int64_t K = w->K, nb = N / BLK;     /* whole blocks; a padded last one after them */
+    if (M <= 0 || N <= 0) return;
     float *X = NULL;
     if (HAS_BIAS(mode)) {
         X = malloc((size_t)(M * (K / 32)) * sizeof(float));
@@ -583,8 +589,8 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
     if (!gemm && xp)
         for (int64_t m = 0; m < M; m += GV_RMAX) pack_rows(x + m * K, K, (int)(M - m < GV_RMAX ? M - m : GV_RMAX), xp + m * K);
     const int64_t tiles = (M + MR - 1) / MR;
-#pragma omp parallel num_threads(nthreads)
-    {
+#pragma omp parallel num_threads(nthreads) if (nb > 0)
+    if (nb > 0) {                               /* (N < 16: only the padded block) */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (gemm) {
             pack_tiles(x, M, K, xp, tiles * t / nt, tiles * (t + 1) / nt);
@@ -599,8 +605,16 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
                 gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, b1 * BLK, y, ldy,
                           (float *)(bufs + (size_t)t * per_thread));
             else
-                gemv_part(kind, mode, x, xp, M, w, X, b0, b1, y, ldy);
+                gemv_part(kind, mode, x, xp, M, w, X, b0, b1, y + b0 * BLK, ldy);
         }
+    }
+    if (N % BLK) {      /* the padded block: whole into scratch (the GEMV, the same chains), its N % 16 real
+                         * columns copied out (y's next columns may be another part's) */
+        float *t = malloc((size_t)(M * BLK) * sizeof(float));
+        if (!t) abort();
+        gemv_part(kind, mode, x, gemm ? NULL : xp, M, w, X, nb, nb + 1, t, BLK);
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * ldy + nb * BLK, t + m * BLK, (size_t)(N % BLK) * sizeof(float));
+        free(t);
     }
     free(bufs);
     free(xp);

@@ -188,7 +188,7 @@ class Layer(nn.Module):
                  kernels: Kernels | None = None, keep_quantized: bool = False, index: int = 0,
                  experts: ExpertStore | None = None):
         """w: this layer's weights (tensors in the compute dtype, or QWeights: see qlinear.projection).
-        kernels: the native kernels (kernels/): attention.c when given, qmatmul.c for QWeights when
+        kernels: the native kernels (kernels/): attention.c when given, qlanes.c (qamx.c with TERNLM_AMX=1) for QWeights when
         also keep_quantized; None: torch attention, QWeights dequantized.
         experts: where a mixture-of-experts layer puts its experts (models/moe.py; the model's one
         store); None: a store of its own."""

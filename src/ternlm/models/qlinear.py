@@ -3,7 +3,7 @@
 Activations and results are fp32; the weights are exactly GGML's dequantized values, so the output
 equals a dense fp32 matmul of the dequantized weights up to summation order.
 
-[BATCH-INVARIANT] by construction (kernels/qmatmul.c): a row's bits never depend on how many rows
+[BATCH-INVARIANT] by construction (kernels/qlanes.c): a row's bits never depend on how many rows
 are multiplied with it or on the thread count, so no single-row trick is needed here.
 """
 from __future__ import annotations
@@ -18,11 +18,16 @@ class QLinear:
     """Not an nn.Module: a frozen projection whose weight is one or more QWeights stacked along the
     outputs (a fused q/k/v may mix layouts: Q4_K_M files keep some v projections in Q6_K).
     parts: [(out_i, in)]; bias: fp32 (sum out_i,) or None. Where the kernels take lanes layouts
-    (kernels.lanes), each part that has one is held in it (qweight.to_lanes; self.parts are those)."""
+    (kernels.lanes), each part is held in its lanes layout (qweight.to_lanes; self.parts are those).
+    Raises ValueError for a part with no kernel (a layout and scale mode no GGML type makes)."""
 
     def __init__(self, parts: list[QWeight], bias: torch.Tensor | None, kernels: Kernels):
         if kernels.lanes:
-            parts = [to_lanes(p) or p for p in parts]
+            lanes = [to_lanes(p) for p in parts]
+            for p, q in zip(parts, lanes):
+                if q is None:
+                    raise ValueError(f"no kernel for layout {p.fmt} with {p.mode} scales (no GGML type makes it)")
+            parts = lanes
         ins = {p.shape[1] for p in parts}
         if len(ins) != 1:
             raise ValueError(f"parts disagree on the input size: {sorted(ins)}")

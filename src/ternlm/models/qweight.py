@@ -1,14 +1,16 @@
-"""GGUF weights kept quantized: the layouts the native kernels multiply (kernels/qmatmul.c: the row
-layouts below; kernels/qlanes.c: their lanes layouts, the default wherever one exists).
+"""GGUF weights kept quantized: the layouts the native kernels multiply. GGML's blocks convert to the row
+layouts below (exact values, tested against the gguf package), then to_lanes interleaves 16 rows: the lanes
+layouts kernels/qlanes.c multiplies in every build (kernels/qamx.c multiplies the row layouts themselves on
+AMX tiles, the opt-in TERNLM_AMX=1 build).
 
   q4g32: 4-bit codes, groups of 32 along the input: codes (out, in/2) bytes, byte j of a group holding
          elements j (low nibble) and j+16 (high nibble); scale/bias (out, in/32).
   q5g32: 5-bit codes: q4g32's nibbles plus `high` (out, in/8) bytes, 4 a group, bit j (little-endian)
          the fifth bit of element j; scale/bias (out, in/32).
-  q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; scale/bias (out, in/16).
+  q8g16: 8-bit codes 0..255, groups of 16: codes (out, in) bytes; Q6_K's int8 scales (out, in/16) ("k6").
   q8g32: the same with groups of 32.
 
-Scales and biases come in modes (kernels/qmatmul.c's SM_*): "f16s" where GGML derives the offset from
+Scales and biases come in modes (kernels/qlanes.c's LM_*): "f16s" where GGML derives the offset from
 d (Q4_0 -8d, Q5_0 -16d, Q8_0 -128d): fp16 scales and one fp32 constant for the matrix; "f16" when every
 scale and offset is exactly an fp16 (GGML's own d and m: Q4_1, Q5_1); "k" (Q4_K, Q5_K) and "k6" (Q6_K): GGML's own
 sub-block scales (uint8 sc and m, int8 sc for Q6_K) with the fp16 super-block d (and dmin) in `sup`,
@@ -65,6 +67,8 @@ class QWeight:
                                        # a little-endian uint16 per (block, input): bit j = row j's bit 4
     sup: torch.Tensor | None = None    # fp16 super-block scales: (out, in/256, 2) d, dmin ("k"); (out, in/256) d ("k6");
                                        # lanes: (out/16, in/256, 2, 16) "k", (out/16, in/256, 16) "k6"
+    out: int | None = None     # lanes with out % 16 != 0: the real output count (the last block padded with
+                               # zero codes and scales; out/16 above rounds up); None: every row of every block
 
     @property
     def lanes(self) -> bool:
@@ -74,7 +78,7 @@ class QWeight:
     @property
     def shape(self) -> tuple[int, int]:
         if self.lanes:
-            return self.scale.shape[0] * BLOCK_ROWS, self.scale.shape[1] * GROUP[self.fmt]
+            return self.out or self.scale.shape[0] * BLOCK_ROWS, self.scale.shape[1] * GROUP[self.fmt]
         return self.scale.shape[0], self.scale.shape[1] * GROUP[self.fmt]
 
     @property
@@ -173,14 +177,15 @@ def _block_lane(rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch
 
 def to_lanes(q: QWeight) -> QWeight | None:
     """q in its lanes layout (kernels/qlanes.c; the same codes, scales and biases, so the same weights,
-    with 16 rows interleaved), or None where qlanes.c has no kernel for it (q8g16 but Q6_K's "k6", an
-    output count not a multiple of 16). Already lanes: q itself. Pure: q is not changed and the result
-    holds no view of it (the caller drops q: the same bytes once loading is done). Converted CHUNK_ROWS
-    rows at a time into tensors allocated once (_chunked)."""
+    with 16 rows interleaved; an output count not a multiple of 16 padded to whole blocks with zero weights,
+    `out` the real count), or None where qlanes.c has no kernel for it (q8g16 in a mode other than Q6_K's
+    "k6": no GGML type makes one). Already lanes: q itself. Pure: q is not changed and the result holds no
+    view of it (the caller drops q: the same bytes once loading is done). Converted CHUNK_ROWS rows at a
+    time into tensors allocated once (_chunked)."""
     if q.lanes:
         return q
     fmt = LANES.get((q.fmt, q.mode))
-    if fmt is None or q.shape[0] % BLOCK_ROWS:
+    if fmt is None:
         return None
     return _chunked(q.shape[0], lambda r0, r1: _lanes_of(_row_slice(q, r0, r1), fmt))
 
@@ -194,15 +199,18 @@ def _row_slice(q: QWeight, r0: int, r1: int) -> QWeight:
 
 
 def _lanes_of(q: QWeight, fmt: str) -> QWeight:
-    """A row layout (rows a multiple of 16) -> lanes layout `fmt`: every field copied, 16 rows interleaved."""
+    """A row layout -> lanes layout `fmt`: every field copied, 16 rows interleaved (rows past n in the last
+    block: zero codes, scales, biases and super-block scales, so zero weights the kernel never writes out)."""
     n, k = q.shape
-    nb = n // BLOCK_ROWS
+    nb = -(-n // BLOCK_ROWS)
 
-    def interleave(t: torch.Tensor) -> torch.Tensor:        # (n, w...) -> (n/16, w..., 16)
+    def interleave(t: torch.Tensor) -> torch.Tensor:        # (n, w...) -> (ceil(n/16), w..., 16)
+        if n % BLOCK_ROWS:
+            t = torch.cat((t, t.new_zeros((nb * BLOCK_ROWS - n, *t.shape[1:]))))
         t = t.reshape(nb, BLOCK_ROWS, *t.shape[1:])
         return t.permute(0, *range(2, t.dim()), 1).contiguous()
 
-    t = q.codes_of_rows(slice(None)).reshape(nb, BLOCK_ROWS, k).transpose(1, 2).contiguous()   # (n/16, in, 16)
+    t = interleave(q.codes_of_rows(slice(None)))                                              # (n/16, in, 16)
     high = None
     if fmt in (Q8L, Q6L):
         codes = t
@@ -213,7 +221,7 @@ def _lanes_of(q: QWeight, fmt: str) -> QWeight:
             high = pack_bits((t >> 4) & 1)                                                     # (n/16, in, 2): lanes 0-7, 8-15
     bias = q.bias if q.bias is None or q.mode == "f16s" else interleave(q.bias)
     sup = None if q.sup is None else interleave(q.sup)   # "k": (n/16, in/256, 2, 16); "k6": (n/16, in/256, 16)
-    return QWeight(fmt, codes, interleave(q.scale), bias, high, sup)
+    return QWeight(fmt, codes, interleave(q.scale), bias, high, sup, n if n % BLOCK_ROWS else None)
 
 
 CHUNK_ROWS = 4096   # rows converted at a time (a multiple of 16): bounds the conversions' temporaries
@@ -235,13 +243,13 @@ def _chunked(n: int, make) -> QWeight:
         per = BLOCK_ROWS if part.lanes else 1                # lanes: dim 0 counts blocks of 16 rows
         if out is None:
             out = QWeight(part.fmt, *(t if t is None or (f == "bias" and part.mode == "f16s")
-                                      else torch.empty((n // per, *t.shape[1:]), dtype=t.dtype)
-                                      for f, t in _fields(part)))
+                                      else torch.empty((-(-n // per), *t.shape[1:]), dtype=t.dtype)
+                                      for f, t in _fields(part)), n if part.lanes and n % BLOCK_ROWS else None)
         check(part.fmt == out.fmt and part.mode == out.mode,
               f"chunked conversion: a part in {part.fmt}/{part.mode}, the matrix in {out.fmt}/{out.mode}")
         for (f, dst), (_, src) in zip(_fields(out), _fields(part)):
             if dst is not None and not (f == "bias" and out.mode == "f16s"):
-                dst[r0 // per:r1 // per] = src
+                dst[r0 // per:-(-r1 // per)] = src          # (the last lanes part: its padded block too)
     return out
 
 
@@ -408,7 +416,7 @@ def from_gguf(raw: torch.Tensor, qtype: QT, out_features: int, in_features: int,
         raise ValueError(f"input size {in_features} is not a multiple of the {qtype.name} block {block}")
     rows = raw.view(out_features, -1)                    # (out, bytes a row): blocks run along the input
     mode = _scale_mode(rows, qtype)
-    lanes_fmt = LANES.get((fmt, mode)) if lanes and out_features % BLOCK_ROWS == 0 else None
+    lanes_fmt = LANES.get((fmt, mode)) if lanes else None
 
     def make(r0: int, r1: int) -> QWeight:
         q = _convert_rows(rows[r0:r1], qtype, in_features, mode)

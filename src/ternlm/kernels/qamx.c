@@ -1,7 +1,17 @@
-/* The quantized product on AMX tiles (Intel Sapphire Rapids and later), included by qmatmul.c inside its
- * AVX-512 path: the same y[m, n] = sum_k x[m, k] w[n, k] with w = fma(scale, code, bias) per group.
+/* The opt-in quantized product on AMX tiles (Intel Sapphire Rapids and later; TERNLM_AMX=1, kernels/build.py):
+ * y[m, n] = sum_k x[m, k] * w[n, k] over the row layouts of models/qweight.py, w = fma(scale, code, bias) per
+ * group (exactly GGML's dequantized fp32 value). Every other build, and this one without TERNLM_AMX=1, runs
+ * the lanes layouts (qlanes.c) instead; there only the entries' stubs at the end are compiled.
  *
- * Why: with fp32 activations the AVX-512 path is FMA-bound at ~15 multiply-adds a cycle a core; one
+ * Row layouts (K a multiple of 32; rows of w are output features):
+ *   q4g32: codes (N, K/2) bytes; in each group of 32, byte j holds element j (low nibble) and j+16
+ *          (high nibble), GGML's layout; scale/bias (N, K/32).
+ *   q5g32: q4g32's nibbles plus high (N, K/8) bytes: per group 4 bytes, bit j (little-endian) the
+ *          fifth bit (value 16) of element j; scale/bias (N, K/32).
+ *   q8g16: codes (N, K) bytes 0..255; Q6_K's int8 scales per group of 16 (mode "k6" only).
+ *   q8g32: codes (N, K) bytes 0..255; scale/bias (N, K/32).
+ *
+ * Why: with fp32 activations the FMA path is FMA-bound at ~15 multiply-adds a cycle a core; one
  * TDPBF16PS does 16 x 16 x 32 of them in ~16 cycles. AMX multiplies bf16 only, so:
  *   - the weights enter as their codes, exact small integers in bf16 (c - k where the layout has an
  *     offset k, else c), and the group's scale s and bias b are applied after the tile product:
@@ -16,28 +26,96 @@
  * (m, n) of a group's tile product depends only on row m's parts and weight row n's codes (checked:
  * the same bits with 1 or 16 columns), and the epilogue is the same scalar arithmetic per element,
  *     acc = fma(s, C, acc); acc = fma(b, xs, acc)      (groups in order; xs: row m's group sum)
- * whether lanes run over weight rows (narrow: M <= 4) or over activation rows (wide). Both paths are
- * this file's; the AVX-512 path's bits differ (the build's ISA, "amx", is in the cache namespace).
+ * whether lanes run over weight rows (narrow: M <= 4) or over activation rows (wide). TDPBF16PS rounds in
+ * an order no AVX-512 code reproduces, so every M of every product runs here: the build's ISA, "amx", is
+ * in the cache namespace.
  *
- * Opt-in (TERNLM_AMX=1), because of what it measured (2-core Sapphire Rapids, 1,024-token prompt,
- * `ternlm bench engine`, A B A B): prefill x1.44 (smollm2) and x2.09 (qwen2.5-0.5b) of the AVX-512 path,
- * but decode x0.59 and x0.49 (benchmarks/RESULTS.md; the products alone: x0.42-0.59 the time at M = 256,
- * x2.0 at M = 1, the Q8_0 and Q6_K layouts the slowest).
+ * Opt-in, because of what it measured against the lanes kernels (2-core Sapphire Rapids, 1,024-token
+ * prompt, `ternlm bench engine`, interleaved rounds on a busy host: benchmarks/results/k40/TABLE.md):
+ * prefill x1.34 (smollm2) and x1.47 (qwen2.5-0.5b), decode x0.38 and x0.40 (medians of 6 rounds).
  * Decode is the catch: every group's tile product has to leave the tiles (a 1 KiB store, a reload) for
  * its scale before the next group, and the codes have to be written out as bf16 to be loaded as a tile:
- * at M = 1 that costs more than the AVX-512 path's dequantize-and-FMA, and batch invariance forbids
- * taking the AVX-512 path for small M (other bits). benchmarks/RESULTS.md has the figures and what
- * would change the balance (integer activations split into exact parts: then both paths compute the
- * same exact integer per group and each M may take its fastest path).
+ * at M = 1 that costs more than dequantize-and-FMA, and batch invariance forbids another path for small M.
  *
  * Linux hands out the tiles' 8 KiB of state on request (arch_prctl ARCH_REQ_XCOMP_PERM): tq_amx_init,
- * called once by kernels/build.py before any product when TERNLM_AMX=1; otherwise (and where the OS
- * refuses) the AVX-512 path runs. */
+ * called once by kernels/build.py before any product when TERNLM_AMX=1.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MM_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
+    const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
+    && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#include <omp.h>
 #include <stdio.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_PATH 1
+#define INLINE static inline __attribute__((always_inline))
+
+enum { Q4 = 4, Q5 = 5, Q8 = 8 };   /* code kinds: packed nibbles, nibbles + high bit, bytes */
+
+/* Scale modes: how a group's scale and bias are stored. Every mode yields exactly the fp32 value GGML's
+ * dequantizer computes.
+ *   SM_F32: fp32 scale and bias per group.
+ *   SM_F16: fp16 scale and bias per group (GGML's own fp16 d and m).
+ *   SM_K:   Q4_K / Q5_K: uint8 sc and m per group of 32, fp16 (d, dmin) per 256 in sup:
+ *           scale d*sc, bias -(dmin*m) (both products exact in fp32).
+ *   SM_K6:  Q6_K: int8 sc per group of 16, fp16 d per 256 in sup: scale d*sc, codes c - 32, no bias.
+ *   SM_F16S: fp16 scale per group, bias = scale * bias[0], one fp32 constant for the matrix.
+ *   SM_F16I: SM_F16S whose constant is the layout's own code offset -k (Q4_0 -8, Q5_0 -16, Q8_0 -128;
+ *           picked per call): the codes enter as c - k and there is no bias term. */
+enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3, SM_F16S = 4, SM_F16I = 5 };
+
+/* Pointers to one weight row: codes, high bits (q5g32), scales, biases, K-quant super-block scales. */
+typedef struct {
+    const uint8_t *c;
+    const uint8_t *h;
+    const void *s;
+    const void *b;
+    const uint16_t *sup;
+    int64_t g0;       /* this row's first group in s/b */
+} Row;
+
+INLINE float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+INLINE uint32_t high_bits(const Row *r, int64_t g) {
+    uint32_t v;
+    memcpy(&v, r->h + 4 * g, 4);
+    return v;
+}
+
+/* Scales and biases of up to 16 consecutive groups of one weight row, as fp32. */
+typedef struct { float s[16], b[16]; } Scales16;
+
+/* The K-quant modes' groups a .. a+n-1 (n <= 16; a counts groups from the matrix start) -> sb: scale d*sc
+ * and bias -(dmin*m) (SM_K) or -32 * scale (SM_K6), exact fp32 products. a is a multiple of 8 (SM_K) or
+ * 16 (SM_K6): blocks start at a row's start or 16 groups on, and a row holds whole super-blocks. */
+INLINE void scales16(const Row *r, int64_t a, int n, int sm, Scales16 *sb) {
+    __mmask16 m = (__mmask16)((1u << n) - 1u);
+    __m512 s, b;
+    if (sm == SM_K) {              /* groups a.. a+7 under super-block a/8, a+8.. under the next */
+        const uint16_t *sup = r->sup + 2 * (a / 8);
+        float d1 = n > 8 ? half_to_float(sup[2]) : 0.0f, m1 = n > 8 ? half_to_float(sup[3]) : 0.0f;
+        __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(sup[0])), _mm512_set1_ps(d1));
+        __m512 dm = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_to_float(sup[1])), _mm512_set1_ps(m1));
+        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, (const uint8_t *)r->s + a)));
+        __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, (const uint8_t *)r->b + a)));
+        s = _mm512_mul_ps(d, sc);
+        b = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dm, mn)),
+                                                 _mm512_set1_epi32((int)0x80000000u)));  /* -(dmin*m) */
+    } else {                       /* SM_K6: 16 groups of 16 under one super-block */
+        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)r->s + a)));
+        s = _mm512_mul_ps(_mm512_set1_ps(half_to_float(r->sup[a / 16])), sc);
+        b = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+    }
+    _mm512_storeu_ps(sb->s, s);
+    _mm512_storeu_ps(sb->b, b);
+}
 
 /* Set once by tq_amx_init, before any product runs, never after: which path this process takes. */
 static int amx_on;
@@ -46,8 +124,6 @@ int tq_amx_init(void) {
     amx_on = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return amx_on;
 }
-
-const char *tq_isa(void) { return amx_on ? "amx" : "avx512"; }
 
 /* Tiles: 0-3 C (16 weight rows x mt columns, fp32), 4 A (16 weight rows x gsz codes, bf16), 5-7 B (the
  * three parts: gsz/2 pairs x mt columns). */
@@ -161,10 +237,10 @@ INLINE void deq_tile(int kind, int gsz, const Row *rows, int nr, int64_t j, cons
     for (int r = nr; r < 16; r++) memset(a + r * gsz, 0, 2 * (size_t)gsz);
 }
 
-/* The scales (and biases) of nr weight rows for groups jb .. jb+n-1 (n <= 16), lds/ldb's values bit for
+/* The scales (and biases) of nr weight rows for groups jb .. jb+n-1 (n <= 16), the modes' values bit for
  * bit, transposed for the epilogue: s[jj * ld + r] is row r's scale of group jb + jj (rows past nr: 0).
  * A row's 16 groups are converted at once (vcvtph2ps, or scales16 for the K-quant modes) and a 16 x 16
- * transpose turns them into vectors over weight rows (fewer instructions than lds/ldb per row and
+ * transpose turns them into vectors over weight rows (fewer instructions than one conversion per row and
  * group; no speed difference was measurable at M = 1, where the tile stores dominate). */
 INLINE void scales_block(int sm, const Row *rows, int nr, int64_t jb, int n, float *s, float *b, int ld) {
     const __mmask16 m = (__mmask16)((1u << n) - 1u);
@@ -208,7 +284,7 @@ INLINE __m512 tile_column(const float *cb, int mt, int c) {
 
 #define TDP3(C_) do { _tile_dpbf16ps(C_, 4, 5); _tile_dpbf16ps(C_, 4, 6); _tile_dpbf16ps(C_, 4, 7); } while (0)
 
-/* Fill a Row for weight row n (as qmatmul.c's tiles do). */
+/* Weight row n's Row. */
 INLINE Row amx_row(int kind, int g16, const uint8_t *codes, const uint8_t *high, const void *scale,
                    const void *bias, const uint16_t *sup, int64_t K, int64_t n) {
     Row r;
@@ -217,7 +293,6 @@ INLINE Row amx_row(int kind, int g16, const uint8_t *codes, const uint8_t *high,
     r.h = kind == Q5 ? high + n * (K / 8) : NULL;
     r.s = scale; r.b = bias; r.sup = sup;
     r.g0 = n * ldg;
-    r.pf = 0;
     return r;
 }
 
@@ -235,7 +310,7 @@ INLINE void amx_narrow(int kind, int g16, int sm, const float *x, int64_t M, int
     uint32_t *xball = aligned_alloc(64, (size_t)(G * 3 * TB) * 4 + 64);
     float *xs = aligned_alloc(64, (size_t)(G * mt) * 4 + 64);
     if (!xball || !xs) {       /* a few hundred KiB at most: no other path gives these bits */
-        fputs("ternlm qmatmul (amx): out of memory\n", stderr);
+        fputs("ternlm qamx.c: out of memory\n", stderr);
         abort();
     }
     for (int c = 0; c < mt; c++) split_row(x + c * K, 1, G, gsz, mt, c, xball, xs);
@@ -401,3 +476,36 @@ INLINE void amx_mm(int kind, int g16, int sm, const float *x, int64_t M, int64_t
     for (int64_t m = 0; m < M; m += 4)
         amx_narrow(kind, g16, sm, x + m * K, M - m < 4 ? M - m : 4, K, codes, high, scale, bias, sup, N, y + m * ldy, ldy, nthreads);
 }
+
+/* The entries: tq_<layout>_<scale mode>_mm, the combinations GGML's types make. An SM_F16S matrix whose
+ * constant is the layout's own offset takes SM_F16I. Only after tq_amx_init granted the tiles. */
+#define ROW_MM(NAME, KIND, G16, SM) void NAME(MM_ARGS) { \
+    if (!amx_on) abort(); \
+    amx_mm(KIND, G16, SM, x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); }
+#define ROW_MM_F16S(NAME, KIND) void NAME(MM_ARGS) { \
+    if (!amx_on) abort(); \
+    const float k = (KIND) == Q8 ? 128.0f : (KIND) == Q5 ? 16.0f : 8.0f; \
+    amx_mm(KIND, 0, ((const float *)bias)[0] == -k ? SM_F16I : SM_F16S, x, M, K, codes, high, scale, bias, sup, \
+           N, y, ldy, nthreads); }
+#else
+/* No AMX tiles in this build: nothing to ask the OS for, and nothing calls the row entries (kernels/build.py
+ * gives every product the lanes layouts). */
+int tq_amx_init(void) { return 0; }
+#define ROW_MM(NAME, KIND, G16, SM) void NAME(MM_ARGS) { \
+    (void)x; (void)M; (void)K; (void)codes; (void)high; (void)scale; (void)bias; (void)sup; (void)N; (void)y; \
+    (void)ldy; (void)nthreads; abort(); }
+#define ROW_MM_F16S(NAME, KIND) ROW_MM(NAME, KIND, 0, 0)
+#endif
+
+ROW_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
+ROW_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
+ROW_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
+ROW_MM_F16S(tq_q4g32_f16s_mm, Q4)
+ROW_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
+ROW_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
+ROW_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
+ROW_MM_F16S(tq_q5g32_f16s_mm, Q5)
+ROW_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
+ROW_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
+ROW_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)
+ROW_MM_F16S(tq_q8g32_f16s_mm, Q8)
