@@ -169,6 +169,7 @@ class Turn:
     read_bytes: int                 # /proc/PID/io read_bytes delta: bytes the server pulled off the disk
     rchar: int                      # bytes its read()/pread() calls returned (page cache or disk)
     cgroup_after: dict
+    loadavg: tuple                  # the host's load average when the turn ended (a shared machine)
     timings: dict | None            # ternlm's timings (prompt_n, cache_n, experts ...); None for llama.cpp
     text: str
 
@@ -203,7 +204,7 @@ def run_turn(url: str, model: str, prompt: str, max_tokens: int, pid: int, cg: C
                 decode_tok_s=(n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
                 prompt_tokens=(usage or {}).get("prompt_tokens"), completion_tokens=(usage or {}).get("completion_tokens"),
                 read_bytes=io1["read_bytes"] - io0["read_bytes"], rchar=io1["rchar"] - io0["rchar"],
-                cgroup_after=cg.snapshot(), timings=timings, text="".join(text)[:200])
+                cgroup_after=cg.snapshot(), loadavg=os.getloadavg(), timings=timings, text="".join(text)[:200])
 
 
 # ---- the contenders --------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def run_contender(kind: str, args, out: Path) -> dict:
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_before": os.getloadavg(),
            "turns": [], "died": False, "error": None}
     drop_file_pages(args.model)
-    cg = Cgroup.create(f"ternlm-moe-capped-{kind}", args.cap)
+    cg = Cgroup.create(f"ternlm-moe-capped-{kind}-{os.getpid()}", args.cap)   # this run's own: never another's
     log = open(out / f"{name}.log", "w")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **(dict(args.env) if kind not in LLAMA else {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_preexec(cg))
@@ -321,6 +322,8 @@ def table(out: Path) -> str:
     rows = []
     for f in sorted(out.glob("*.json")):
         r = json.loads(f.read_text())
+        if "contender" not in r:                 # another JSON in OUT (e.g. a micro-benchmark's)
+            continue
         t = r["turns"] + [None] * (2 - len(r["turns"]))
         cg = r.get("cgroup_end", {})
         hwm = (r.get("proc_end") or {}).get("VmHWM")

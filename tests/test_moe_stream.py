@@ -142,6 +142,105 @@ def test_a_file_changed_in_place_is_refused(tmp_path):
         engine.logits(ids_of(5))
 
 
+def _fake_store(tmp_path, layers: int, experts: int, budget: int) -> tuple[StreamedExperts, int]:
+    """A StreamedExperts over a file of 64-byte slabs whose 'conversion' is a (16,) fp32 tensor: each
+    expert holds 3 x 64 bytes. -> (store, one expert's bytes)."""
+    from ternlm.models.moe import Slab
+    path = tmp_path / "slabs.bin"
+    n = layers * experts * 3
+    path.write_bytes(bytes(range(256)) * (n * 64 // 256 + 1))
+    slabs = {(l, e): tuple(Slab(((l * experts + e) * 3 + i) * 64, 64, 0, 4, 4) for i in range(3))
+             for l in range(layers) for e in range(experts)}
+    store = StreamedExperts(path, slabs, budget, lambda raw, slab: raw.float()[:16].clone())
+    for l in range(layers):
+        store.bind(l, lambda parts: (lambda x: x))
+    return store, 3 * 64
+
+
+def _sweep(store, layers, experts) -> tuple[int, int]:
+    """Every expert of every layer in order, as a prefill chunk asks for them. -> (hits, misses) of the
+    sweep; checks the budget after every get and that held == misses - evictions."""
+    h, m = store.stats.hits, store.stats.misses
+    for l in range(layers):
+        for e in range(experts):
+            store.get(l, e, 1)
+            assert store.nbytes <= store.budget
+            assert len(store) == store.stats.misses - store.stats.evictions
+    return store.stats.hits - h, store.stats.misses - m
+
+
+@pytest.mark.parametrize("layers,experts,fit", [(1, 16, 8), (2, 8, 8), (4, 8, 10), (2, 8, 17), (2, 8, 0)])
+def test_a_sweep_keeps_its_pinned_experts(tmp_path, layers, experts, fit):
+    """[SCAN-RESISTANT] Sweeps in one order (a prefill chunk each): an LRU for `fit` of the experts would
+    hit nothing on the second sweep; the pinned placement hits every pinned expert (each layer's fair
+    share), and never holds more than the budget."""
+    store, one = _fake_store(tmp_path, layers, experts, fit * 3 * 64)
+    hits, misses = _sweep(store, layers, experts)
+    assert hits == 0 and misses == layers * experts
+    pinned = store.pinned
+    share = min(experts, (fit // layers) if layers else 0)
+    assert pinned == layers * share
+    for _ in range(2):
+        hits, misses = _sweep(store, layers, experts)
+        assert hits >= pinned and hits + misses == layers * experts
+        assert hits == min(fit, layers * experts)      # the tail keeps what the shares' rounding leaves
+    assert store.pinned == pinned                      # pins are never evicted
+    if fit >= layers * experts:
+        assert store.stats.evictions == 0
+
+
+def test_random_gets_keep_the_budget_and_pins(tmp_path):
+    import random
+    rng = random.Random(3)
+    layers, experts = 3, 12
+    one = 3 * 64
+    store, _ = _fake_store(tmp_path, layers, experts, 7 * one + one // 2)
+    pinned_seen = set()
+    for _ in range(500):
+        l, e = rng.randrange(layers), rng.randrange(experts)
+        before = (l, e) in store._pinned
+        hits = store.stats.hits
+        store.get(l, e)
+        if before:
+            assert store.stats.hits == hits + 1
+        pinned_seen |= set(store._pinned)
+        assert store.nbytes <= store.budget and len(store) == store.stats.misses - store.stats.evictions
+    assert pinned_seen == set(store._pinned) and store.pinned == layers * 2      # 7.5 // 3 = 2 a layer
+
+
+def test_read_ahead_advises_a_window_of_hinted_misses(tmp_path, monkeypatch):
+    """[READ-AHEAD] A hint advises (WILLNEED) the slabs of at most READ_AHEAD hinted experts not held, in
+    the hinted order, topped up as they are got; the counters are those of the same gets unhinted."""
+    import os
+    from ternlm.models import moe
+    layers, experts = 2, 24
+    advised = []
+    real = os.posix_fadvise
+
+    def record(fd, off, n, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append(off)
+        return real(fd, off, n, advice)
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    hinted, _ = _fake_store(tmp_path, layers, experts, 10 * 3 * 64)
+    (tmp_path / "plain").mkdir()
+    plain, _ = _fake_store(tmp_path / "plain", layers, experts, 10 * 3 * 64)
+    offsets = {key: slabs[0].offset for key, slabs in hinted._slabs.items()}
+    for sweep in range(2):
+        for l in range(layers):
+            want = list(range(0, experts, 2))
+            advised.clear()
+            hinted.read_ahead(l, want)
+            not_held = [e for e in want if (l, e) not in hinted._pinned and (l, e) not in hinted._tail]
+            assert advised == [offsets[(l, e)] + i * 64 for e in not_held[:moe.READ_AHEAD] for i in range(3)]
+            for e in want:
+                hinted.get(l, e, 1)
+                plain.get(l, e, 1)
+                assert len(hinted._advised) <= moe.READ_AHEAD
+            assert advised == [offsets[(l, e)] + i * 64 for e in not_held for i in range(3)]   # each once
+    assert hinted.stats.as_dict() == plain.stats.as_dict() and hinted.stats.hits > 0
+
+
 def test_plan_expert_cache():
     G = 1 << 30
     assert plan_expert_cache(5 * G, 10 * G, G, G, None).budget == 5 * G
@@ -176,3 +275,17 @@ def test_auto_plan_leaves_room_for_the_prefill_chunk(moe_file, monkeypatch):
     avail = others[256] + seen["kv"] + moe.EXPERT_OVERHEAD + others[256] // 8 + seen["experts"]
     assert real("auto", seen["experts"], others[256], seen["kv"], avail).budget is None
     assert real("auto", seen["experts"], others[2048], seen["kv"], avail).budget is not None
+
+
+def test_a_decode_that_views_the_read_buffer_is_copied_out(tmp_path):
+    """[SCRATCH] slabs are read into one reused buffer: a decode that returns a view of the raw bytes
+    (a float slab's dequantization can) must not see the next read overwrite it."""
+    from ternlm.models.moe import Slab
+    path = tmp_path / "slabs.bin"
+    path.write_bytes(bytes(range(192)))
+    slabs = {(0, 0): tuple(Slab(i * 64, 64, 0, 4, 4) for i in range(3))}
+    store = StreamedExperts(path, slabs, 0, lambda raw, slab: raw.view(torch.float32))   # a view, no copy
+    store.bind(0, lambda parts: parts)
+    e = store.get(0, 0)
+    got = [p.view(torch.uint8) for p in e.gate_up + e.down]
+    assert [bytes(g.tolist()) for g in got] == [bytes(range(i * 64, (i + 1) * 64)) for i in range(3)]

@@ -1,4 +1,4 @@
-"""Compile the native kernels (qlanes.c, qmatmul.c, attention.c, layer.c) for this CPU on first use; load them with ctypes.
+"""Compile the native kernels (qlanes.c, qamx.c, attention.c, layer.c, ...: SOURCES) for this CPU on first use; load them with ctypes.
 
 Why at run time, not at install: the kernel is compiled with -march=native, so the binary must be
 built on the CPU it runs on (users' CPUs differ: AMX, AVX-512, AVX2-only), and pip's wheel for this
@@ -26,23 +26,24 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qmatmul.c", "qlanes.c", "attention.c", "layer.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "qmatmul_amx.h")]   # in the digest, not on the command line
+SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "attention.c", "layer.c", "convert.c")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h",)]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
 # TERNLM_KERNEL_MTUNE: another CPU's tuning (tests build as a Zen 3 host's -march=native does, on any
 # host: the tuning changes code shapes, never the ISA); in the digest too.
 MTUNE = os.environ.get("TERNLM_KERNEL_MTUNE")
-# qmatmul.c's (layout, scale mode) variants (models/qweight.py)
-MM_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
-               ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
-               ("q8g16", "f32"), ("q8g16", "f16"), ("q8g16", "k6"),
-               ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"),
-               # qlanes.c's: 16 weight rows interleaved (models/qweight.py to_lanes)
-               ("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "k"), ("q4x16", "f16s"),
-               ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "k"), ("q5x16", "f16s"),
-               ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"), ("q6x16", "k6"))
+# qlanes.c's (layout, scale mode) variants: 16 weight rows interleaved (models/qweight.py to_lanes), every
+# product but the opt-in AMX build's
+LANES_VARIANTS = (("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "k"), ("q4x16", "f16s"),
+                  ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "k"), ("q5x16", "f16s"),
+                  ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"), ("q6x16", "k6"))
+# qamx.c's: the row layouts, on AMX tiles (TERNLM_AMX=1 on a CPU with them; elsewhere stubs nothing calls)
+AMX_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
+                ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
+                ("q8g16", "k6"), ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
+MM_VARIANTS = LANES_VARIANTS + AMX_VARIANTS
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
 # decode and prefill shapes of the attention's loops fused different products, and a request's logits
@@ -58,7 +59,7 @@ FLAGS = ["-O3", f"-march={MARCH}", *([f"-mtune={MTUNE}"] if MTUNE else []), "-ff
 class Kernels:
     """The loaded kernels. `isa`: the vector path the compiler took (amx | avx512 | avx2 | scalar);
     `digest`: identifies the binary (part of the KV cache's kernel fingerprint). isa "amx": the AVX-512
-    build whose quantized products run on AMX tiles (qmatmul_amx.h)."""
+    build whose quantized products run on AMX tiles (qamx.c, TERNLM_AMX=1)."""
     lib: ctypes.CDLL
     isa: str
     digest: str
@@ -66,7 +67,7 @@ class Kernels:
     @property
     def lanes(self) -> bool:
         """Whether GGML's types take qlanes.c's layouts (models/qweight.py to_lanes): everywhere but the
-        opt-in AMX build, whose products are all qmatmul_amx.h's (row layouts)."""
+        opt-in AMX build, whose products are all qamx.c's (row layouts)."""
         return self.isa != "amx"
 
     def attention(self, q: int, T: int, H: int, KV: int, D: int, k: int, v: int, cap: int, start: int,
@@ -85,9 +86,22 @@ class Kernels:
 
     def mm(self, fmt: str, mode: str, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
            sup: int, N: int, y: int, ldy: int, threads: int) -> None:
-        """Raw pointers: see qmatmul.c. (fmt, mode): one of MM_VARIANTS; high: the q5g32 high bits, sup:
-        the K-quant super-block scales (0 where unused). Releases the GIL while it runs."""
+        """Raw pointers: see qlanes.c (qamx.c for the row layouts). (fmt, mode): one of LANES_VARIANTS, or of
+        AMX_VARIANTS where isa is "amx"; high: the q5 high bits, sup: the K-quant super-block scales (0 where
+        unused). Releases the GIL while it runs."""
         getattr(self.lib, f"tq_{fmt}_{mode}_mm")(x, M, K, codes, high, scale, bias, sup, N, y, ldy, threads)
+
+    def convert_lanes(self, qtype: int, src: int, src_rows: int, order: int, rows: int, cols: int, codes: int,
+                      high: int, scale: int, bias: int, sup: int, threads: int) -> int:
+        """Raw pointers: see convert.c (GGML blocks -> a lanes layout; order 0: rows as they are).
+        0, or convert.c's negative reason. Releases the GIL while it runs."""
+        return self.lib.tq_convert_lanes(qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup,
+                                         threads)
+
+    def convert_finite(self, qtype: int, src: int, nblocks: int) -> int:
+        """convert.c's tq_convert_finite: 1 when every fp16 d (and m) of the blocks is finite, 0 if not, -1
+        for a type it does not cover."""
+        return self.lib.tq_convert_finite(qtype, src, nblocks)
 
 
 @dataclass(frozen=True)
@@ -189,11 +203,14 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention.restype = ctypes.c_int
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int
+    lib.tq_convert_lanes.argtypes = [ctypes.c_int, p, i, p, i, i, p, p, p, p, p, ctypes.c_int]
+    lib.tq_convert_lanes.restype = ctypes.c_int
+    lib.tq_convert_finite.argtypes = [ctypes.c_int, p, i]
+    lib.tq_convert_finite.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
     lib.tq_amx_init.restype = ctypes.c_int
     # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
-    # every quantized product takes qmatmul_amx.h (isa "amx", other bits than "avx512": the isa is in the
-    # cache namespace). Opt-in: faster prefill, slower decode (qmatmul_amx.h, benchmarks/RESULTS.md).
-    if os.environ.get("TERNLM_AMX", "0") == "1":
-        lib.tq_amx_init()
-    return Kernels(lib, lib.tq_isa().decode(), digest)
+    # every quantized product takes qamx.c (isa "amx", other bits than "avx512": the isa is in the cache
+    # namespace). Opt-in: faster prefill, slower decode (qamx.c, benchmarks/RESULTS.md).
+    amx = os.environ.get("TERNLM_AMX", "0") == "1" and lib.tq_amx_init() == 1
+    return Kernels(lib, "amx" if amx else lib.tq_isa().decode(), digest)

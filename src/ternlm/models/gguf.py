@@ -634,10 +634,17 @@ def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quan
     """One expert matrix's raw GGML bytes -> the weight the resident load makes of it: a QWeight (in
     the lanes layout with ``lanes``) where ``keep_quantized`` keeps its type, else dense (rows, cols)
     in ``dtype`` (GGML blocks are independent: one slab dequantizes to the same values as inside the
-    whole tensor). The one conversion of the resident and the streamed experts [SAME-BITS]."""
+    whole tensor). The one conversion of the resident and the streamed experts [SAME-BITS]: natively
+    where kernels/convert.c covers it (qconvert.py: the same bits as the Python path, ~GB/s instead of
+    ~0.08 GB/s, which made a streamed expert's miss a conversion more than a read), else in Python."""
     from .qweight import QUANTIZED_TYPES, from_gguf, to_lanes
     qtype = QT(slab.qtype)
     if keep_quantized and qtype in QUANTIZED_TYPES:
+        if lanes:
+            from .qconvert import lanes_from_gguf
+            native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols)
+            if native is not None:
+                return native
         q = from_gguf(raw, qtype, slab.rows, slab.cols)
         return (to_lanes(q) or q) if lanes else q
     return dequantize(raw, qtype, slab.rows * slab.cols, dtype).reshape(slab.rows, slab.cols)
@@ -765,6 +772,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
         dense.clear()
         if quantized:
             from .moe import Slab
+            from .qconvert import lanes_from_gguf
             from .qweight import from_gguf, to_lanes
             for t in _each_then_dropped(reader, quantized):     # one at a time, each read once
                 experts = expert_parts(hf_name(t.name), config.num_experts)
@@ -778,6 +786,13 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
                     continue
                 k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
                 parts = hf_parts(t.name, config, n)
+                if lanes:       # natively, whole rows gathered (convert.c): the Python path's bits, or None
+                    native = {name: lanes_from_gguf(_tensor_bytes(t), t.tensor_type, n if rows is None else len(rows),
+                                                    k, order=rows) for name, rows in parts}
+                    if all(q is not None for q in native.values()):
+                        weights.update(native)
+                        continue
+                    del native
                 if len(parts) == 1 and parts[0][1] is None:     # as is: chunk by chunk into the kernels' layout
                     weights[parts[0][0]] = from_gguf(_tensor_bytes(t), t.tensor_type, n, k, lanes=lanes)
                     continue

@@ -26,7 +26,8 @@ Expert weights are fetched through `get(layer, expert)`, the one place that know
     and down byte slabs in the GGUF (`Slab`) and converts nothing; a miss preads the slabs, drops
     their file pages (posix_fadvise DONTNEED: the page cache must not hold a second copy), converts
     them with the SAME code as the resident load (gguf.expert_weight, then the layer's own
-    projection builder), and keeps the result in an LRU dict bounded by bytes. [SAME-BITS] the
+    projection builder), and keeps the result within a byte budget (pinned per layer, then a tail:
+    [SCAN-RESISTANT] in the class), reading ahead what the routing asks for [READ-AHEAD]. [SAME-BITS] the
     bytes and the conversion are the resident path's, so a streamed expert's product is the same
     bits; tests/test_moe_stream.py checks logits with torch.equal.
 Their counters (`ExpertStats`) are what timings, Prometheus and `ternlm info` report. A shared
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ClassVar
@@ -71,7 +72,8 @@ class ExpertStats:
     bytes_read: int = 0
     bytes_used: int = 0
     rows: int = 0
-    evictions: int = 0          # experts dropped from a streamed store's cache to stay within its budget
+    evictions: int = 0          # experts a streamed store read and dropped to stay within its budget: evicted
+                                # from its LRU tail, or served and not kept (so held = misses - evictions)
 
     def as_dict(self) -> dict[str, int]:
         return dict(hits=self.hits, misses=self.misses, bytes_read=self.bytes_read,
@@ -93,6 +95,9 @@ class ExpertStore:
 
     def put(self, layer: int, expert: int, gate_up, down, nbytes: int) -> None:
         self._experts[(layer, expert)] = Expert(gate_up, down, nbytes)
+
+    def read_ahead(self, layer: int, experts: list[int]) -> None:
+        """A hint (StreamedExperts'): nothing to read here."""
 
     def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
         """The expert's projections. Side effect: counts a hit (resident), `rows` rows and its bytes."""
@@ -135,14 +140,34 @@ Build = Callable[[list], Callable[[torch.Tensor], torch.Tensor]]
 
 
 class StreamedExperts:
-    """Experts read from the GGUF on demand into an LRU cache of at most `budget` bytes (converted
-    weights, `weight_nbytes`). The same `get` as ExpertStore. Not thread-safe: one engine step at a
-    time uses it (a metrics scrape only reads int counters).
+    """Experts read from the GGUF on demand into a cache of at most `budget` bytes (converted weights,
+    `weight_nbytes`). The same `get` as ExpertStore. Not thread-safe: one engine step at a time uses it
+    (a metrics scrape only reads int counters).
 
-    Memory: after every `get` the experts kept hold <= budget bytes (`nbytes`); while a miss is being
-    converted, that expert, its raw bytes and the one the caller still holds come on top. An expert
-    larger than the whole budget is served and not kept. Side effects of a miss: preads, then
-    posix_fadvise(DONTNEED) on the bytes read, so the kernel's page cache does not keep a second copy.
+    Placement [SCAN-RESISTANT]: a prefill chunk uses every expert of every layer (256 rows x 8 of 128
+    experts: P(one unused) ~ 1e-7) in the same order, layer by layer and ascending index, so an LRU
+    smaller than the experts evicts exactly what the next chunk needs first (turn 1 of the capped
+    benchmark hit 546 of 4,479 gets: benchmarks/results/moe-capped). Instead:
+      - pinned: each layer keeps the first experts it reads, up to its fair share of the budget
+        (budget // layers, whole experts), for good: never evicted. Every sweep then hits the pinned
+        ones (~budget / experts' bytes of its gets), whatever the order;
+      - tail: other experts, kept while the budget has room (the shares' rounding to whole experts, and
+        all of it while the pins fill); a tail expert is evicted (least recently used first) only to make
+        room for a pin, never for another tail expert, so a sweep cannot flush it either;
+      - the rest is read, served, and not kept (counted as an eviction).
+    With a budget for every expert, every expert is pinned on first use: nothing is read twice.
+
+    Read-ahead [READ-AHEAD]: the layer says which experts it will ask for (`read_ahead`, from its
+    routing); the store asks the kernel to start reading the slabs of the next READ_AHEAD of them not
+    held (posix_fadvise WILLNEED: asynchronous, into the page cache, where the miss's pread finds them and
+    drops them), topping the window up as gets come. One pread at a time read 0.9-1.0 GB/s cold here; 8
+    experts ahead 1.7-1.8 GB/s, and the reads overlap the conversion and the products.
+
+    Memory: after every `get` the experts kept hold <= budget bytes (`nbytes` = pinned + tail); while a
+    miss is being converted, that expert, its raw bytes and the one the caller still holds come on top;
+    the read-ahead's page cache (<= READ_AHEAD experts' slabs, clean: reclaimable) too.
+    Side effects of a miss: preads, then posix_fadvise(DONTNEED) on the bytes read, so the kernel's page
+    cache does not keep a second copy.
     [FILE-CHANGED] the file is held open from load (a replaced file keeps serving the loaded bytes);
     a file modified in place (its mtime changed) raises instead of mixing two models' experts."""
     streamed: ClassVar[bool] = True
@@ -159,8 +184,16 @@ class StreamedExperts:
         self._slabs = slabs
         self._decode = decode
         self._build: dict[int, Build] = {}
-        self._cache: OrderedDict[tuple[int, int], Expert] = OrderedDict()   # least recently used first
-        self._held = 0
+        layers = {layer for layer, _ in slabs}
+        self._share = self.budget // max(len(layers), 1)             # each layer's pinned bytes, at most
+        self._pinned: dict[tuple[int, int], Expert] = {}
+        self._pinned_layer = dict.fromkeys(layers, 0)                # layer -> its pinned bytes
+        self._pinned_bytes = 0
+        self._tail: OrderedDict[tuple[int, int], Expert] = OrderedDict()   # least recently used first
+        self._tail_bytes = 0
+        self._ahead: deque[tuple[int, int]] = deque()                # hinted, not yet advised, in order
+        self._advised: deque[tuple[int, int]] = deque()              # advised (reading), not yet got
+        self._scratch = np.empty(0, dtype=np.uint8)                  # raw bytes of the slab being read [SCRATCH]
         self._fd = os.open(self.path, os.O_RDONLY)
         self._mtime = os.fstat(self._fd).st_mtime_ns
         self._closer = weakref.finalize(self, os.close, self._fd)
@@ -172,32 +205,79 @@ class StreamedExperts:
         self._build[layer] = build
 
     # ---- the interface -----------------------------------------------------------------------------
+    def read_ahead(self, layer: int, experts: list[int]) -> None:
+        """A hint [READ-AHEAD]: `experts` of `layer` are asked for next, in this order (a previous hint
+        is dropped). Side effect: posix_fadvise(WILLNEED) on the slabs of the first READ_AHEAD not held;
+        no counter changes. A hint not followed costs only clean page cache."""
+        held = lambda k: k in self._pinned or k in self._tail      # noqa: E731
+        self._ahead = deque(k for k in ((layer, e) for e in experts) if not held(k))
+        self._advised.clear()
+        self._advise()
+
+    def _advise(self) -> None:
+        while self._ahead and len(self._advised) < READ_AHEAD:
+            key = self._ahead.popleft()
+            self._advised.append(key)
+            if hasattr(os, "posix_fadvise"):
+                for slab in self._slabs[key]:
+                    os.posix_fadvise(self._fd, slab.offset, slab.length, os.POSIX_FADV_WILLNEED)
+
     def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
-        """The expert's projections, from the cache or read now. Side effects: counters; a miss
-        reads (and may evict least-recently-used experts, never the one returned)."""
+        """The expert's projections, from the cache or read now. Side effects: counters; a miss reads,
+        then pins the expert (evicting from the tail, never the one returned), or keeps it in the tail,
+        or keeps nothing [SCAN-RESISTANT]; the read-ahead window moves on [READ-AHEAD]."""
         key = (layer, expert)
-        e = self._cache.get(key)
+        if key in self._advised:                    # it and any hinted before it (skipped) leave the window
+            while self._advised.popleft() != key:
+                pass
+            self._advise()
+        e = self._pinned.get(key)
+        if e is None:
+            e = self._tail.get(key)
+            if e is not None:
+                self._tail.move_to_end(key)
         if e is not None:
-            self._cache.move_to_end(key)
             self.stats.hits += 1
         else:
             e = self._read(key)
             self.stats.misses += 1
-            if e.nbytes <= self.budget:
-                while self._held + e.nbytes > self.budget:
-                    _, old = self._cache.popitem(last=False)
-                    self._held -= old.nbytes
-                    self.stats.evictions += 1
-                self._cache[key] = e
-                self._held += e.nbytes
+            self._place(key, e)
         self.stats.bytes_used += e.nbytes
         self.stats.rows += rows
         return e
 
+    def _place(self, key: tuple[int, int], e: Expert) -> None:
+        """A just-read expert: pinned while its layer's share has room (evicting the tail's least recently
+        used to make that room), else into the tail while the budget has room, else not kept: an expert
+        held is only ever evicted for a pin. Keeps pinned + tail <= budget."""
+        layer = key[0]
+        if self._pinned_layer[layer] + e.nbytes <= self._share and self._pinned_bytes + e.nbytes <= self.budget:
+            self._shrink_tail(self.budget - self._pinned_bytes - e.nbytes)
+            self._pinned[key] = e
+            self._pinned_layer[layer] += e.nbytes
+            self._pinned_bytes += e.nbytes
+        elif self._pinned_bytes + self._tail_bytes + e.nbytes <= self.budget:
+            self._tail[key] = e                                      # room: kept (no eviction for it)
+            self._tail_bytes += e.nbytes
+        else:
+            self.stats.evictions += 1                                # served, not kept
+
+    def _shrink_tail(self, room: int) -> None:
+        """Evicts the tail's least recently used experts until it holds <= room bytes."""
+        while self._tail_bytes > room:
+            _, old = self._tail.popitem(last=False)
+            self._tail_bytes -= old.nbytes
+            self.stats.evictions += 1
+
+    @property
+    def pinned(self) -> int:
+        """How many experts are pinned (never evicted)."""
+        return len(self._pinned)
+
     @property
     def nbytes(self) -> int:
-        """Bytes of the experts held now (<= budget)."""
-        return self._held
+        """Bytes of the experts held now (<= budget): pinned and tail."""
+        return self._pinned_bytes + self._tail_bytes
 
     @property
     def total_experts(self) -> int:
@@ -209,11 +289,13 @@ class StreamedExperts:
         return sum(s.length for slabs in self._slabs.values() for s in slabs)
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self._pinned) + len(self._tail)
 
     def close(self) -> None:
-        self._cache.clear()
-        self._held = 0
+        self._pinned.clear()
+        self._tail.clear()
+        self._pinned_layer = dict.fromkeys(self._pinned_layer, 0)
+        self._pinned_bytes = self._tail_bytes = 0
         self._closer()
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -222,13 +304,19 @@ class StreamedExperts:
             raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
         parts = []
         for slab in self._slabs[key]:
-            parts.append(self._decode(torch.from_numpy(self._pread(slab)), slab))
+            raw = torch.from_numpy(self._pread(slab))
+            parts.append(_not_viewing(self._decode(raw, slab), raw))     # [SCRATCH] before the next pread
             self.stats.bytes_read += slab.length
         build = self._build[key[0]]
         return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
 
     def _pread(self, slab: Slab) -> np.ndarray:
-        buf = np.empty(slab.length, dtype=np.uint8)
+        """The slab's bytes, read into the store's one scratch buffer [SCRATCH]: valid until the next
+        _pread. (A fresh buffer a slab is a fresh mapping at the 256 KiB mmap threshold that streaming
+        sets, malloc.streamed_blocks_return: ~1.5 ms of page faults an expert, a third of a miss's read.)"""
+        if self._scratch.size < slab.length:
+            self._scratch = np.empty(slab.length, dtype=np.uint8)
+        buf = self._scratch[:slab.length]
         view, got = memoryview(buf), 0
         while got < slab.length:
             n = os.preadv(self._fd, [view[got:]], slab.offset + got)
@@ -240,6 +328,23 @@ class StreamedExperts:
         return buf
 
 
+def _not_viewing(w, raw: torch.Tensor):
+    """w (a decoded slab: QWeight or tensor) with every tensor that shares raw's storage copied out
+    [SCRATCH]: the conversions copy (convert.c always), but a float slab's dequantization or a Python
+    path's corner case may return a view, and raw is overwritten by the next read."""
+    lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel() * raw.element_size()
+
+    def own(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        st = t.untyped_storage()
+        return t.clone() if st.data_ptr() < hi and lo < st.data_ptr() + st.nbytes() else t
+    if isinstance(w, torch.Tensor):
+        return own(w)
+    return type(w)(w.fmt, *(own(t) for t in (w.codes, w.scale, w.bias, w.high, w.sup)))
+
+
+READ_AHEAD = 8      # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD])
 EXPERT_OVERHEAD = 256 << 20     # beside the resident parts: tokenizer, tables, allocator slack (as fit.py)
 
 
@@ -357,7 +462,9 @@ class MoE:
         same bits, without the grouping's ~8 small torch ops an expert (argsort, bincount, gathers,
         the scatter into slots): 128 experts a token on olmoe-small. -> (1, hidden)."""
         out = None
-        for j, e in enumerate(r.experts[0].tolist()):                          # [SUM-ORDER] ascending index
+        experts = r.experts[0].tolist()
+        self.store.read_ahead(self.layer, experts)                             # [READ-AHEAD] a hint: no bits change
+        for j, e in enumerate(experts):                                        # [SUM-ORDER] ascending index
             ex = self.store.get(self.layer, e, 1)
             g, u = ex.gate_up(h).chunk(2, dim=-1)                              # (1, I) each
             y = ex.down(F.silu(g) * u)                                         # (1, hidden)
@@ -376,6 +483,7 @@ class MoE:
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         wflat = r.weights.reshape(-1)
         slots: torch.Tensor | None = None                                      # (M, k, hidden): row, rank-by-index
+        self.store.read_ahead(self.layer, [e for e, n in enumerate(counts) if n])   # [READ-AHEAD] in get order
         at = 0
         for e, n in enumerate(counts):
             if not n:

@@ -1,0 +1,214 @@
+/* GGML blocks -> the lanes layouts (models/qweight.py, kernels/qlanes.c), in C: the bits of
+ * qweight.to_lanes(qweight.from_gguf(raw, qtype, rows, cols)), field for field.
+ *
+ * Why: a streamed expert (models/moe.py StreamedExperts) is converted on every cache miss. In
+ * Python/torch that conversion took 31-39 ms of a 3 MB Qwen3 expert's ~57 ms miss (from_gguf's
+ * unpacking and to_lanes' interleaving copies: ~0.08 GB/s), 6-14x the cost of reading the bytes
+ * (benchmarks/results/moe-capped). The work is a memory-bound shuffle: read a block's fields, write
+ * them to their lanes. No ISA intrinsics: it builds alike for AVX-512, AVX2 and baseline x86-64.
+ *
+ * What is written (N rows a multiple of 16, block b = rows 16b..16b+15, lane j = row 16b + j; see
+ * qlanes.c for the layouts; K the inputs a row):
+ *   codes  q4x16 (N/16, K/2, 16): [b][p][j] = code(16b+j, 2p) & 15 | (code(16b+j, 2p+1) & 15) << 4
+ *          q5x16: the same nibbles, high (N/16, K, 2): bit (j % 8) of byte [b][k][j / 8] = bit 4 of code(16b+j, k)
+ *          q8x16, q6x16 (N/16, K, 16): [b][k][j] = code(16b+j, k)
+ *   scale  (N/16, groups, 16): "k" Q4_K/Q5_K's uint8 sub-scale sc; "k6" Q6_K's int8 sc; "f16s"/"f16"
+ *          GGML's fp16 d, its bits as they are (an fp16 -> fp32 -> fp16 round trip: the same bits for
+ *          every finite value, which is when those modes are chosen)
+ *   bias   "k": uint8 sub-min m, like scale; "f16": fp16 m; "f16s" and "k6": nothing here (the caller's
+ *          constant / none)
+ *   sup    "k": (N/16, K/256, 2, 16) fp16 d, dmin; "k6": (N/16, K/256, 16) fp16 d
+ * The codes each type gets (qweight.py's converters): Q4_0/Q4_1 nibbles; Q5_0/Q5_1 nibble | qh bit << 4;
+ * Q8_0 int8 q + 128 (q's byte with the top bit flipped); Q4_K/Q5_K as GGML's sub-blocks of 32 hold them;
+ * Q6_K 0..63 (ql nibble | qh 2 bits << 4), the -32 left to the kernel.
+ *
+ * The scale mode is the caller's decision (qconvert.py): the K-quants' own always; for Q4_0/Q5_0/Q8_0
+ * ("f16s") and Q4_1/Q5_1 ("f16") only when every fp16 d (and m) of the whole matrix is finite, as
+ * qweight._scale_mode decides (tq_convert_finite says; otherwise the Python path's "f32" applies).
+ *
+ * Rows may be gathered (`order`: output row r is source row order[r]): the loader's q/k permutations
+ * and fused-matrix splits take whole rows, and a row's blocks convert alone.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#define BLK 16          /* rows a lanes block */
+
+/* GGML type numbers (gguf's GGMLQuantizationType) */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+typedef struct {
+    int block;          /* inputs a GGML block */
+    int size;           /* bytes a GGML block */
+    int group;          /* inputs a scale group in the lanes layout */
+    int nibbles;        /* codes packed two a byte (q4x16, q5x16) */
+    int has_high;       /* q5x16's fifth bits */
+} TypeInfo;
+
+static int type_info(int qtype, TypeInfo *t) {
+    switch (qtype) {
+    case T_Q4_0: *t = (TypeInfo){32, 18, 32, 1, 0}; return 0;
+    case T_Q4_1: *t = (TypeInfo){32, 20, 32, 1, 0}; return 0;
+    case T_Q5_0: *t = (TypeInfo){32, 22, 32, 1, 1}; return 0;
+    case T_Q5_1: *t = (TypeInfo){32, 24, 32, 1, 1}; return 0;
+    case T_Q8_0: *t = (TypeInfo){32, 34, 32, 0, 0}; return 0;
+    case T_Q4_K: *t = (TypeInfo){256, 144, 32, 1, 0}; return 0;
+    case T_Q5_K: *t = (TypeInfo){256, 176, 32, 1, 1}; return 0;
+    case T_Q6_K: *t = (TypeInfo){256, 210, 16, 0, 0}; return 0;
+    default: return -1;
+    }
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline int f16_finite(uint16_t h) { return (h & 0x7C00) != 0x7C00; }
+
+/* Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml_blocks._k_scales_mins). */
+static inline void k_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t mn[8]) {
+    for (int i = 0; i < 4; i++) {
+        sc[i] = p[i] & 0x3F;
+        mn[i] = p[4 + i] & 0x3F;
+        sc[4 + i] = (uint8_t)((p[8 + i] & 0x0F) | ((p[i] >> 2) & 0x30));
+        mn[4 + i] = (uint8_t)((p[8 + i] >> 4) | ((p[4 + i] >> 2) & 0x30));
+    }
+}
+
+/* One GGML row (cols / block blocks at `src`) -> its codes c[0..cols) and, at lane j of block-row
+ * `lane_base` (the address of [b][0][j] in each field, element stride BLK), its scale, bias and sup. */
+static void row(int qtype, const TypeInfo *t, const uint8_t *src, int64_t cols, uint8_t *c,
+                uint8_t *scale, uint8_t *bias, uint16_t *sup) {
+    const int64_t nblk = cols / t->block;
+    for (int64_t k = 0; k < nblk; k++) {
+        const uint8_t *b = src + k * t->size;
+        uint8_t *q = c + k * t->block;
+        switch (qtype) {
+        case T_Q4_0: case T_Q4_1: {
+            const uint8_t *qs = b + (qtype == T_Q4_0 ? 2 : 4);
+            for (int i = 0; i < 16; i++) { q[i] = qs[i] & 0x0F; q[i + 16] = qs[i] >> 4; }
+            ((uint16_t *)scale)[k * BLK] = rd16(b);
+            if (qtype == T_Q4_1) ((uint16_t *)bias)[k * BLK] = rd16(b + 2);
+            break;
+        }
+        case T_Q5_0: case T_Q5_1: {
+            const uint8_t *qh = b + (qtype == T_Q5_0 ? 2 : 4), *qs = qh + 4;
+            for (int i = 0; i < 16; i++) { q[i] = qs[i] & 0x0F; q[i + 16] = qs[i] >> 4; }
+            for (int i = 0; i < 32; i++) q[i] |= (uint8_t)(((qh[i >> 3] >> (i & 7)) & 1) << 4);
+            ((uint16_t *)scale)[k * BLK] = rd16(b);
+            if (qtype == T_Q5_1) ((uint16_t *)bias)[k * BLK] = rd16(b + 2);
+            break;
+        }
+        case T_Q8_0:
+            for (int i = 0; i < 32; i++) q[i] = b[2 + i] ^ 0x80;
+            ((uint16_t *)scale)[k * BLK] = rd16(b);
+            break;
+        case T_Q4_K: case T_Q5_K: {
+            uint8_t sc[8], mn[8];
+            k_scales_mins(b + 4, sc, mn);
+            const uint8_t *qs = b + (qtype == T_Q4_K ? 16 : 48), *qh = b + 16;
+            for (int s = 0; s < 8; s++) {           /* sub-block s: byte run s/2, nibble s%2 */
+                const uint8_t *run = qs + (s >> 1) * 32;
+                const int sh = (s & 1) * 4;
+                for (int l = 0; l < 32; l++) q[s * 32 + l] = (run[l] >> sh) & 0x0F;
+                if (qtype == T_Q5_K)
+                    for (int l = 0; l < 32; l++) q[s * 32 + l] |= (uint8_t)(((qh[l] >> s) & 1) << 4);
+                scale[(k * 8 + s) * BLK] = sc[s];
+                bias[(k * 8 + s) * BLK] = mn[s];
+            }
+            sup[(k * 2) * BLK] = rd16(b);           /* (K/256, 2, 16): d, then dmin */
+            sup[(k * 2 + 1) * BLK] = rd16(b + 2);
+            break;
+        }
+        case T_Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            for (int i = 0; i < 256; i++) {
+                const int h = i >> 7, r = i & 127;
+                const uint8_t lo = (ql[h * 64 + (r & 63)] >> ((r >> 6) * 4)) & 0x0F;
+                const uint8_t hi = (qh[h * 32 + (r & 31)] >> ((r >> 5) * 2)) & 0x03;
+                q[i] = (uint8_t)(lo | (hi << 4));
+            }
+            for (int s = 0; s < 16; s++) scale[(k * 16 + s) * BLK] = b[192 + s];
+            sup[k * BLK] = rd16(b + 208);
+            break;
+        }
+        }
+    }
+}
+
+/* 1 when every fp16 d (and Q4_1/Q5_1's m) of `nblocks` blocks at `src` is finite (the modes "f16s" /
+ * "f16" apply), else 0; -1 for a type not covered. The K-quants: always 1 (their mode is their own). */
+int tq_convert_finite(int qtype, const uint8_t *src, int64_t nblocks) {
+    TypeInfo t;
+    if (type_info(qtype, &t)) return -1;
+    if (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) return 1;
+    const int two = qtype == T_Q4_1 || qtype == T_Q5_1;
+    for (int64_t i = 0; i < nblocks; i++) {
+        const uint8_t *b = src + i * t.size;
+        if (!f16_finite(rd16(b)) || (two && !f16_finite(rd16(b + 2)))) return 0;
+    }
+    return 1;
+}
+
+/* rows x cols GGML blocks -> lanes fields (the top of the file). src: the source matrix, src_rows rows
+ * of cols / block blocks; order: NULL (output row r = source row r) or rows int64 source rows. The
+ * caller allocates every field (scale/bias/sup per the type's mode; bias, high, sup NULL where the
+ * mode has none). Returns 0, or -1 for a type not covered, -2 for a shape (rows % 16, cols % block, an
+ * order index out of range), -3 when out of memory. Threads split the blocks of 16 rows. */
+int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int64_t *order, int64_t rows,
+                     int64_t cols, uint8_t *codes, uint8_t *high, uint8_t *scale, uint8_t *bias, uint16_t *sup,
+                     int nthreads) {
+    TypeInfo t;
+    if (type_info(qtype, &t)) return -1;
+    if (rows % BLK || cols <= 0 || cols % t.block) return -2;
+    if (order)
+        for (int64_t r = 0; r < rows; r++)
+            if (order[r] < 0 || order[r] >= src_rows) return -2;
+    const int64_t nb = rows / BLK, row_bytes = cols / t.block * t.size;
+    const int64_t groups = cols / t.group, supers = cols / 256;
+    /* field element sizes: scale fp16 (1-block types) or one byte (the K-quants); bias likewise */
+    const int ksz = (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) ? 1 : 2;
+    const int64_t code_w = t.nibbles ? cols / 2 : cols;
+    int err = 0;
+    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nb > 1 && nthreads > 1)
+    {
+        uint8_t *c = malloc((size_t)(BLK * cols));     /* 16 rows' codes, row-major */
+        if (!c) {
+            #pragma omp atomic write
+            err = -3;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            if (!c) continue;
+            for (int j = 0; j < BLK; j++) {
+                const int64_t r = b * BLK + j, s = order ? order[r] : r;
+                row(qtype, &t, src + s * row_bytes, cols, c + j * cols,
+                    scale + (b * groups * BLK + j) * ksz,
+                    bias ? bias + (b * groups * BLK + j) * ksz : NULL,
+                    sup ? sup + b * supers * (ksz == 1 && qtype != T_Q6_K ? 2 : 1) * BLK + j : NULL);
+            }
+            uint8_t *out = codes + b * code_w * BLK;
+            if (t.nibbles) {
+                for (int64_t p = 0; p < cols / 2; p++)
+                    for (int j = 0; j < BLK; j++)
+                        out[p * BLK + j] = (uint8_t)((c[j * cols + 2 * p] & 0x0F) | ((c[j * cols + 2 * p + 1] & 0x0F) << 4));
+            } else {
+                for (int64_t i = 0; i < cols; i++)
+                    for (int j = 0; j < BLK; j++) out[i * BLK + j] = c[j * cols + i];
+            }
+            if (t.has_high) {
+                uint8_t *h = high + b * cols * 2;
+                for (int64_t i = 0; i < cols; i++) {
+                    uint8_t lo = 0, hi = 0;
+                    for (int j = 0; j < 8; j++) {
+                        lo |= (uint8_t)(((c[j * cols + i] >> 4) & 1) << j);
+                        hi |= (uint8_t)(((c[(j + 8) * cols + i] >> 4) & 1) << j);
+                    }
+                    h[2 * i] = lo;
+                    h[2 * i + 1] = hi;
+                }
+            }
+        }
+        free(c);
+    }
+    return err;
+}
