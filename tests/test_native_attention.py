@@ -161,6 +161,31 @@ def test_many_sequences_in_one_call_equal_each_alone():
                       cfg)
 
 
+def test_lone_row_of_one_kv_head_splits_its_heads_with_the_same_bits():
+    """A decode row of a model with one kv head (gemma3: 4 query heads) is one task; with more threads than
+    tasks the group's query heads are split across threads. Every thread count gives the bits of one
+    thread, and the rows match the float64 reference."""
+    from types import SimpleNamespace
+
+    from ternlm.models.llama import Segment, segment_table
+    g = torch.Generator().manual_seed(5)
+    cfg = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=256)
+    cap, start = 3000, 2999                      # one row at position 2999: all 3,000 keys
+    k, v = torch.randn(1, 1, cap, 256, generator=g), torch.randn(1, 1, cap, 256, generator=g)
+    q = torch.randn(4, 1, 256, generator=g)
+    qs = (q * 256 ** -0.5).contiguous()
+    table = segment_table([Segment(start, 1, k, v)], cfg)
+    kn = kernels()
+    outs = []
+    for threads in (1, 2, 3, 4):
+        out = torch.empty(1, 4 * 256)
+        kn.attention_segments(table.data_ptr(), 1, 0, qs.data_ptr(), 1, 4, 1, 256, out.data_ptr(), threads)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = reference(q, k[0], v[0], start)
+    assert (outs[0].double() - ref).abs().max().item() < 1e-5
+
+
 def fp16_segments_check(kn) -> None:
     """An fp16 cache gives exactly the bits of an fp32 cache holding the same (widened) values: the
     kernel widens each element exactly, the arithmetic is the fp32 one."""

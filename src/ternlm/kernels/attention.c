@@ -269,16 +269,16 @@ static void pairs_any(int P, int half, const float *const *q, const void *k, con
     }
 }
 
-/* The (query head, position) pairs of one task: the G query heads of kv head kvh at R consecutive rows
- * of one sequence, PMAX at a time. q rows at q + (h * ldq_h + row) * D, out rows at out + row * ldo + h * D,
- * row r at position pos0 + r; window > 0: it reads only the window's keys [SWA]. */
-static void kv_task(int64_t kvh, int64_t G, int R, int half, const float *q, int64_t ldq_h, int64_t row0,
+/* The (query head, position) pairs of one task: query heads [h0, h1) (all or some of one kv head's group) at
+ * R consecutive rows of one sequence, PMAX at a time. q rows at q + (h * ldq_h + row) * D, out rows at
+ * out + row * ldo + h * D, row r at position pos0 + r; window > 0: it reads only the window's keys [SWA]. */
+static void kv_task(int64_t h0, int64_t h1, int R, int half, const float *q, int64_t ldq_h, int64_t row0,
                     int64_t pos0, const void *k, const void *v, int64_t D, float *out, int64_t ldo, int64_t window) {
     const float *qp[PMAX];
     float *op[PMAX];
     int64_t n[PMAX], lo[PMAX];
     int cnt = 0;
-    for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+    for (int64_t h = h0; h < h1; h++)
         for (int r = 0; r < R; r++) {
             qp[cnt] = q + (h * ldq_h + row0 + r) * D;
             op[cnt] = out + (row0 + r) * ldo + h * D;
@@ -310,7 +310,8 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
         for (int64_t gi = 0; gi < ngroups; gi++) {
             int64_t t0 = gi * RMAX;
             int R = (int)(T - t0 < RMAX ? T - t0 : RMAX);
-            kv_task(kvh, G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out, ldo, 0);
+            kv_task(kvh * G, (kvh + 1) * G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out,
+                    ldo, 0);
         }
     return 0;
 }
@@ -341,10 +342,18 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
      * keys. Handed out one at a time: tasks differ in rows (a 37-row tail is 8, 8, 8, 8, 5 a kv head)
      * and keys (sequences of different lengths), and static halves left one thread idle up to 18% of
      * a tail (a 37-row tail -5%, prefill chunks within 1%). Neither the order nor the thread changes a row's
-     * arithmetic. */
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+     * arithmetic.
+     * Fewer tasks than threads (a lone decode row of a model with one kv head, gemma3's: one task, and one
+     * thread read all 16,000 keys of a global layer while the other waited): the group's query heads are
+     * split into HP parts instead, each a task that reads the kv head's K/V for its own heads. A pair's
+     * arithmetic does not depend on the pairs that share its loads, so no bit changes. */
+    int64_t HP = 1;
+    if (KV * ntask < nthreads) HP = (nthreads + KV * ntask - 1) / (KV * ntask);
+    if (HP > G) HP = G;
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t kvh = 0; kvh < KV; kvh++)
-        for (int64_t ti = 0; ti < ntask; ti++) {
+        for (int64_t ti = 0; ti < ntask; ti++)
+            for (int64_t hp = 0; hp < HP; hp++) {
             const int64_t *sg = segs + 6 * task[2 * ti];
             const int64_t r0 = sg[0], len = sg[1], cap = sg[3], t0 = task[2 * ti + 1];
             const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
@@ -353,7 +362,8 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
             /* The task's (head, row) pairs that read this kv head share each K/V load: a decode row
              * (R = 1) reads its K/V once for the G query heads of the group instead of G times; every
              * pair still runs the single-row algorithm. */
-            kv_task(kvh, G, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v, D, out, H * D, window);
+            kv_task(kvh * G + hp * G / HP, kvh * G + (hp + 1) * G / HP, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v,
+                    D, out, H * D, window);
         }
     free(task);
     return 0;
