@@ -31,7 +31,7 @@ Expert weights are fetched through `get(layer, expert)`, the one place that know
     bytes and the conversion are the resident path's, so a streamed expert's product is the same
     bits; tests/test_moe_stream.py checks logits with torch.equal.
 Their counters (`ExpertStats`) are what timings, Prometheus and `ternlm info` report. A shared
-expert is not in either store: it is a dense part of the layer (resident, never in the LRU, not counted).
+expert is not in either store: it is a dense part of the layer (resident, never in the expert cache, not counted).
 """
 from __future__ import annotations
 
