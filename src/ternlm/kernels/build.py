@@ -203,6 +203,16 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention.restype = ctypes.c_int
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int
+    lib.tq_layer_attn.argtypes = [p, p, i, p, i, p, ctypes.c_int]
+    lib.tq_layer_attn.restype = ctypes.c_int
+    lib.tq_moe_route.argtypes = [p, i, i, p, i, i, i, p, p, ctypes.c_int]
+    lib.tq_moe_route.restype = ctypes.c_int
+    lib.tq_moe_experts.argtypes = [p, i, i, i, i, p, p, i, p, p, i, p, p, i, ctypes.c_int]
+    lib.tq_moe_experts.restype = ctypes.c_int
+    lib.tq_moe_sum.argtypes = [p, p, i, i, i, ctypes.c_int]
+    lib.tq_moe_sum.restype = None
+    lib.tq_lanes_range.argtypes = [i, i, p, i, i, p, p, p, p, p, i, i, i, p, i]
+    lib.tq_lanes_range.restype = ctypes.c_int
     lib.tq_convert_lanes.argtypes = [ctypes.c_int, p, i, p, i, i, p, p, p, p, p, ctypes.c_int]
     lib.tq_convert_lanes.restype = ctypes.c_int
     lib.tq_convert_finite.argtypes = [ctypes.c_int, p, i]

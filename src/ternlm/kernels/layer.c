@@ -32,6 +32,9 @@ MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
 MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
 MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
 MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm) MM_DECL(tq_q6x16_k6_mm)
+int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                   const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
+                   int64_t b0, int64_t b1, float *y, int64_t ldy);
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
@@ -138,21 +141,18 @@ static inline vf gelu_tanh_muln(vf g, vf u) {
     return splatn(0.5f) * g * (splatn(1.0f) + th) * u;
 }
 
-/* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
- * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (SCRATCH_PER_ROW
- * in kernels/layer.py).
- * Side effects: x; each sequence's K/V of its positions in this layer. Returns 0, or -1 on a shape
- * it does not take (nothing written then). */
-int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M, float *scratch,
-             int nthreads) {
+/* The layer's attention half: x += o(attention(...)) (Gemma: its post-norm first), then h = RMSNorm(x) with
+ * the MLP's input norm, in scratch's first M * hidden floats. Scratch as tq_layer's. Side effects: x, h,
+ * the KV of the rows' positions. Returns 0, or -1 on a shape it does not take (nothing written then). */
+static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M,
+                          float *scratch, int nthreads) {
     const int64_t hid = L->hidden, I = L->inter, H = L->H, KV = L->KV, D = L->D, nqkv = L->qkv.n_out;
     if (hid % 16 || I % 16 || D % 16 || D > 256 || H % KV || M <= 0 || nqkv != (H + 2 * KV) * D
-        || L->o.n_out != hid || L->gate_up.n_out != 2 * I || L->down.n_out != hid || L->window < 0
-        || (L->act != ACT_SILU && L->act != ACT_GELU_TANH))
+        || L->o.n_out != hid || L->window < 0)
         return -1;
     const float eps = (float)L->eps;
     float *h = scratch, *qkv = h + M * hid, *qs = qkv + M * nqkv, *att = qs + M * H * D;
-    float *gu = att + M * H * D, *act = gu + M * 2 * I, *o = act + M * I;
+    float *o = att + M * H * D + 3 * M * I;         /* after gate|up and SiLU * up (tq_layer's) */
     int64_t *pos = malloc(M * sizeof *pos), *seg = malloc(M * sizeof *seg);
     if (!pos || !seg) { free(pos); free(seg); return -1; }
     for (int64_t s = 0; s < nseg; s++)
@@ -208,6 +208,24 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
         for (int64_t i = 0; i < hid; i++) x[r * hid + i] += o[r * hid + i];
         rms_row(x + r * hid, L->post_norm, hid, eps, h + r * hid);
     }
+    return 0;
+}
+
+/* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
+ * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (SCRATCH_PER_ROW
+ * in kernels/layer.py).
+ * Side effects: x; each sequence's K/V of its positions in this layer. Returns 0, or -1 on a shape
+ * it does not take (nothing written then). */
+int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M, float *scratch,
+             int nthreads) {
+    const int64_t hid = L->hidden, I = L->inter, H = L->H, D = L->D;
+    if (L->gate_up.n_out != 2 * I || L->down.n_out != hid || (L->act != ACT_SILU && L->act != ACT_GELU_TANH))
+        return -1;
+    if (attention_half(L, segs, nseg, x, M, scratch, nthreads) != 0)
+        return -1;
+    const float eps = (float)L->eps;
+    const int par = M >= 8;
+    float *h = scratch, *gu = h + M * hid + M * L->qkv.n_out + 2 * M * H * D, *act = gu + M * 2 * I, *o = act + M * I;
     project(&L->gate_up, h, M, hid, gu, nthreads);
     const int gelu = L->act == ACT_GELU_TANH;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
@@ -223,4 +241,229 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
         for (int64_t i = 0; i < hid; i++) x[r * hid + i] += o[r * hid + i];
     }
     return 0;
+}
+
+/* ---- mixture of experts (qwen3moe, Mixtral, olmoe: models/moe.py's arithmetic, row by row) -----------
+ * A MoE layer is three calls from kernels/layer.py, because its experts may stream from disk and only
+ * Python's store (models/moe.py) knows where they are: tq_layer_attn (the attention half, h = the MLP's
+ * normed input), tq_moe_route (each row's k experts and weights), then the experts the rows use fetched
+ * by Python and run by tq_moe_experts (a group at a time: a streamed store holds at most EXPERTS_IN_USE
+ * experts at once), and tq_moe_sum (the residual add).
+ * [BATCH-INVARIANT] A row's router logits, softmax, top-k and weights read that row alone; an expert's
+ * products are lanes products of the rows routed to it (row-invariant in M and in the block range a task
+ * takes); a row's k weighted outputs are summed in one fixed order, ascending expert index [SUM-ORDER].
+ */
+
+/* The attention half of tq_layer, for a MoE layer (its gate_up / down are empty: the experts are the MLP).
+ * Side effects: x (+= attention), scratch's first M * hidden floats = h, the rows' KV. 0, or -1 (shape). */
+int tq_layer_attn(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M, float *scratch,
+                  int nthreads) {
+    return attention_half(L, segs, nseg, x, M, scratch, nthreads);
+}
+
+/* h: (M, hid) -> route (M, k) expert indices, ascending in each row, and weights (M, k) fp32: the softmax
+ * over the E router logits (router (E, hid) fp32: each logit one dot product of VN-lane partial sums in
+ * the order of the inputs, then hsumn), the k largest probabilities (equal ones: the lower index first
+ * [TOP-K-TIES]), divided by their sum (added in rank order) when norm. Our expn, not libm's: the bits
+ * change only with these sources (the kernels' digest). 0, or -1 on a shape it does not take. */
+int tq_moe_route(const float *h, int64_t M, int64_t hid, const float *router, int64_t E, int64_t k, int64_t norm,
+                 int64_t *route, float *weights, int nthreads) {
+    if (hid % VN || E <= 0 || k <= 0 || k > E || k > 64 || M <= 0) return -1;
+    const int64_t EP = (E + VN - 1) / VN * VN;
+    int err = 0;
+    #pragma omp parallel num_threads(nthreads) if (M >= 8)
+    {
+        float *p = malloc((size_t)EP * sizeof(float));
+        unsigned char *taken = malloc((size_t)E);
+        if (!p || !taken) {
+            #pragma omp atomic write
+            err = -1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (!p || !taken) continue;
+            const float *x = h + m * hid;
+            int64_t e = 0;
+            for (; e + 4 <= E; e += 4) {               /* four logits side by side: four chains, each in order */
+                vf a0 = splatn(0.0f), a1 = a0, a2 = a0, a3 = a0;
+                const float *w = router + e * hid;
+                for (int64_t c = 0; c < hid; c += VN) {
+                    const vf xc = loadn(x + c);
+                    a0 = fman(xc, loadn(w + c), a0);
+                    a1 = fman(xc, loadn(w + hid + c), a1);
+                    a2 = fman(xc, loadn(w + 2 * hid + c), a2);
+                    a3 = fman(xc, loadn(w + 3 * hid + c), a3);
+                }
+                p[e] = hsumn(a0); p[e + 1] = hsumn(a1); p[e + 2] = hsumn(a2); p[e + 3] = hsumn(a3);
+            }
+            for (; e < E; e++) {
+                vf acc = splatn(0.0f);
+                for (int64_t c = 0; c < hid; c += VN) acc = fman(loadn(x + c), loadn(router + e * hid + c), acc);
+                p[e] = hsumn(acc);
+            }
+            float mx = p[0];
+            for (e = 1; e < E; e++) mx = p[e] > mx ? p[e] : mx;
+            for (e = E; e < EP; e++) p[e] = -INFINITY;       /* exp: exactly 0 */
+            vf sum = splatn(0.0f);
+            for (e = 0; e < EP; e += VN) {
+                vf t = expn(loadn(p + e) - splatn(mx));
+                storen(p + e, t);
+                sum += t;
+            }
+            const float total = hsumn(sum);
+            int64_t idx[64];
+            float val[64];
+            memset(taken, 0, (size_t)E);
+            for (int64_t j = 0; j < k; j++) {          /* selection: the largest left, the lower index on ties */
+                int64_t best = -1;
+                for (e = 0; e < E; e++)
+                    if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+                idx[j] = best;
+                val[j] = p[best] / total;
+                taken[best] = 1;
+            }
+            if (norm) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < k; j++) s += val[j];
+                for (int64_t j = 0; j < k; j++) val[j] /= s;
+            }
+            for (int64_t j = 1; j < k; j++)            /* ascending expert index [SUM-ORDER] */
+                for (int64_t i = j; i > 0 && idx[i - 1] > idx[i]; i--) {
+                    int64_t ti = idx[i]; idx[i] = idx[i - 1]; idx[i - 1] = ti;
+                    float tv = val[i]; val[i] = val[i - 1]; val[i - 1] = tv;
+                }
+            for (int64_t j = 0; j < k; j++) { route[m * k + j] = idx[j]; weights[m * k + j] = val[j]; }
+        }
+        free(p);
+        free(taken);
+    }
+    return err;
+}
+
+/* One expert's projections; mirrored by kernels/layer.py's _Expert. */
+typedef struct {
+    TqProj gate_up, down;       /* (2 I, hid) gate rows first; (hid, I); no bias */
+} TqExpert;
+
+/* A product's share: blocks [b0, b1) of one part, for the rows x (M, K) -> y (stride ldy). */
+typedef struct {
+    const TqPart *part;
+    const float *x;
+    float *y;
+    int64_t M, K, ldy, b0, b1;
+} Share;
+
+/* Every projection `which` (0 gate_up, 1 down) of the n experts cut into shares, about 4 a thread. */
+static int64_t shares(const TqExpert *const *ex, int64_t n, const int64_t *start, const int64_t *count, int which,
+                      const float *x, int64_t K, float *y, int64_t ldy, int nthreads, Share *out) {
+    int64_t parts = 0, t = 0;
+    for (int64_t i = 0; i < n; i++) if (count[i]) parts += which ? ex[i]->down.nparts : ex[i]->gate_up.nparts;
+    const int64_t want = 4 * (int64_t)nthreads, cut = parts ? (want + parts - 1) / parts : 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (!count[i]) continue;
+        const TqProj *p = which ? &ex[i]->down : &ex[i]->gate_up;
+        int64_t off = 0;
+        for (int64_t q = 0; q < p->nparts; q++) {
+            const TqPart *pt = &p->parts[q];
+            const int64_t nb = (pt->n + 15) / 16, c = cut < nb ? cut : nb;
+            for (int64_t s = 0; s < c; s++)
+                out[t++] = (Share){pt, x + start[i] * K, y + start[i] * ldy + off, count[i], K, ldy,
+                                   nb * s / c, nb * (s + 1) / c};
+            off += pt->n;
+        }
+    }
+    return t;
+}
+
+static int run_shares(const Share *sh, int64_t n, int nthreads) {
+    int err = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (n > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const TqPart *p = sh[i].part;
+        if (tq_lanes_range(p->layout, p->mode, sh[i].x, sh[i].M, sh[i].K, p->codes, p->high, p->scale, p->bias,
+                           p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy) != 0) {
+            #pragma omp atomic write
+            err = -1;
+        }
+    }
+    return err;
+}
+
+/* The n experts ex[i] (expert index ids[i], ascending) on the rows routed to them: for every (m, j) with
+ * route[m k + j] == ids[i], slots[(m k + j) hid ...] = weights[m k + j] * down(act(gate(h_m)) * up(h_m)).
+ * Each expert's product runs once over all its rows; the shares of every expert's gate|up run in one
+ * parallel region, then the activation, then every down in one more. h: (M, hid); act: ACT_SILU or
+ * ACT_GELU_TANH; scratch: >= R (2 hid + 3 I) floats, R the (m, j) routed to the n experts (kernels/layer.py
+ * sizes it). Side effects: those slots, the scratch. 0, or -1 (a shape, memory, a layout without a range
+ * kernel: nothing is meaningful in the slots then). */
+int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k, const int64_t *route,
+                   const float *weights, int64_t n, const int64_t *ids, const TqExpert *const *ex, int64_t act,
+                   float *slots, float *scratch, int64_t scratch_floats, int nthreads) {
+    if (hid % 16 || I % 16 || n <= 0 || M <= 0 || (act != ACT_SILU && act != ACT_GELU_TANH)) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ex[i]->gate_up.n_out != 2 * I || ex[i]->down.n_out != hid || ex[i]->gate_up.bias || ex[i]->down.bias
+            || (i && ids[i] <= ids[i - 1]))
+            return -1;
+    int64_t *count = calloc((size_t)n, sizeof *count), *start = malloc((size_t)(n + 1) * sizeof *start);
+    int64_t *pos = malloc((size_t)(M * k) * sizeof *pos), *at = malloc((size_t)n * sizeof *at);
+    Share *sh = NULL;
+    float *xg;
+    int rc = -1;
+    if (!count || !start || !pos || !at) goto out;
+    for (int64_t r = 0; r < M * k; r++) {                  /* rows per expert: ids ascending, a binary search */
+        int64_t lo = 0, hi = n - 1, e = route[r];
+        while (lo < hi) { int64_t mid = (lo + hi) / 2; if (ids[mid] < e) lo = mid + 1; else hi = mid; }
+        if (ids[lo] == e) count[lo]++;
+    }
+    start[0] = 0;
+    for (int64_t i = 0; i < n; i++) { start[i + 1] = start[i] + count[i]; at[i] = start[i]; }
+    const int64_t R = start[n];
+    for (int64_t r = 0; r < M * k; r++) {                  /* (m, j) of each gathered row, rows ascending */
+        int64_t lo = 0, hi = n - 1, e = route[r];
+        while (lo < hi) { int64_t mid = (lo + hi) / 2; if (ids[mid] < e) lo = mid + 1; else hi = mid; }
+        if (ids[lo] == e) pos[at[lo]++] = r;
+    }
+    rc = 0;
+    if (R == 0) goto out;
+    int64_t maxparts = 0;
+    for (int64_t i = 0; i < n; i++) maxparts += ex[i]->gate_up.nparts + ex[i]->down.nparts;
+    sh = malloc((size_t)(maxparts * (4 * (int64_t)nthreads + 1)) * sizeof *sh);
+    xg = scratch;
+    if (!sh || scratch_floats < R * (2 * hid + 3 * I)) { rc = -1; goto out; }
+    float *gu = xg + R * hid, *a = gu + R * 2 * I, *y = a + R * I;
+    const int par = R >= 8;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < R; r++) memcpy(xg + r * hid, h + (pos[r] / k) * hid, (size_t)hid * sizeof(float));
+    rc = run_shares(sh, shares(ex, n, start, count, 0, xg, hid, gu, 2 * I, nthreads, sh), nthreads);
+    if (rc) goto out;
+    const int gelu = act == ACT_GELU_TANH;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < I; c += VN) {
+            vf g = loadn(gu + r * 2 * I + c), u = loadn(gu + r * 2 * I + I + c);
+            storen(a + r * I + c, gelu ? gelu_tanh_muln(g, u) : silu_muln(g, u));
+        }
+    rc = run_shares(sh, shares(ex, n, start, count, 1, a, I, y, hid, nthreads, sh), nthreads);
+    if (rc) goto out;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < R; r++) {
+        const float w = weights[pos[r]];
+        float *dst = slots + pos[r] * hid;
+        for (int64_t c = 0; c < hid; c++) dst[c] = y[r * hid + c] * w;
+    }
+out:
+    free(count); free(start); free(pos); free(at); free(sh);
+    return rc;
+}
+
+/* x (M, hid) += the sum of each row's k slots (M, k, hid), added slot 0 first, then 1, ... (ascending expert
+ * index [SUM-ORDER]): x + ((s0 + s1) + s2 ...), the torch path's order. Side effect: x. */
+void tq_moe_sum(float *x, const float *slots, int64_t M, int64_t k, int64_t hid, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M >= 8)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < hid; c++) {
+            float s = slots[(m * k) * hid + c];
+            for (int64_t j = 1; j < k; j++) s += slots[(m * k + j) * hid + c];
+            x[m * hid + c] += s;
+        }
 }

@@ -66,6 +66,40 @@ def _proj(q, keep: list) -> _Proj | str:
     return p
 
 
+def layer_spec(kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor, mlp: bool) -> "tuple[_Layer, int, list] | str":
+    """layer (a models/llama.Layer) -> (its _Layer, scratch floats a row, the tensors it points into), or why
+    layer.c cannot run it. mlp: with its dense gate|up and down; else those left empty (a MoE layer: its
+    attention half only, tq_layer_attn). Pure but for reading the layer."""
+    cfg = layer.cfg
+    # What differs between the architectures is data here (activation, output norms, window, query
+    # scale, this layer's RoPE tables); a kind layer.c does not compute is refused by name.
+    if getattr(cfg, "qk_norm_full", False):
+        return "q/k norms over the whole projection (layer.c norms each head)"
+    if cfg.mlp_act not in ACT_CODE:
+        return f"a {cfg.mlp_act} MLP (layer.c has {', '.join(ACT_CODE)})"
+    norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+             layer.mlp_out_norm, cos, sin]
+    if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
+        return "activations are not fp32"
+    keep: list = [t for t in norms if t is not None]
+    projs = {n: _proj(getattr(layer, n), keep) for n in (("qkv", "o", "gate_up", "down") if mlp else ("qkv", "o"))}
+    for why in projs.values():
+        if isinstance(why, str):
+            return why
+    if not mlp:
+        projs.update(gate_up=_Proj(nparts=0, n_out=0, bias=None), down=_Proj(nparts=0, n_out=0, bias=None))
+    d, inter = cfg.head_dim, projs["gate_up"].n_out // 2
+    if cfg.hidden_size % 16 or inter % 16 or d % 16 or d > 256 or cfg.num_heads % cfg.num_kv_heads:
+        return f"shapes layer.c does not take (hidden {cfg.hidden_size}, intermediate {inter}, head_dim {d})"
+    spec = _Layer(hidden=cfg.hidden_size, inter=inter, H=cfg.num_heads, KV=cfg.num_kv_heads, D=d,
+                  index=layer.index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
+                  post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
+                  k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs,
+                  act=ACT_CODE[cfg.mlp_act], attn_out_norm=_ptr_of(layer.attn_out_norm),
+                  mlp_out_norm=_ptr_of(layer.mlp_out_norm), window=layer.window, q_scale=layer.q_scale)
+    return spec, scratch_per_row(cfg.hidden_size, projs["qkv"].n_out, cfg.num_heads * d, inter), keep
+
+
 @dataclass
 class NativeLayer:
     kernels: Kernels
@@ -77,35 +111,10 @@ class NativeLayer:
     def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeLayer | str":
         """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32, that layer's own rope tables
         (Gemma 3: base 10k on windowed layers, 1e6 on global ones; kept alive here)."""
-        cfg = layer.cfg
         if getattr(layer, "moe", None) is not None:
-            return "a mixture-of-experts layer (layer.c has no router or experts: models/moe.py runs it)"
-        # What differs between the architectures is data here (activation, output norms, window, query
-        # scale, this layer's RoPE tables); a kind layer.c does not compute is refused by name.
-        if getattr(cfg, "qk_norm_full", False):
-            return "q/k norms over the whole projection (layer.c norms each head)"
-        if cfg.mlp_act not in ACT_CODE:
-            return f"a {cfg.mlp_act} MLP (layer.c has {', '.join(ACT_CODE)})"
-        norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
-                 layer.mlp_out_norm, cos, sin]
-        if any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous()) for t in norms):
-            return "activations are not fp32"
-        keep: list = [t for t in norms if t is not None]
-        projs = {n: _proj(getattr(layer, n), keep) for n in ("qkv", "o", "gate_up", "down")}
-        for why in projs.values():
-            if isinstance(why, str):
-                return why
-        d, inter = cfg.head_dim, projs["gate_up"].n_out // 2
-        if cfg.hidden_size % 16 or inter % 16 or d % 16 or d > 256 or cfg.num_heads % cfg.num_kv_heads:
-            return f"shapes layer.c does not take (hidden {cfg.hidden_size}, intermediate {inter}, head_dim {d})"
-        spec = _Layer(hidden=cfg.hidden_size, inter=inter, H=cfg.num_heads, KV=cfg.num_kv_heads, D=d,
-                      index=layer.index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
-                      post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
-                      k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs,
-                      act=ACT_CODE[cfg.mlp_act], attn_out_norm=_ptr_of(layer.attn_out_norm),
-                      mlp_out_norm=_ptr_of(layer.mlp_out_norm), window=layer.window, q_scale=layer.q_scale)
-        per_row = scratch_per_row(cfg.hidden_size, projs["qkv"].n_out, cfg.num_heads * d, inter)
-        return cls(kernels, spec, per_row, keep)
+            return "a mixture-of-experts layer (kernels/moe_layer.py runs those)"
+        built = layer_spec(kernels, layer, cos, sin, mlp=True)
+        return built if isinstance(built, str) else cls(kernels, *built)
 
     def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
         """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch

@@ -621,6 +621,63 @@ static void lanes_mm(int kind, int mode, const float *x, int64_t M, const LMat *
     free(X);
 }
 
+/* Blocks [b0, b1) of the product (output columns 16 b0 .. min(16 b1, N)), on the calling thread alone: for
+ * a caller that runs many products in one parallel region of its own (layer.c's experts: every expert's
+ * share of blocks a task, one region for all of them instead of one a product). b1 <= ceil(N / 16). The
+ * same paths as lanes_mm, chosen by M alone, so the same bits whatever the range ([BATCH-INVARIANT]).
+ * Side effects: writes those columns of y only; allocates and frees its scratch. Returns 0, or -1 when out
+ * of memory (nothing written then). */
+static int lanes_range(int kind, int mode, const float *x, int64_t M, const LMat *w, int64_t N, int64_t b0,
+                       int64_t b1, float *y, int64_t ldy) {
+    const int64_t K = w->K, nb = N / BLK, e1 = b1 < nb ? b1 : nb;     /* e1: the range's whole blocks end */
+    if (M <= 0 || b0 >= b1) return 0;
+    const int gemm = M >= LANES_GEMM_M(kind);
+    float *X = HAS_BIAS(mode) ? malloc((size_t)(M * (K / 32)) * sizeof(float)) : NULL;
+    float *buf = gemm ? aligned_alloc(64, KC_BYTES + 2 * (KC_MAX / 16 * NW * sizeof(float)) + 256) : NULL;
+    float *xp = M > 1 ? aligned_alloc(64, ((size_t)(M * K) * sizeof(float) + 63) / 64 * 64) : NULL;
+    float *t = (N % BLK && b1 > nb) ? malloc((size_t)(M * BLK) * sizeof(float)) : NULL;
+    int rc = 0;
+    if ((HAS_BIAS(mode) && !X) || (gemm && !buf) || (M > 1 && !xp) || (N % BLK && b1 > nb && !t)) { rc = -1; goto out; }
+    if (X) group_sums(x, M, K, X);
+    if (gemm) pack_tiles(x, M, K, xp, 0, (M + MR - 1) / MR);
+    else if (xp)
+        for (int64_t m = 0; m < M; m += GV_RMAX) pack_rows(x + m * K, K, (int)(M - m < GV_RMAX ? M - m : GV_RMAX), xp + m * K);
+    if (b0 < e1) {
+        if (gemm) gemm_rows(kind, mode, x, xp, M, w, X, b0 * BLK, e1 * BLK, y, ldy, buf);
+        else gemv_part(kind, mode, x, xp, M, w, X, b0, e1, y + b0 * BLK, ldy);
+    }
+    if (t) {            /* the padded block, as lanes_mm computes it */
+        gemv_part(kind, mode, x, gemm ? NULL : xp, M, w, X, nb, nb + 1, t, BLK);
+        for (int64_t m = 0; m < M; m++) memcpy(y + m * ldy + nb * BLK, t + m * BLK, (size_t)(N % BLK) * sizeof(float));
+    }
+out:
+    free(t);
+    free(buf);
+    free(xp);
+    free(X);
+    return rc;
+}
+
+/* lanes_range for layer.c: layout 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16 and mode 0 f32, 1 f16, 2 k, 3 k6,
+ * 4 f16s (kernels/layer.py LAYOUT_CODE, MODE_CODE; f16s with the layout's own offset takes the integer
+ * codes, as LANES_EXPORT_F16S). Returns 0, -1 out of memory, -2 a layout or mode it has no kernel for. */
+int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                   const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
+                   int64_t b0, int64_t b1, float *y, int64_t ldy) {
+    static const int KIND[4] = {L4, L5, L8, L8};
+    if (layout < 4 || layout > 7 || mode < 0 || mode > 4 || (layout == 7) != (mode == 3)
+        || (layout == 6 && mode == 2) || b0 < 0 || b1 > (N + BLK - 1) / BLK)
+        return -2;
+    const int kind = KIND[layout - 4];
+    int lm = (int)mode;
+    if (mode == 4) {
+        const float off = kind == L8 ? 128.0f : kind == L5 ? 16.0f : 8.0f;
+        lm = ((const float *)bias)[0] == -off ? LM_F16I : LM_F16S;
+    }
+    const LMat w = {codes, (const uint16_t *)high, scale, bias, sup, K};
+    return lanes_range(kind, lm, x, M, &w, N, b0, b1, y, ldy);
+}
+
 #define LANES_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define LANES_MAT {codes, (const uint16_t *)high, scale, bias, sup, K}

@@ -384,7 +384,9 @@ class Transformer(nn.Module):
         norms, query scale, each layer's own RoPE tables); else None and the torch layers run.
         Deterministic in the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
         from ..kernels.layer import NativeLayer
-        built = [NativeLayer.build(self.kernels, layer, *self.ropes[layer.rope]) for layer in self.layers]
+        from ..kernels.moe_layer import NativeMoELayer
+        built = [(NativeLayer if layer.moe is None else NativeMoELayer).build(self.kernels, layer, *self.ropes[layer.rope])
+                 for layer in self.layers]
         why = next((b for b in built if isinstance(b, str)), None)
         if why is not None:
             log.info("layers run in torch, not fused: %s", why)
@@ -464,7 +466,7 @@ class Transformer(nn.Module):
         table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
             x = x.to(torch.float32).clone()
-            scratch = torch.empty(x.shape[0] * self.native[0].per_row)   # the same shapes every layer
+            scratch = torch.empty(x.shape[0] * max(n.per_row for n in self.native))   # one for every layer
             for native in self.native:
                 native(x, table, scratch)
         else:

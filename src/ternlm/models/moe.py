@@ -431,7 +431,8 @@ class MoE:
                  layer: int, pack: bool = True, shared: SharedExpert | None = None):
         self.num_experts, self.hidden = router.shape
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
-        self.router = Linear(router.float().contiguous(), None, pack)   # logits in fp32, as the reference
+        self.router_weight = router.float().contiguous()                 # (E, hidden): the native layer's
+        self.router = Linear(self.router_weight, None, pack)             # logits in fp32, as the reference
         self.store, self.layer = store, layer
         self.shared = shared
         self.shared_gate = None if shared is None else Linear(

@@ -1,0 +1,161 @@
+"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral: fp32 activations, every
+projection and expert quantized in a lanes layout).
+
+Why: a MoE layer in torch is ~30 kernel calls and ~100 small torch ops a decoded token (router, norms,
+RoPE, each expert's gate, up, down: each its own OpenMP region), while a dense layer is one layer.c call;
+resident MoE decode ran at x0.55 of llama.cpp's that way (benchmarks/RESULTS.md, Mixture of experts).
+Here a layer is four C calls and a little Python between them:
+    tq_layer_attn    the attention half (layer.c's own: fp16 KV with it), h = the MLP's normed input
+    tq_moe_route     each row's k experts (ascending index) and weights, in C
+    store.get        the experts the rows use, ascending index: models/moe.py's store, the one place that
+                     knows where they live (resident, or streamed from the file); its counters
+    tq_moe_experts   those experts' products over their rows, every expert's share of blocks in one
+                     parallel region; a streamed store's experts EXPERTS_IN_USE at a time (its contract)
+    tq_moe_sum       x += each row's k weighted outputs, summed in ascending expert index
+[BATCH-INVARIANT] as layer.c states it: a row's bits depend on that row alone, so prefill chunks,
+decode and batches with other sequences give the same bits (tests/test_native_moe.py). These bits are
+not the torch MoE's (another router product, another exp): the kernels' digest is in the KV namespace.
+qwen2moe's shared expert and olmoe's whole-projection q/k norms are not here: those models keep torch.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .build import Kernels
+from .layer import _Proj, _proj, layer_spec
+
+
+class _Expert(ctypes.Structure):
+    """layer.c's TqExpert."""
+    _fields_ = [("gate_up", _Proj), ("down", _Proj)]
+
+
+def _native_expert(ex) -> _Expert:
+    """ex: a models/moe.Expert -> its _Expert, built once and kept on the Expert (it lives as long as the
+    Expert's tensors do: a streamed expert's ring buffers are reused only by a new Expert object).
+    RuntimeError when an expert is not in a lanes layout (build() checked what could be checked before)."""
+    spec = getattr(ex, "_native", None)
+    if spec is None:
+        keep: list = []
+        gu, down = _proj(ex.gate_up, keep), _proj(ex.down, keep)
+        for p in (gu, down):
+            if isinstance(p, str):
+                raise RuntimeError(f"native MoE layer: an expert it cannot run ({p})")
+            if any(p.parts[i].layout < 4 for i in range(p.nparts)):
+                raise RuntimeError("native MoE layer: an expert in a row layout (lanes only)")
+        spec = _Expert(gu, down)
+        ex._native, ex._native_keep = spec, keep
+    return spec
+
+
+@dataclass
+class NativeMoELayer:
+    kernels: Kernels
+    spec: object                 # layer_spec's _Layer, MLP empty
+    per_row: int                 # scratch floats a batch row: the attention half's, then slots and experts'
+    keep: list
+    moe: object                  # models/moe.MoE: router, top_k, norm_topk_prob, store, layer
+    router: torch.Tensor         # (E, hidden) fp32 contiguous
+    act: int
+    inter: int                   # an expert's intermediate size I
+
+    @classmethod
+    def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeMoELayer | str":
+        """layer: a models/llama.Layer with a MoE MLP -> the native layer, or why not."""
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            return "a dense layer (kernels/layer.py runs those)"
+        if not kernels.lanes:
+            return "the experts are in row layouts (TERNLM_AMX=1): layer.c's experts take lanes layouts"
+        if moe.shared is not None:
+            return "a shared expert (qwen2moe: the torch MoE runs it)"
+        built = layer_spec(kernels, layer, cos, sin, mlp=False)
+        if isinstance(built, str):
+            return built
+        spec, attn_per_row, keep = built
+        cfg = layer.cfg
+        inter = cfg.expert_intermediate_size
+        if inter % 16:
+            return f"an expert intermediate size {inter} not a multiple of 16"
+        why = _experts_native(moe.store, layer.index, cfg.num_experts)
+        if why:
+            return why
+        router = _router_weight(moe)
+        k, hid = cfg.experts_per_token, cfg.hidden_size
+        per_row = attn_per_row + k * hid + k * (2 * hid + 3 * inter)      # + slots, + the experts' rows
+        return cls(kernels, spec, per_row, keep + [router], moe, router, spec.act, inter)
+
+    def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch;
+        scratch: >= M * per_row fp32. Side effects: x, the caches, the store's counters (a `get` per
+        expert used; a streamed store may read experts from the file)."""
+        M, hid, lib, nt = x.shape[0], self.spec.hidden, self.kernels.lib, torch.get_num_threads()
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == hid
+                and scratch.dtype == torch.float32 and scratch.numel() >= M * self.per_row):
+            raise ValueError("native MoE layer: input or scratch does not match")
+        if lib.tq_layer_attn(ctypes.addressof(self.spec), table.data_ptr(), table.shape[0], x.data_ptr(), M,
+                             scratch.data_ptr(), nt) != 0:
+            raise ValueError(f"native MoE layer: unsupported shape or batch (rows {M})")
+        moe, k, E = self.moe, self.moe.top_k, self.moe.num_experts
+        h = scratch[:M * hid]                                     # (M, hid): the experts' input
+        rest = scratch[M * (self.per_row - k * hid - k * (2 * hid + 3 * self.inter)):]
+        slots, work = rest[:M * k * hid], rest[M * k * hid:]      # (M, k, hid); the experts' rows
+        route = torch.empty((M, k), dtype=torch.int64)
+        weights = torch.empty((M, k), dtype=torch.float32)
+        if lib.tq_moe_route(h.data_ptr(), M, hid, self.router.data_ptr(), E, k, int(moe.norm_topk_prob),
+                            route.data_ptr(), weights.data_ptr(), nt) != 0:
+            raise ValueError("native MoE layer: routing failed")
+        used, counts = torch.unique(route, sorted=True, return_counts=True)
+        used, counts = used.tolist(), counts.tolist()
+        store, layer = moe.store, moe.layer
+        store.read_ahead(layer, used)                             # a hint: no bits change
+        group = len(used) if not store.streamed else _in_use()
+        for g0 in range(0, len(used), group):
+            ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
+            experts = [_native_expert(store.get(layer, e, n)) for e, n in zip(ids, ns)]
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            ptrs = (ctypes.POINTER(_Expert) * len(experts))(*(ctypes.pointer(e) for e in experts))
+            if lib.tq_moe_experts(h.data_ptr(), M, hid, self.inter, k, route.data_ptr(), weights.data_ptr(),
+                                  len(ids), ids_t.data_ptr(), ctypes.addressof(ptrs), self.act, slots.data_ptr(),
+                                  work.data_ptr(), work.numel(), nt) != 0:
+                raise ValueError("native MoE layer: the experts' products failed")
+        lib.tq_moe_sum(x.data_ptr(), slots.data_ptr(), M, k, hid, nt)
+
+
+def _in_use() -> int:
+    """How many experts a streamed store lets a caller hold at once (models/moe.py's contract)."""
+    from ..models import moe
+    return getattr(moe, "EXPERTS_IN_USE", 1)
+
+
+def _router_weight(moe) -> torch.Tensor:
+    """The router's (E, hidden) fp32 weight as given at load (moe.MoE keeps it packed for torch)."""
+    w = getattr(moe, "router_weight", None)
+    if w is None:
+        raise RuntimeError("native MoE layer: the MoE keeps no router weight")
+    return w.float().contiguous()
+
+
+def _experts_native(store, layer: int, num_experts: int) -> str:
+    """Why this layer's experts cannot run in layer.c, or "" (resident: each expert's projections are
+    checked; streamed: every slab's GGML type converts to a lanes layout, qweight.QUANTIZED_TYPES)."""
+    if store.streamed:
+        from ..models.qweight import QUANTIZED_TYPES
+        from gguf import GGMLQuantizationType as QT
+        types = {s.qtype for (li, _), slabs in store._slabs.items() if li == layer for s in slabs}
+        bad = [QT(t).name for t in types if QT(t) not in QUANTIZED_TYPES]
+        return f"experts of type {', '.join(bad)} (dequantized: no lanes product)" if bad else ""
+    for e in range(num_experts):
+        ex = store._experts.get((layer, e))
+        if ex is None:
+            return f"expert {e} of layer {layer} missing"
+        for proj in (ex.gate_up, ex.down):
+            p = _proj(proj, [])
+            if isinstance(p, str):
+                return p
+            if any(p.parts[i].layout < 4 for i in range(p.nparts)):
+                return "experts in a row layout"
+    return ""

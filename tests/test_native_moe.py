@@ -1,0 +1,165 @@
+"""Mixture-of-experts layers fused in C (kernels/moe_layer.py, layer.c's tq_layer_attn / tq_moe_route /
+tq_moe_experts / tq_moe_sum; qlanes.c's tq_lanes_range).
+
+Oracles: transformers on the same file (tests/test_moe.py runs its parity and bit families on these
+layers too: qwen3moe and Mixtral with Q8_0 experts are fused), the whole lanes product for its block
+ranges, torch's softmax / stable sort for the routing, and the kernels built for lesser ISAs.
+"""
+from __future__ import annotations
+
+import ctypes
+import textwrap
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from ternlm.kernels.moe_layer import NativeMoELayer
+from ternlm.models import moe
+from ternlm.models.gguf import load_gguf
+from ternlm.models.moe import select_experts
+from ternlm.models.qlinear import QLinear
+from ternlm.models.qweight import to_lanes
+from hf_to_gguf import write_gguf
+from lesser_isa import LESSER, run_built_for
+from test_moe import _engine, hf_logits, hf_model, ids_of
+from test_qweight import K_LAYOUTS, LAYOUTS, _weights, kernels
+
+_CODES = {"q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7}
+_MODES = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + K_LAYOUTS, ids=lambda f: f"{f[0]}_{f[1]}")
+@pytest.mark.parametrize("out", [96, 40])                          # whole blocks; 2 x 16 + a padded 8
+def test_a_block_range_gives_the_whole_products_bits(layout, out):
+    """tq_lanes_range: blocks [b0, b1) on one thread are the same bits as those columns of the whole
+    product (GEMV and GEMM paths: M below and above LANES_GEMM_M), and nothing else is written."""
+    w = to_lanes(_weights(layout, out, 512))
+    lin = QLinear([w], None, kernels())
+    lib, blocks = kernels().lib, -(-out // 16)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(out))
+    for m in (1, 3, 13, 40):
+        full = lin(x[:m])
+        for b0, b1 in ((0, blocks), (0, 1), (1, blocks), (blocks - 1, blocks), (1, 2)):
+            y = torch.full((m, out), float("nan"))
+            rc = lib.tq_lanes_range(_CODES[w.fmt], _MODES[w.mode], x.data_ptr(), m, 512, w.codes.data_ptr(),
+                                    _ptr(w.high), w.scale.data_ptr(), _ptr(w.bias), _ptr(w.sup), out, b0, b1,
+                                    y.data_ptr(), out)
+            assert rc == 0
+            c0, c1 = 16 * b0, min(16 * b1, out)
+            assert torch.equal(y[:, c0:c1], full[:, c0:c1]), (m, b0, b1)
+            assert y[:, :c0].isnan().all() and y[:, c1:].isnan().all()
+
+
+def _route(h: torch.Tensor, router: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    M, E = h.shape[0], router.shape[0]
+    idx, w = torch.empty((M, k), dtype=torch.int64), torch.empty((M, k))
+    assert kernels().lib.tq_moe_route(h.data_ptr(), M, h.shape[1], router.data_ptr(), E, k, int(norm),
+                                      idx.data_ptr(), w.data_ptr(), 2) == 0
+    return idx, w
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_routing_in_c_is_the_reference_routing(norm):
+    """tq_moe_route: softmax over the router logits, the k largest, renormalised or not, listed by ascending
+    expert index: the experts of torch's computation (select_experts) and its weights to fp32 rounding;
+    a row's result alone is its result in a batch; identical router rows tie, and the lower index wins."""
+    g = torch.Generator().manual_seed(3)
+    router = torch.randn(13, 64, generator=g)                     # E = 13: not a multiple of the lanes
+    router[9] = router[4]                                         # 4 and 9 always tie
+    h = torch.randn(50, 64, generator=g)
+    idx, w = _route(h, router, 3, norm)
+    probs = torch.softmax(h.double() @ router.double().T, dim=-1)
+    ref_i, ref_v = select_experts(probs, 3)
+    if norm:
+        ref_v = ref_v / ref_v.sum(-1, keepdim=True)
+    order = torch.argsort(ref_i, dim=-1)
+    assert torch.equal(idx, torch.gather(ref_i, 1, order))
+    torch.testing.assert_close(w.double(), torch.gather(ref_v, 1, order), rtol=2e-6, atol=1e-7)
+    assert 9 not in idx.tolist() and 4 in idx.reshape(-1).tolist()
+    for r in (0, 17, 49):
+        i1, w1 = _route(h[r:r + 1].clone(), router, 3, norm)
+        assert torch.equal(i1, idx[r:r + 1]) and torch.equal(w1, w[r:r + 1])
+
+
+@pytest.fixture(scope="module")
+def q8_moe(tmp_path_factory):
+    hf = hf_model("qwen3moe", seed=5)
+    path = tmp_path_factory.mktemp("native-moe") / "qwen3moe-q8.gguf"
+    write_gguf(hf, path, "qwen3moe", quant=QT.Q8_0)
+    return hf, path
+
+
+def _load(path, budget):
+    loaded = load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget)
+    return _engine(loaded, True)
+
+
+@pytest.mark.parametrize("in_use", [1, 3])
+def test_streamed_experts_in_groups_give_the_resident_bits(q8_moe, in_use, monkeypatch):
+    """A streamed store's experts run EXPERTS_IN_USE at a time (moe.py's contract), a resident store's all
+    at once: the same bits (each expert writes only its rows' slots), whether the cache keeps nothing or
+    everything; and the fused layers agree with transformers."""
+    hf, path = q8_moe
+    monkeypatch.setattr(moe, "EXPERTS_IN_USE", in_use)
+    ids = ids_of(60, seed=4)
+    resident = _load(path, None)
+    assert all(isinstance(n, NativeMoELayer) for n in resident.model.native)
+    whole = resident.logits(ids)
+    ref = hf_logits(hf, ids)
+    assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
+    for budget in (0, 1 << 30):
+        streamed = _load(path, budget)
+        assert streamed.model.experts.streamed and streamed.model.native is not None
+        assert torch.equal(streamed.logits(ids), whole), budget
+        assert streamed.model.experts.stats.misses > 0
+
+
+def test_threads_do_not_change_the_bits(q8_moe):
+    """Every expert's shares are handed out to whichever thread comes free: 1, 2 or 3 threads, the same bits."""
+    _, path = q8_moe
+    engine = _load(path, None)
+    ids = ids_of(40, seed=6)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(engine.logits(ids))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+_ISA_SCRIPT = textwrap.dedent("""
+    import torch
+    from gguf import GGMLQuantizationType as QT
+    from hf_to_gguf import write_gguf
+    from ternlm.models.gguf import load_gguf
+    from test_moe import _engine, hf_logits, hf_model, ids_of
+    import sys, tempfile, os
+    path = os.path.join(tempfile.mkdtemp(), "m.gguf")
+    hf = hf_model("mixtral", seed=5)
+    write_gguf(hf, path, "llama", quant=QT.Q8_0)
+    e = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True)
+    assert e.model.native is not None
+    ids = ids_of(50, seed=2)
+    whole = e.logits(ids)
+    ref = hf_logits(hf, ids)
+    assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
+    e.runner.chunk_size = 7
+    last = e.runner.prefill(e.slots[0], ids[:-1])
+    assert torch.equal(last, whole[-2]) and torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
+    print(e.model.kernels.isa, "ok")
+""")
+
+
+@LESSER
+def test_lesser_isa_builds(march, isa, tmp_path):
+    """The fused MoE layers as an AVX2-only (or baseline x86-64) CPU builds them: agree with transformers,
+    chunked prefill and decode give one pass's bits."""
+    assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
