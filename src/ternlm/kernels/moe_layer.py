@@ -33,12 +33,12 @@ class _Expert(ctypes.Structure):
     _fields_ = [("gate_up", _Proj), ("down", _Proj)]
 
 
-def _native_expert(ex) -> _Expert:
-    """ex: a models/moe.Expert -> its _Expert, built once and kept on the Expert (it lives as long as the
-    Expert's tensors do: a streamed expert's ring buffers are reused only by a new Expert object).
+def _native_expert(ex) -> int:
+    """ex: a models/moe.Expert -> the address of its _Expert, built once and kept on the Expert (it lives as
+    long as the Expert's tensors do: a streamed expert's ring buffers are reused only by a new Expert object).
     RuntimeError when an expert is not in a lanes layout (build() checked what could be checked before)."""
-    spec = getattr(ex, "_native", None)
-    if spec is None:
+    addr = getattr(ex, "_native_addr", None)
+    if addr is None:
         keep: list = []
         gu, down = _proj(ex.gate_up, keep), _proj(ex.down, keep)
         for p in (gu, down):
@@ -47,8 +47,9 @@ def _native_expert(ex) -> _Expert:
             if any(p.parts[i].layout < 4 for i in range(p.nparts)):
                 raise RuntimeError("native MoE layer: an expert in a row layout (lanes only)")
         spec = _Expert(gu, down)
-        ex._native, ex._native_keep = spec, keep
-    return spec
+        ex._native, ex._native_keep, ex._native_addr = spec, keep, ctypes.addressof(spec)
+        addr = ex._native_addr
+    return addr
 
 
 @dataclass
@@ -108,21 +109,34 @@ class NativeMoELayer:
         if lib.tq_moe_route(h.data_ptr(), M, hid, self.router.data_ptr(), E, k, int(moe.norm_topk_prob),
                             route.data_ptr(), weights.data_ptr(), nt) != 0:
             raise ValueError("native MoE layer: routing failed")
-        used, counts = torch.unique(route, sorted=True, return_counts=True)
-        used, counts = used.tolist(), counts.tolist()
+        used, counts = _used(route)
         store, layer = moe.store, moe.layer
         store.read_ahead(layer, used)                             # a hint: no bits change
         group = len(used) if not store.streamed else _in_use()
         for g0 in range(0, len(used), group):
             ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
-            experts = [_native_expert(store.get(layer, e, n)) for e, n in zip(ids, ns)]
-            ids_t = torch.tensor(ids, dtype=torch.int64)
-            ptrs = (ctypes.POINTER(_Expert) * len(experts))(*(ctypes.pointer(e) for e in experts))
+            held = [store.get(layer, e, n) for e, n in zip(ids, ns)]   # alive until the call returns: a
+            # served-not-kept expert (and its _Expert) has no other owner
+            table = torch.tensor([ids, [_native_expert(ex) for ex in held]],
+                                 dtype=torch.int64)              # (2, n): expert indices; their _Expert addresses
             if lib.tq_moe_experts(h.data_ptr(), M, hid, self.inter, k, route.data_ptr(), weights.data_ptr(),
-                                  len(ids), ids_t.data_ptr(), ctypes.addressof(ptrs), self.act, slots.data_ptr(),
-                                  work.data_ptr(), work.numel(), nt) != 0:
+                                  len(ids), table.data_ptr(), table.data_ptr() + 8 * len(ids), self.act,
+                                  slots.data_ptr(), work.data_ptr(), work.numel(), nt) != 0:
                 raise ValueError("native MoE layer: the experts' products failed")
         lib.tq_moe_sum(x.data_ptr(), slots.data_ptr(), M, k, hid, nt)
+
+
+def _used(route: torch.Tensor) -> tuple[list[int], list[int]]:
+    """route (M, k) -> the experts used, ascending, and how many (m, j) each. Pure. (A decode step's few
+    indices counted in Python: torch.unique's dispatch cost more than the counting.)"""
+    if route.numel() <= 64:
+        counts: dict[int, int] = {}
+        for e in route.view(-1).tolist():
+            counts[e] = counts.get(e, 0) + 1
+        used = sorted(counts)
+        return used, [counts[e] for e in used]
+    used, n = torch.unique(route, sorted=True, return_counts=True)
+    return used.tolist(), n.tolist()
 
 
 def _in_use() -> int:
