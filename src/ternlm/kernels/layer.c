@@ -431,7 +431,7 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
     xg = scratch;
     if (!sh || scratch_floats < R * (2 * hid + 3 * I)) { rc = -1; goto out; }
     float *gu = xg + R * hid, *a = gu + R * 2 * I, *y = a + R * I;
-    const int par = R >= 8;
+    const int par = R >= 64;         /* row loops: a parallel region costs more than a decode step's few rows */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < R; r++) memcpy(xg + r * hid, h + (pos[r] / k) * hid, (size_t)hid * sizeof(float));
     rc = run_shares(sh, shares(ex, n, start, count, 0, xg, hid, gu, 2 * I, nthreads, sh), nthreads);
