@@ -142,24 +142,25 @@ _ISA_SCRIPT = textwrap.dedent("""
     from ternlm.models.gguf import load_gguf
     from test_moe import _engine, hf_logits, hf_model, ids_of
     import sys, tempfile, os
-    path = os.path.join(tempfile.mkdtemp(), "m.gguf")
-    hf = hf_model("mixtral", seed=5)
-    write_gguf(hf, path, "llama", quant=QT.Q8_0)
-    e = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True)
-    assert e.model.native is not None
-    ids = ids_of(50, seed=2)
-    whole = e.logits(ids)
-    ref = hf_logits(hf, ids)
-    assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
-    e.runner.chunk_size = 7
-    last = e.runner.prefill(e.slots[0], ids[:-1])
-    assert torch.equal(last, whole[-2]) and torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
+    for name, arch in (("mixtral", "llama"), ("olmoe", "olmoe")):     # olmoe: q/k norms over the whole projection
+        path = os.path.join(tempfile.mkdtemp(), "m.gguf")
+        hf = hf_model(name, seed=5)
+        write_gguf(hf, path, arch, quant=QT.Q8_0)
+        e = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True)
+        assert e.model.native is not None
+        ids = ids_of(50, seed=2)
+        whole = e.logits(ids)
+        ref = hf_logits(hf, ids)
+        assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
+        e.runner.chunk_size = 7
+        last = e.runner.prefill(e.slots[0], ids[:-1])
+        assert torch.equal(last, whole[-2]) and torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
     print(e.model.kernels.isa, "ok")
 """)
 
 
 @LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
-    """The fused MoE layers as an AVX2-only (or baseline x86-64) CPU builds them: agree with transformers,
-    chunked prefill and decode give one pass's bits."""
+    """The fused MoE layers (Mixtral; olmoe's whole-projection q/k norms) as an AVX2-only (or baseline x86-64)
+    CPU builds them: agree with transformers, chunked prefill and decode give one pass's bits."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

@@ -81,6 +81,8 @@ typedef struct {
                                                  * its residual add (Gemma's post-norms), or NULL */
     int64_t window;                             /* attention window W: keys (p - W, p]; 0: every key */
     double q_scale;                             /* on q before attention, used as fp32 (the torch path's) */
+    int64_t qk_norm_full;                       /* q_norm / k_norm span all of q (H*D) / all of k (KV*D), before
+                                                 * the heads split (olmoe), instead of each head (qwen3) */
 } TqLayer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* kernels/layer.py ACT_CODE */
@@ -148,7 +150,7 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
                           float *scratch, int nthreads) {
     const int64_t hid = L->hidden, I = L->inter, H = L->H, KV = L->KV, D = L->D, nqkv = L->qkv.n_out;
     if (hid % 16 || I % 16 || D % 16 || D > 256 || H % KV || M <= 0 || nqkv != (H + 2 * KV) * D
-        || L->o.n_out != hid || L->window < 0)
+        || L->o.n_out != hid || L->window < 0 || (L->qk_norm_full && !(L->q_norm && L->k_norm)))
         return -1;
     const float eps = (float)L->eps;
     float *h = scratch, *qkv = h + M * hid, *qs = qkv + M * nqkv, *att = qs + M * H * D;
@@ -175,9 +177,13 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
         const int64_t cap = sg[3], p = pos[r];
         const float *cs = L->cos + p * D, *sn = L->sin + p * D;
         float *row = qkv + r * nqkv;
+        if (L->qk_norm_full) {                           /* one norm over all of q, one over all of k */
+            rms_row(row, L->q_norm, H * D, eps, row);
+            rms_row(row + H * D, L->k_norm, KV * D, eps, row + H * D);
+        }
         for (int64_t hh = 0; hh < H + KV; hh++) {        /* q heads, then k heads */
             float *v = row + hh * D;
-            const float *nw = hh < H ? L->q_norm : L->k_norm;
+            const float *nw = L->qk_norm_full ? NULL : hh < H ? L->q_norm : L->k_norm;
             if (nw) rms_row(v, nw, D, eps, v);
             rope_row(v, cs, sn, D);
         }

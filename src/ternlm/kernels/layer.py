@@ -36,7 +36,7 @@ class _Layer(ctypes.Structure):
                 ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_half", _i64),
                 ("act", _i64), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
-                ("q_scale", ctypes.c_double)]
+                ("q_scale", ctypes.c_double), ("qk_norm_full", _i64)]
 
 
 def scratch_per_row(hidden: int, qkv_out: int, q_size: int, inter: int) -> int:
@@ -73,8 +73,6 @@ def layer_spec(kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor, ml
     cfg = layer.cfg
     # What differs between the architectures is data here (activation, output norms, window, query
     # scale, this layer's RoPE tables); a kind layer.c does not compute is refused by name.
-    if getattr(cfg, "qk_norm_full", False):
-        return "q/k norms over the whole projection (layer.c norms each head)"
     if cfg.mlp_act not in ACT_CODE:
         return f"a {cfg.mlp_act} MLP (layer.c has {', '.join(ACT_CODE)})"
     norms = [layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
@@ -96,7 +94,8 @@ def layer_spec(kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor, ml
                   post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
                   k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs,
                   act=ACT_CODE[cfg.mlp_act], attn_out_norm=_ptr_of(layer.attn_out_norm),
-                  mlp_out_norm=_ptr_of(layer.mlp_out_norm), window=layer.window, q_scale=layer.q_scale)
+                  mlp_out_norm=_ptr_of(layer.mlp_out_norm), window=layer.window, q_scale=layer.q_scale,
+                  qk_norm_full=int(bool(getattr(cfg, "qk_norm_full", False))))
     return spec, scratch_per_row(cfg.hidden_size, projs["qkv"].n_out, cfg.num_heads * d, inter), keep
 
 

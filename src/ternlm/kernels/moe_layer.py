@@ -1,4 +1,4 @@
-"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral: fp32 activations, every
+"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral, olmoe: fp32 activations, every
 projection and expert quantized in a lanes layout).
 
 Why: a MoE layer in torch is ~30 kernel calls and ~100 small torch ops a decoded token (router, norms,
@@ -15,7 +15,8 @@ Here a layer is four C calls and a little Python between them:
 [BATCH-INVARIANT] as layer.c states it: a row's bits depend on that row alone, so prefill chunks,
 decode and batches with other sequences give the same bits (tests/test_native_moe.py). These bits are
 not the torch MoE's (another router product, another exp): the kernels' digest is in the KV namespace.
-qwen2moe's shared expert and olmoe's whole-projection q/k norms are not here: those models keep torch.
+olmoe's q/k norms over the whole projection are layer.c data (qk_norm_full); qwen2moe's shared expert is
+not here: that model keeps torch.
 """
 from __future__ import annotations
 
