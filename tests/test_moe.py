@@ -181,10 +181,8 @@ def test_gguf_matches_transformers(name, quantized, tmp_path):
     assert cfg.num_experts == 8 and cfg.experts_per_token == 2
     assert cfg.expert_intermediate_size == hf.config.__dict__.get("moe_intermediate_size", hf.config.intermediate_size)
     model = engine.model
-    # fused in layer.c (kernels/moe_layer.py) where every projection is quantized, but for qwen2moe's shared
-    # expert, which keeps the torch layers
-    fused = quantized is True and name != "qwen2moe"
-    assert (model.native is not None) == fused
+    # fused in layer.c (kernels/moe_layer.py) where every projection is quantized
+    assert (model.native is not None) == (quantized is True)
     expert = model.experts.get(0, 3)
     assert isinstance(expert.gate_up, QLinear) == (quantized is True)
     if quantized is True:

@@ -142,7 +142,7 @@ _ISA_SCRIPT = textwrap.dedent("""
     from ternlm.models.gguf import load_gguf
     from test_moe import _engine, hf_logits, hf_model, ids_of
     import sys, tempfile, os
-    for name, arch in (("mixtral", "llama"), ("olmoe", "olmoe")):     # olmoe: q/k norms over the whole projection
+    for name, arch in (("mixtral", "llama"), ("olmoe", "olmoe"), ("qwen2moe", "qwen2moe")):   # whole q/k norms; a shared expert
         path = os.path.join(tempfile.mkdtemp(), "m.gguf")
         hf = hf_model(name, seed=5)
         write_gguf(hf, path, arch, quant=QT.Q8_0)
@@ -161,6 +161,7 @@ _ISA_SCRIPT = textwrap.dedent("""
 
 @LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
-    """The fused MoE layers (Mixtral; olmoe's whole-projection q/k norms) as an AVX2-only (or baseline x86-64)
-    CPU builds them: agree with transformers, chunked prefill and decode give one pass's bits."""
+    """The fused MoE layers (Mixtral; olmoe's whole-projection q/k norms; qwen2moe's shared expert) as an
+    AVX2-only (or baseline x86-64) CPU builds them: agree with transformers, chunked prefill and decode give
+    one pass's bits."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

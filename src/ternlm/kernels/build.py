@@ -209,7 +209,9 @@ def load() -> Kernels | Unavailable:
     lib.tq_moe_route.restype = ctypes.c_int
     lib.tq_moe_experts.argtypes = [p, i, i, i, i, p, p, i, p, p, i, p, p, i, ctypes.c_int]
     lib.tq_moe_experts.restype = ctypes.c_int
-    lib.tq_moe_sum.argtypes = [p, p, i, i, i, ctypes.c_int]
+    lib.tq_moe_sum.argtypes = [p, p, p, i, i, i, ctypes.c_int]
+    lib.tq_moe_shared.argtypes = [p, i, i, p, p, p, p, ctypes.c_int]
+    lib.tq_moe_shared.restype = ctypes.c_int
     lib.tq_moe_sum.restype = None
     lib.tq_lanes_range.argtypes = [i, i, p, i, i, p, p, p, p, p, i, i, i, p, i]
     lib.tq_lanes_range.restype = ctypes.c_int

@@ -462,14 +462,44 @@ out:
     return rc;
 }
 
+/* qwen2moe's shared expert, every row: out (M, hid) = sigmoid(h . gate) * down(SiLU(gate(h)) * up(h)); the
+ * gate's dot product in VN-lane partial sums then hsumn (as the router's), sigmoid from our exp with its
+ * argument <= 0. sh: its projections (gate|up (2 Is, hid), down (hid, Is)); scratch: >= M * 3 Is floats.
+ * Side effects: out, scratch. 0, or -1 on a shape it does not take. */
+int tq_moe_shared(const float *h, int64_t M, int64_t hid, const TqExpert *sh, const float *gate, float *out,
+                  float *scratch, int nthreads) {
+    const int64_t Is = sh->gate_up.n_out / 2;
+    if (hid % 16 || Is % 16 || Is <= 0 || sh->down.n_out != hid || M <= 0) return -1;
+    float *gu = scratch, *a = gu + M * 2 * Is;
+    project(&sh->gate_up, h, M, hid, gu, nthreads);
+    const int par = M >= 64;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c = 0; c < Is; c += VN)
+            storen(a + r * Is + c, silu_muln(loadn(gu + r * 2 * Is + c), loadn(gu + r * 2 * Is + Is + c)));
+    project(&sh->down, a, M, Is, out, nthreads);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t r = 0; r < M; r++) {
+        vf acc = splatn(0.0f);
+        for (int64_t c = 0; c < hid; c += VN) acc = fman(loadn(h + r * hid + c), loadn(gate + c), acc);
+        const float z = hsumn(acc);
+        vf t = expn(splatn(z < 0.0f ? z : -z));              /* e^-|z| */
+        const float e = t[0], g = z < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+        for (int64_t c = 0; c < hid; c++) out[r * hid + c] *= g;
+    }
+    return 0;
+}
+
 /* x (M, hid) += the sum of each row's k slots (M, k, hid), added slot 0 first, then 1, ... (ascending expert
- * index [SUM-ORDER]): x + ((s0 + s1) + s2 ...), the torch path's order. Side effect: x. */
-void tq_moe_sum(float *x, const float *slots, int64_t M, int64_t k, int64_t hid, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M >= 8)
+ * index [SUM-ORDER]), then the shared expert's row when there is one (shared (M, hid) or NULL):
+ * x + (((s0 + s1) + s2 ...) + shared), the torch path's order. Side effect: x. */
+void tq_moe_sum(float *x, const float *slots, const float *shared, int64_t M, int64_t k, int64_t hid, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (M >= 64)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < hid; c++) {
             float s = slots[(m * k) * hid + c];
             for (int64_t j = 1; j < k; j++) s += slots[(m * k + j) * hid + c];
+            if (shared) s += shared[m * hid + c];
             x[m * hid + c] += s;
         }
 }

@@ -1,4 +1,4 @@
-"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral, olmoe: fp32 activations, every
+"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral, olmoe, qwen2moe: fp32 activations, every
 projection and expert quantized in a lanes layout).
 
 Why: a MoE layer in torch is ~30 kernel calls and ~100 small torch ops a decoded token (router, norms,
@@ -16,7 +16,7 @@ Here a layer is four C calls and a little Python between them:
 decode and batches with other sequences give the same bits (tests/test_native_moe.py). These bits are
 not the torch MoE's (another router product, another exp): the kernels' digest is in the KV namespace.
 olmoe's q/k norms over the whole projection are layer.c data (qk_norm_full); qwen2moe's shared expert is
-not here: that model keeps torch.
+one more call (tq_moe_shared: every row, resident, its sigmoid gate), added last in tq_moe_sum.
 """
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ class NativeMoELayer:
     router: torch.Tensor         # (E, hidden) fp32 contiguous
     act: int
     inter: int                   # an expert's intermediate size I
+    shared: "_Expert | None" = None   # qwen2moe's shared expert (resident), and its gate (hid,) fp32
+    shared_gate: "torch.Tensor | None" = None
 
     @classmethod
     def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeMoELayer | str":
@@ -72,8 +74,6 @@ class NativeMoELayer:
             return "a dense layer (kernels/layer.py runs those)"
         if not kernels.lanes:
             return "the experts are in row layouts (TERNLM_AMX=1): layer.c's experts take lanes layouts"
-        if moe.shared is not None:
-            return "a shared expert (qwen2moe: the torch MoE runs it)"
         built = layer_spec(kernels, layer, cos, sin, mlp=False)
         if isinstance(built, str):
             return built
@@ -87,8 +87,16 @@ class NativeMoELayer:
             return why
         router = _router_weight(moe)
         k, hid = cfg.experts_per_token, cfg.hidden_size
-        per_row = attn_per_row + k * hid + k * (2 * hid + 3 * inter)      # + slots, + the experts' rows
-        return cls(kernels, spec, per_row, keep + [router], moe, router, spec.act, inter)
+        shared = gate = None
+        if moe.shared is not None:                               # qwen2moe: dense, every row, resident
+            shared = _Expert(*(_proj(p, keep) for p in (moe.shared.gate_up, moe.shared.down)))
+            if isinstance(shared.gate_up, str) or isinstance(shared.down, str) or shared.gate_up.n_out % 32:
+                return "a shared expert layer.c does not take"
+            gate = moe.shared.gate.float().reshape(-1).contiguous()     # (hid,)
+            keep += [shared, gate]
+        extra = 0 if shared is None else hid + 3 * (shared.gate_up.n_out // 2)   # its output and rows
+        per_row = attn_per_row + k * hid + k * (2 * hid + 3 * inter) + extra      # + slots, + the experts' rows
+        return cls(kernels, spec, per_row, keep + [router], moe, router, spec.act, inter, shared, gate)
 
     def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
         """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch;
@@ -103,8 +111,11 @@ class NativeMoELayer:
             raise ValueError(f"native MoE layer: unsupported shape or batch (rows {M})")
         moe, k, E = self.moe, self.moe.top_k, self.moe.num_experts
         h = scratch[:M * hid]                                     # (M, hid): the experts' input
-        rest = scratch[M * (self.per_row - k * hid - k * (2 * hid + 3 * self.inter)):]
-        slots, work = rest[:M * k * hid], rest[M * k * hid:]      # (M, k, hid); the experts' rows
+        extra = 0 if self.shared is None else hid + 3 * (self.shared.gate_up.n_out // 2)
+        rest = scratch[M * (self.per_row - k * hid - k * (2 * hid + 3 * self.inter) - extra):]
+        slots = rest[:M * k * hid]                                # (M, k, hid)
+        work = rest[M * k * hid:M * (k * hid + k * (2 * hid + 3 * self.inter))]   # the experts' rows
+        shared_out = rest[M * (k * hid + k * (2 * hid + 3 * self.inter)):]       # (M, hid), then its rows
         route = torch.empty((M, k), dtype=torch.int64)
         weights = torch.empty((M, k), dtype=torch.float32)
         if lib.tq_moe_route(h.data_ptr(), M, hid, self.router.data_ptr(), E, k, int(moe.norm_topk_prob),
@@ -124,7 +135,13 @@ class NativeMoELayer:
                                   len(ids), table.data_ptr(), table.data_ptr() + 8 * len(ids), self.act,
                                   slots.data_ptr(), work.data_ptr(), work.numel(), nt) != 0:
                 raise ValueError("native MoE layer: the experts' products failed")
-        lib.tq_moe_sum(x.data_ptr(), slots.data_ptr(), M, k, hid, nt)
+        shared = 0
+        if self.shared is not None:                               # added last, to the routed sum [SUM-ORDER]
+            if lib.tq_moe_shared(h.data_ptr(), M, hid, ctypes.addressof(self.shared), self.shared_gate.data_ptr(),
+                                 shared_out.data_ptr(), shared_out.data_ptr() + 4 * M * hid, nt) != 0:
+                raise ValueError("native MoE layer: the shared expert failed")
+            shared = shared_out.data_ptr()
+        lib.tq_moe_sum(x.data_ptr(), slots.data_ptr(), shared, M, k, hid, nt)
 
 
 def _used(route: torch.Tensor) -> tuple[list[int], list[int]]:
