@@ -119,6 +119,23 @@ def test_streamed_experts_in_groups_give_the_resident_bits(q8_moe, in_use, monke
         assert streamed.model.experts.stats.misses > 0
 
 
+def test_held_experts_first_gives_the_same_bits(q8_moe, monkeypatch):
+    """[HELD-FIRST] a streamed layer runs the experts its store holds before the misses (groups then mixed,
+    out of index order): the same bits as ascending order; the misses are hinted to the store first."""
+    _, path = q8_moe
+    monkeypatch.setattr(moe, "EXPERTS_IN_USE", 3)
+    ids = ids_of(60, seed=5)
+    plain = _load(path, 0).logits(ids)
+    engine = _load(path, 0)
+    store, hints = engine.model.experts, []
+    store.holds = lambda layer, e: e % 3 == 1                     # as if 1, 4, 7 were held
+    real = store.read_ahead
+    store.read_ahead = lambda layer, experts: (hints.append(list(experts)), real(layer, experts))
+    assert torch.equal(engine.logits(ids), plain)
+    assert hints and all(h == sorted(h, key=lambda e: (e % 3 != 1, e)) for h in hints)
+    assert any(h[0] % 3 == 1 and h != sorted(h) for h in hints)
+
+
 def test_threads_do_not_change_the_bits(q8_moe):
     """Every expert's shares are handed out to whichever thread comes free: 1, 2 or 3 threads, the same bits."""
     _, path = q8_moe

@@ -123,14 +123,16 @@ class NativeMoELayer:
             raise ValueError("native MoE layer: routing failed")
         used, counts = _used(route)
         store, layer = moe.store, moe.layer
+        if store.streamed:       # experts held first: their products run while the misses are read [HELD-FIRST]
+            used, counts = _held_first(store, layer, used, counts)
         store.read_ahead(layer, used)                             # a hint: no bits change
         group = len(used) if not store.streamed else _in_use()
         for g0 in range(0, len(used), group):
             ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
             held = [store.get(layer, e, n) for e, n in zip(ids, ns)]   # alive until the call returns: a
             # served-not-kept expert (and its _Expert) has no other owner
-            table = torch.tensor([ids, [_native_expert(ex) for ex in held]],
-                                 dtype=torch.int64)              # (2, n): expert indices; their _Expert addresses
+            pairs = sorted(zip(ids, (_native_expert(ex) for ex in held)))   # layer.c takes a group ascending
+            table = torch.tensor(list(zip(*pairs)), dtype=torch.int64)    # (2, n): indices; _Expert addresses
             if lib.tq_moe_experts(h.data_ptr(), M, hid, self.inter, k, route.data_ptr(), weights.data_ptr(),
                                   len(ids), table.data_ptr(), table.data_ptr() + 8 * len(ids), self.act,
                                   slots.data_ptr(), work.data_ptr(), work.numel(), nt) != 0:
@@ -155,6 +157,19 @@ def _used(route: torch.Tensor) -> tuple[list[int], list[int]]:
         return used, [counts[e] for e in used]
     used, n = torch.unique(route, sorted=True, return_counts=True)
     return used.tolist(), n.tolist()
+
+
+def _held_first(store, layer: int, used: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
+    """used (ascending) and their counts, the experts the store holds first, each part still ascending
+    [HELD-FIRST]: the read-ahead of the misses then starts with the layer, under the held experts' products.
+    Order only: each expert writes its own rows' slots, tq_moe_sum adds them in ascending index. Pure but for
+    asking the store (`holds`: no counter changes)."""
+    holds = getattr(store, "holds", None)
+    if holds is None:
+        return used, counts
+    held = [holds(layer, e) for e in used]
+    order = [i for i, h in enumerate(held) if h] + [i for i, h in enumerate(held) if not h]
+    return [used[i] for i in order], [counts[i] for i in order]
 
 
 def _in_use() -> int:
