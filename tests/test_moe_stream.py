@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ternlm.engine import Engine
 from ternlm.models.gguf import FastGGUFReader, config_from_gguf, expert_slabs, load_gguf
-from ternlm.models.moe import ExpertStore, StreamedExperts, plan_expert_cache
+from ternlm.models.moe import EXPERTS_IN_USE, ExpertStore, StreamedExperts, plan_expert_cache
 from ternlm.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_moe import hf_model, ids_of
@@ -63,6 +63,48 @@ def test_streamed_experts_give_the_resident_bits(moe_file, quantized):
     assert torch.equal(last, whole[-2])
     assert torch.equal(streamed.runner.decode(streamed.slots[0], ids[-1]), whole[-1])
     assert store.nbytes <= budget
+
+
+@pytest.mark.parametrize("kept", [0, 2], ids=["ring-only", "ring-and-kept"])
+def test_experts_served_unkept_reuse_the_rings_buffers_with_the_resident_bits(moe_file, kept):
+    """[RING] an expert served and not kept is converted into one of EXPERTS_IN_USE reused buffer sets:
+    the same logits as resident (torch.equal), the rings within the budget, no new buffers a miss."""
+    resident = _engine(moe_file, None)
+    one = _expert_bytes(resident)
+    budget = EXPERTS_IN_USE * one + kept * one + one // 2     # one signature here (every expert Q8_0 alike)
+    streamed = _engine(moe_file, budget)
+    store = streamed.model.experts
+    assert store.ring_reserve == EXPERTS_IN_USE * one
+    ids = ids_of(70, seed=3)
+    whole = resident.logits(ids)
+    assert torch.equal(streamed.logits(ids), whole)
+    streamed.runner.chunk_size = resident.runner.chunk_size = 5
+    assert torch.equal(streamed.runner.prefill(streamed.slots[0], ids[:-1]), whole[-2])
+    assert torch.equal(streamed.runner.decode(streamed.slots[0], ids[-1]), whole[-1])
+    s = store.stats
+    assert s.evictions > EXPERTS_IN_USE and len(store) == kept
+    assert store.ring_bytes == store.ring_reserve and store.nbytes + store.ring_reserve <= budget
+    ring = next(iter(store._rings.values()))
+    assert len(ring.slots) == EXPERTS_IN_USE                     # bounded: slots reused, none added
+
+
+def test_an_unkept_expert_is_valid_for_experts_in_use_more(moe_file):
+    """The contract at `get`: an expert served and not kept stays valid until EXPERTS_IN_USE more experts
+    have been served unkept after it; the next one overwrites its buffers (so the contract is real)."""
+    resident = _engine(moe_file, None)
+    streamed = _engine(moe_file, 0)                         # nothing kept: every get is served unkept
+    store, cfg = streamed.model.experts, streamed.config
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    keys = [(layer, e) for layer in range(cfg.num_layers) for e in range(cfg.num_experts)][:EXPERTS_IN_USE + 1]
+    want = [resident.model.experts.get(*k).gate_up(x) for k in keys]
+    got = [store.get(*k) for k in keys[:EXPERTS_IN_USE]]
+    for g, w in zip(got, want):                             # EXPERTS_IN_USE held at once: all valid
+        assert torch.equal(g.gate_up(x), w)
+    store.get(*keys[EXPERTS_IN_USE])                        # one more served unkept
+    assert torch.equal(got[0].gate_up(x), want[EXPERTS_IN_USE])      # the first's buffers now hold it
+    for g, w in zip(got[1:], want[1:EXPERTS_IN_USE]):
+        assert torch.equal(g.gate_up(x), w)
+    assert store.nbytes == 0 and store.ring_bytes == store.ring_reserve
 
 
 def test_each_expert_is_read_once_per_layer_per_step(moe_file):
@@ -142,7 +184,8 @@ def test_a_file_changed_in_place_is_refused(tmp_path):
         engine.logits(ids_of(5))
 
 
-def _fake_store(tmp_path, layers: int, experts: int, budget: int) -> tuple[StreamedExperts, int]:
+def _fake_store(tmp_path, layers: int, experts: int, budget: int,
+                direct: bool | None = None) -> tuple[StreamedExperts, int]:
     """A StreamedExperts over a file of 64-byte slabs whose 'conversion' is a (16,) fp32 tensor: each
     expert holds 3 x 64 bytes. -> (store, one expert's bytes)."""
     from ternlm.models.moe import Slab
@@ -151,9 +194,9 @@ def _fake_store(tmp_path, layers: int, experts: int, budget: int) -> tuple[Strea
     path.write_bytes(bytes(range(256)) * (n * 64 // 256 + 1))
     slabs = {(l, e): tuple(Slab(((l * experts + e) * 3 + i) * 64, 64, 0, 4, 4) for i in range(3))
              for l in range(layers) for e in range(experts)}
-    store = StreamedExperts(path, slabs, budget, lambda raw, slab: raw.float()[:16].clone())
+    store = StreamedExperts(path, slabs, budget, lambda raw, slab: raw.float()[:16].clone(), direct=direct)
     for l in range(layers):
-        store.bind(l, lambda parts: (lambda x: x))
+        store.bind(l, lambda parts: list(parts))             # the 'projection': its decoded parts, to compare
     return store, 3 * 64
 
 
@@ -206,6 +249,11 @@ def test_random_gets_keep_the_budget_and_pins(tmp_path):
         pinned_seen |= set(store._pinned)
         assert store.nbytes <= store.budget and len(store) == store.stats.misses - store.stats.evictions
     assert pinned_seen == set(store._pinned) and store.pinned == layers * 2      # 7.5 // 3 = 2 a layer
+    stats = store.stats.as_dict()
+    for l in range(layers):
+        for e in range(experts):                                    # holds: a hit-to-be, no counter moves
+            assert store.holds(l, e) == ((l, e) in store._pinned or (l, e) in store._tail)
+    assert store.stats.as_dict() == stats
 
 
 def test_read_ahead_advises_a_window_of_hinted_misses(tmp_path, monkeypatch):
@@ -222,9 +270,9 @@ def test_read_ahead_advises_a_window_of_hinted_misses(tmp_path, monkeypatch):
             advised.append(off)
         return real(fd, off, n, advice)
     monkeypatch.setattr(os, "posix_fadvise", record)
-    hinted, _ = _fake_store(tmp_path, layers, experts, 10 * 3 * 64)
+    hinted, _ = _fake_store(tmp_path, layers, experts, 10 * 3 * 64, direct=False)
     (tmp_path / "plain").mkdir()
-    plain, _ = _fake_store(tmp_path / "plain", layers, experts, 10 * 3 * 64)
+    plain, _ = _fake_store(tmp_path / "plain", layers, experts, 10 * 3 * 64, direct=False)
     offsets = {key: slabs[0].offset for key, slabs in hinted._slabs.items()}
     for sweep in range(2):
         for l in range(layers):
@@ -239,6 +287,39 @@ def test_read_ahead_advises_a_window_of_hinted_misses(tmp_path, monkeypatch):
                 assert len(hinted._advised) <= moe.READ_AHEAD
             assert advised == [offsets[(l, e)] + i * 64 for e in not_held for i in range(3)]   # each once
     assert hinted.stats.as_dict() == plain.stats.as_dict() and hinted.stats.hits > 0
+
+
+def test_direct_reads_give_the_page_cache_reads_bytes(tmp_path):
+    """[DIRECT] O_DIRECT reads by the reader threads (slabs at offsets and lengths that are not aligned,
+    hinted, skipped, re-hinted and unhinted) decode the same bytes as preads through the page cache, with
+    at most READ_AHEAD experts in flight and READ_AHEAD + 1 buffers."""
+    from ternlm.models import moe
+    layers, experts = 2, 40
+    direct, _ = _fake_store(tmp_path, layers, experts, 6 * 3 * 64, direct=True)
+    (tmp_path / "plain").mkdir()
+    plain, _ = _fake_store(tmp_path / "plain", layers, experts, 6 * 3 * 64, direct=False)
+    assert direct._direct is not None and plain._direct is None
+    import random
+    rng = random.Random(7)
+    buffers = set()
+    for step in range(12):
+        l = step % layers
+        want = sorted(rng.sample(range(experts), 20))
+        if step % 3:
+            direct.read_ahead(l, want)
+            plain.read_ahead(l, want)
+        for e in want:
+            if rng.random() < 0.2:
+                continue                                        # a hinted expert not asked for
+            a, b = direct.get(l, e, 1), plain.get(l, e, 1)
+            assert all(torch.equal(x, y) for x, y in zip(a.gate_up + a.down, b.gate_up + b.down))
+            assert torch.equal(a.down[0][:1], torch.tensor([((l * experts + e) * 3 + 2) * 64 % 256.0]))
+            assert len(direct._direct._inflight) <= moe.READ_AHEAD
+            buffers |= {id(x) for x in direct._direct._free}
+    assert 0 < len(buffers) <= moe.READ_AHEAD + 1
+    assert direct.stats.as_dict() == plain.stats.as_dict()
+    direct.close()
+    plain.close()
 
 
 def test_plan_expert_cache():
@@ -272,7 +353,7 @@ def test_auto_plan_leaves_room_for_the_prefill_chunk(moe_file, monkeypatch):
     cfg = e.config
     assert others[2048] - others[256] == moe.step_work_bytes(cfg, 2048) - moe.step_work_bytes(cfg, 256) > 0
     # with exactly the memory a 256-row chunk leaves the experts, the 2,048-row chunk streams them
-    avail = others[256] + seen["kv"] + moe.EXPERT_OVERHEAD + others[256] // 8 + seen["experts"]
+    avail = others[256] + seen["kv"] + moe.EXPERT_OVERHEAD + others[256] // moe.RESIDENT_SLACK + seen["experts"]
     assert real("auto", seen["experts"], others[256], seen["kv"], avail).budget is None
     assert real("auto", seen["experts"], others[2048], seen["kv"], avail).budget is not None
 

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from ternlm.kernels.build import load
-from ternlm.models.qconvert import NATIVE, lanes_from_gguf
+from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
 from ternlm.models.qweight import QWeight, from_gguf, to_lanes
 from test_qweight import _F16_AT, kernels, random_blocks
 from lesser_isa import LESSER, run_built_for
@@ -111,7 +111,38 @@ def test_not_covered_is_none():
     assert lanes_from_gguf(raw, QT.Q4_K, 16, 256, kernels=Unavailable("test")) is None
 
 
-def test_threads_do_not_change_bits():
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_out_is_written_and_returned_with_the_same_bits(qtype):
+    """out= (a streamed expert's reused buffers, moe.StreamedExperts [RING]): the same bits as new tensors,
+    written into out's own storage; a second matrix into the same out overwrites all of it."""
+    out, inp = 48, 512
+    k = kernels()
+    buf = lanes_empty(qtype, out, inp)
+    ptrs = [t.data_ptr() for t in (buf.codes, buf.scale, buf.bias, buf.high, buf.sup) if t is not None]
+    for seed in (1, 2):
+        raw = torch.from_numpy(random_blocks(qtype, out, inp, seed=seed))
+        got = lanes_from_gguf(raw, qtype, out, inp, kernels=k, out=buf)
+        assert got is buf
+        assert [t.data_ptr() for t in (got.codes, got.scale, got.bias, got.high, got.sup) if t is not None] == ptrs
+        assert_same(got, lanes_from_gguf(raw, qtype, out, inp, kernels=k))
+
+
+def test_out_that_does_not_fit_is_refused():
+    raw = torch.from_numpy(random_blocks(QT.Q4_K, 32, 512, seed=3))
+    for wrong in (lanes_empty(QT.Q4_K, 16, 512), lanes_empty(QT.Q4_K, 32, 256), lanes_empty(QT.Q6_K, 32, 512),
+                  lanes_empty(QT.Q5_K, 32, 512)):
+        with pytest.raises(ValueError, match="does not fit"):
+            lanes_from_gguf(raw, QT.Q4_K, 32, 512, out=wrong)
+    w = lanes_empty(QT.Q4_K, 32, 512)
+    w = QWeight(w.fmt, w.codes, w.scale.to(torch.int8), w.bias, w.high, w.sup)     # a dtype off
+    with pytest.raises(ValueError, match="scale"):
+        lanes_from_gguf(raw, QT.Q4_K, 32, 512, out=w)
+    assert lanes_empty(QT.Q4_K, 24, 256) is None and lanes_empty(QT.F16, 16, 256) is None   # not covered
+
+
+def test_threads_do_not_change_bits(monkeypatch):
+    from ternlm.models import qconvert
+    monkeypatch.setattr(qconvert, "PARALLEL_BYTES", 0)           # this small matrix converts with the threads too
     raw = torch.from_numpy(random_blocks(QT.Q5_K, 256, 1024, seed=9))
     k = load()
     before = torch.get_num_threads()
@@ -128,7 +159,7 @@ def test_threads_do_not_change_bits():
 _ISA_SCRIPT = """
 import torch
 from ternlm.kernels.build import load
-from ternlm.models.qconvert import NATIVE, lanes_from_gguf
+from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
 from test_qconvert import assert_same, extreme_blocks, python_path
 k = load()
 for qtype in NATIVE:

@@ -630,24 +630,47 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
 
 
 def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quantized: bool,
-                  lanes: bool) -> "torch.Tensor | object":
+                  lanes: bool, out: "object | None" = None) -> "torch.Tensor | object":
     """One expert matrix's raw GGML bytes -> the weight the resident load makes of it: a QWeight (in
     the lanes layout with ``lanes``) where ``keep_quantized`` keeps its type, else dense (rows, cols)
     in ``dtype`` (GGML blocks are independent: one slab dequantizes to the same values as inside the
     whole tensor). The one conversion of the resident and the streamed experts [SAME-BITS]: natively
     where kernels/convert.c covers it (qconvert.py: the same bits as the Python path, ~GB/s instead of
-    ~0.08 GB/s, which made a streamed expert's miss a conversion more than a read), else in Python."""
+    ~0.08 GB/s, which made a streamed expert's miss a conversion more than a read), else in Python.
+    out: an `expert_blank(slab, ...)` to convert into (overwritten and returned: a streamed expert's
+    reused buffers, moe.StreamedExperts [RING]) where the native path takes the slab; where it does not
+    (an inf/nan fp16 scale), the weight comes in new tensors and out is untouched. ValueError: an out
+    whose fields do not fit the slab."""
     from .qweight import QUANTIZED_TYPES, from_gguf, to_lanes
     qtype = QT(slab.qtype)
     if keep_quantized and qtype in QUANTIZED_TYPES:
         if lanes:
             from .qconvert import lanes_from_gguf
-            native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols)
+            native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols, out=out)
             if native is not None:
                 return native
         q = from_gguf(raw, qtype, slab.rows, slab.cols)
         return (to_lanes(q) or q) if lanes else q
     return dequantize(raw, qtype, slab.rows * slab.cols, dtype).reshape(slab.rows, slab.cols)
+
+
+def expert_blank(slab: "Slab", keep_quantized: bool, lanes: bool) -> "object | None":
+    """Buffers that `expert_weight(..., out=)` converts this slab into (qconvert.lanes_empty: its native
+    lanes weight, allocated, not filled), or None where expert_weight makes new tensors anyway (kept
+    dense, a row layout, a type or shape convert.c does not cover). Pure."""
+    from .qweight import QUANTIZED_TYPES
+    qtype = QT(slab.qtype)
+    if not (keep_quantized and lanes and qtype in QUANTIZED_TYPES):
+        return None
+    from .qconvert import lanes_empty
+    return lanes_empty(qtype, slab.rows, slab.cols)
+
+
+def _expert_direct() -> bool | None:
+    """TERNLM_EXPERT_DIRECT: 1 = streamed experts read with O_DIRECT (or fail), 0 = through the page cache,
+    unset = O_DIRECT where the file system takes it (moe.StreamedExperts [DIRECT])."""
+    v = os.environ.get("TERNLM_EXPERT_DIRECT", "")
+    return {"1": True, "0": False}.get(v)
 
 
 def expert_slabs(reader: GGUFReader, config: ModelConfig) -> dict[tuple[int, int], tuple["Slab", "Slab", "Slab"]]:
@@ -742,7 +765,9 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     if config.num_experts and budget is not None:
         from .moe import StreamedExperts
         streamed = StreamedExperts(path, expert_slabs(reader, config), budget, functools.partial(
-            expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes))
+            expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes),
+            functools.partial(expert_blank, keep_quantized=keep_quantized, lanes=lanes),
+            direct=_expert_direct())
         log.info("experts streamed from %s: %s in the file, cache budget %d bytes", path.name,
                  streamed.file_bytes, budget)
     weights: dict[str, torch.Tensor] = {}

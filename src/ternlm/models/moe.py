@@ -35,6 +35,7 @@ expert is not in either store: it is a dense part of the layer (resident, never 
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections import OrderedDict, deque
@@ -137,6 +138,8 @@ class Slab:
 Decode = Callable[[torch.Tensor, Slab], object]
 # The layer's projection builder: [parts stacked along outputs] -> a callable projection
 Build = Callable[[list], Callable[[torch.Tensor], torch.Tensor]]
+# Buffers `Decode` can convert a slab into (its `out=`), or None where it makes new tensors anyway
+Blank = Callable[[Slab], object]
 
 
 class StreamedExperts:
@@ -163,19 +166,44 @@ class StreamedExperts:
     drops them), topping the window up as gets come. One pread at a time read 0.9-1.0 GB/s cold here; 8
     experts ahead 1.7-1.8 GB/s, and the reads overlap the conversion and the products.
 
-    Memory: after every `get` the experts kept hold <= budget bytes (`nbytes` = pinned + tail); while a
-    miss is being converted, that expert, its raw bytes and the one the caller still holds come on top;
-    the read-ahead's page cache (<= READ_AHEAD experts' slabs, clean: reclaimable) too.
-    Side effects of a miss: preads, then posix_fadvise(DONTNEED) on the bytes read, so the kernel's page
-    cache does not keep a second copy.
+    Direct reads [DIRECT] (where the file system takes O_DIRECT, the default): the window's experts are read
+    by reader threads straight into reused aligned buffers (`_DirectReader`) instead of advised into the page
+    cache, pread out of it and dropped: no posix_fadvise, no kernel copy, no page cache charged beside the
+    cache (turn 2 of the capped benchmark: 238 rows 1.91-1.99 s instead of 2.39-2.54 s in-process, TABLE.md
+    in benchmarks/results/moe-capped3). The page cache path stays for file systems without O_DIRECT.
+
+    Served and not kept [RING]: such an expert is converted into one of EXPERTS_IN_USE reused sets of
+    buffers (a ring per signature: the (type, rows, cols) of its three slabs, so the same field shapes
+    and dtypes), not into fresh tensors: at the 256 KiB mmap threshold that streaming sets
+    (malloc.streamed_blocks_return) every fresh expert was a fresh mapping, page-faulted in while
+    converting (~0.6 of convert's 0.78 ms a slab on the capped benchmark's turn 2, /tmp convbench: 0.17 ms
+    into reused memory). The contract is `get`'s. Kept experts (pinned, tail) get their own memory.
+
+    The store also holds the last EXPERTS_IN_USE Expert objects served unkept, so what a caller attaches to
+    one (the native MoE layer's pointer table and the tensors behind it) lives as long as the contract
+    says, and where `blank` gives no buffers (new tensors a miss) the contract holds the same.
+
+    Memory: the budget holds the rings (`ring_reserve`: EXPERTS_IN_USE experts a signature, `ring_bytes` of
+    it allocated as first used) and the experts kept: after every `get`, `nbytes` (pinned + tail) <=
+    max(budget - ring_reserve, 0) (a budget below the rings' size keeps nothing and holds the rings: what
+    a caller of EXPERTS_IN_USE experts holds anyway). On top: the raw bytes being read (direct: <= READ_AHEAD
+    + 1 experts' aligned buffers; else one slab's scratch buffer and the read-ahead's page cache, <=
+    READ_AHEAD experts' slabs, clean: reclaimable), and the last EXPERTS_IN_USE experts served unkept where
+    there is no ring.
+    Side effects of a miss: reads (direct: on the reader threads); through the page cache, preads then
+    posix_fadvise(DONTNEED) on the bytes read, so the kernel's page cache does not keep a second copy.
     [FILE-CHANGED] the file is held open from load (a replaced file keeps serving the loaded bytes);
     a file modified in place (its mtime changed) raises instead of mixing two models' experts."""
     streamed: ClassVar[bool] = True
 
     def __init__(self, path: str | os.PathLike[str], slabs: dict[tuple[int, int], tuple[Slab, Slab, Slab]],
-                 budget: int, decode: Decode):
+                 budget: int, decode: Decode, blank: Blank | None = None, direct: bool | None = None):
         """slabs: (layer, expert) -> its (gate, up, down) slabs. decode: the loader's conversion of one
-        slab (gguf.expert_weight: the resident load's code). Opens `path` (closed with the store)."""
+        slab (gguf.expert_weight: the resident load's code), called as decode(raw, slab) or, into a ring's
+        buffers [RING], decode(raw, slab, out=blank(slab)); blank: gguf.expert_blank, or None (no ring: every
+        expert read is new tensors). direct [DIRECT]: read with O_DIRECT by reader threads (True: or raise),
+        through the page cache (False), or O_DIRECT where the file system takes it (None). Opens `path`
+        (closed with the store)."""
         if budget < 0:
             raise ValueError(f"expert cache budget {budget} < 0")
         self.path = Path(path)
@@ -183,9 +211,13 @@ class StreamedExperts:
         self.stats = ExpertStats()
         self._slabs = slabs
         self._decode = decode
+        self._blank = blank
+        self._rings = self._make_rings()                             # slabs' signature -> its ring [RING]
+        self._keep = max(self.budget - self.ring_reserve, 0)         # bytes for the experts kept
+        self._unkept: deque[Expert] = deque(maxlen=EXPERTS_IN_USE)   # the last served unkept, held [RING]
         self._build: dict[int, Build] = {}
         layers = {layer for layer, _ in slabs}
-        self._share = self.budget // max(len(layers), 1)             # each layer's pinned bytes, at most
+        self._share = self._keep // max(len(layers), 1)              # each layer's pinned bytes, at most
         self._pinned: dict[tuple[int, int], Expert] = {}
         self._pinned_layer = dict.fromkeys(layers, 0)                # layer -> its pinned bytes
         self._pinned_bytes = 0
@@ -196,7 +228,8 @@ class StreamedExperts:
         self._scratch = np.empty(0, dtype=np.uint8)                  # raw bytes of the slab being read [SCRATCH]
         self._fd = os.open(self.path, os.O_RDONLY)
         self._mtime = os.fstat(self._fd).st_mtime_ns
-        self._closer = weakref.finalize(self, os.close, self._fd)
+        self._direct = None if direct is False else _DirectReader.open(self.path, slabs, must=bool(direct))
+        self._closer = weakref.finalize(self, _close, self._fd, self._direct)
 
     # ---- set up by the model -----------------------------------------------------------------------
     def bind(self, layer: int, build: Build) -> None:
@@ -207,29 +240,35 @@ class StreamedExperts:
     # ---- the interface -----------------------------------------------------------------------------
     def read_ahead(self, layer: int, experts: list[int]) -> None:
         """A hint [READ-AHEAD]: `experts` of `layer` are asked for next, in this order (a previous hint
-        is dropped). Side effect: posix_fadvise(WILLNEED) on the slabs of the first READ_AHEAD not held;
-        no counter changes. A hint not followed costs only clean page cache."""
+        is dropped). Side effect: the slabs of the first READ_AHEAD not held start being read: by the reader
+        threads [DIRECT], else posix_fadvise(WILLNEED); no counter changes. A hint not followed costs its
+        reads (direct: waited for when it leaves the window) or clean page cache."""
         held = lambda k: k in self._pinned or k in self._tail      # noqa: E731
         self._ahead = deque(k for k in ((layer, e) for e in experts) if not held(k))
-        self._advised.clear()
+        self._unadvise(len(self._advised))
         self._advise()
 
     def _advise(self) -> None:
         while self._ahead and len(self._advised) < READ_AHEAD:
             key = self._ahead.popleft()
             self._advised.append(key)
-            if hasattr(os, "posix_fadvise"):
+            if self._direct is not None:                             # [DIRECT] the reads start now
+                self._direct.start(key, self._slabs[key])
+            elif hasattr(os, "posix_fadvise"):
                 for slab in self._slabs[key]:
                     os.posix_fadvise(self._fd, slab.offset, slab.length, os.POSIX_FADV_WILLNEED)
 
     def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
         """The expert's projections, from the cache or read now. Side effects: counters; a miss reads,
         then pins the expert (evicting from the tail, never the one returned), or keeps it in the tail,
-        or keeps nothing [SCAN-RESISTANT]; the read-ahead window moves on [READ-AHEAD]."""
+        or keeps nothing [SCAN-RESISTANT]; the read-ahead window moves on [READ-AHEAD].
+        Contract [RING]: a caller uses at most EXPERTS_IN_USE experts from `get` at once; an expert served
+        and not kept stays valid until EXPERTS_IN_USE more experts have been served-and-not-kept after it
+        (its buffers are then overwritten by a later one's). A kept expert stays valid while held."""
         key = (layer, expert)
         if key in self._advised:                    # it and any hinted before it (skipped) leave the window
-            while self._advised.popleft() != key:
-                pass
+            self._unadvise(self._advised.index(key))
+            self._advised.popleft()                 # key: its direct read (if any) is taken by _read
             self._advise()
         e = self._pinned.get(key)
         if e is None:
@@ -239,28 +278,90 @@ class StreamedExperts:
         if e is not None:
             self.stats.hits += 1
         else:
-            e = self._read(key)
+            ring = self._ring(key)
+            if ring is not None and self._where(layer, ring.nbytes) is None:
+                e = self._read(key, ring.take())                     # [RING] served, not kept
+                self.stats.evictions += 1
+                self._unkept.append(e)
+            else:
+                e = self._read(key)
+                if not self._place(key, e):
+                    self._unkept.append(e)
             self.stats.misses += 1
-            self._place(key, e)
         self.stats.bytes_used += e.nbytes
         self.stats.rows += rows
         return e
 
-    def _place(self, key: tuple[int, int], e: Expert) -> None:
-        """A just-read expert: pinned while its layer's share has room (evicting the tail's least recently
-        used to make that room), else into the tail while the budget has room, else not kept: an expert
-        held is only ever evicted for a pin. Keeps pinned + tail <= budget."""
+    def _unadvise(self, n: int) -> None:
+        """The first n experts of the window leave it unread: their direct reads are waited for and their
+        buffers freed [DIRECT] (advised pages are left to the kernel)."""
+        for _ in range(n):
+            key = self._advised.popleft()
+            if self._direct is not None:
+                self._direct.drop(key)
+
+    def _where(self, layer: int, nbytes: int) -> str | None:
+        """Where a just-read expert of `nbytes` goes: "pin" while its layer's share has room, else "tail"
+        while the budget has room, else None (not kept): an expert held is only ever evicted for a pin. Pure."""
+        if self._pinned_layer[layer] + nbytes <= self._share and self._pinned_bytes + nbytes <= self._keep:
+            return "pin"
+        if self._pinned_bytes + self._tail_bytes + nbytes <= self._keep:
+            return "tail"
+        return None
+
+    def _place(self, key: tuple[int, int], e: Expert) -> bool:
+        """A just-read expert in its own memory, where `_where` says: pinned (evicting the tail's least
+        recently used to make room), in the tail, or not kept (False). Keeps pinned + tail <= budget - ring_reserve."""
         layer = key[0]
-        if self._pinned_layer[layer] + e.nbytes <= self._share and self._pinned_bytes + e.nbytes <= self.budget:
-            self._shrink_tail(self.budget - self._pinned_bytes - e.nbytes)
+        where = self._where(layer, e.nbytes)
+        if where == "pin":
+            self._shrink_tail(self._keep - self._pinned_bytes - e.nbytes)
             self._pinned[key] = e
             self._pinned_layer[layer] += e.nbytes
             self._pinned_bytes += e.nbytes
-        elif self._pinned_bytes + self._tail_bytes + e.nbytes <= self.budget:
+        elif where == "tail":
             self._tail[key] = e                                      # room: kept (no eviction for it)
             self._tail_bytes += e.nbytes
         else:
             self.stats.evictions += 1                                # served, not kept
+        return where is not None
+
+    def _ring(self, key: tuple[int, int]) -> "_Ring | None":
+        """The ring of buffers for this expert's slabs' signature [RING], or None (no ring: new tensors)."""
+        return self._rings.get(_signature(self._slabs[key]))
+
+    def _make_rings(self) -> "dict[tuple, _Ring]":
+        """A ring per signature of the slabs [RING], when `blank` gives buffers for every slab and the budget
+        does not hold every expert (then each is pinned on first use: none is served unkept); else none (an
+        expert served unkept is then new tensors). Allocates one slot's buffers a signature to size them
+        (untouched pages: no RSS yet); they become its first slot."""
+        if self._blank is None:
+            return {}
+        first: dict[tuple, tuple[tuple[Slab, ...], list]] = {}
+        for slabs in self._slabs.values():
+            sig = _signature(slabs)
+            if sig not in first:
+                first[sig] = (slabs, self._blanks(slabs))
+        if any(b is None for _, blanks in first.values() for b in blanks):
+            return {}
+        rings = {sig: _Ring(functools.partial(self._blanks, slabs), sum(weight_nbytes(b) for b in blanks), blanks)
+                 for sig, (slabs, blanks) in first.items()}
+        every = sum(rings[_signature(slabs)].nbytes for slabs in self._slabs.values())
+        return {} if self.budget >= every else rings
+
+    def _blanks(self, slabs: tuple[Slab, ...]) -> list:
+        return [self._blank(x) for x in slabs]
+
+    @property
+    def ring_reserve(self) -> int:
+        """Bytes of the budget set aside for the rings [RING] (EXPERTS_IN_USE slots a signature, allocated
+        as first used): the experts kept hold at most budget - ring_reserve."""
+        return EXPERTS_IN_USE * sum(r.nbytes for r in self._rings.values())
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the rings' buffers taken so far [RING] (<= ring_reserve)."""
+        return sum(len(r.slots) * r.nbytes for r in self._rings.values())
 
     def _shrink_tail(self, room: int) -> None:
         """Evicts the tail's least recently used experts until it holds <= room bytes."""
@@ -269,6 +370,12 @@ class StreamedExperts:
             self._tail_bytes -= old.nbytes
             self.stats.evictions += 1
 
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether `get(layer, expert)` would be a hit now (pinned or in the tail). Pure: no counter changes
+        (the native MoE layer runs the held experts first, under the misses' reads: [HELD-FIRST] there)."""
+        key = (layer, expert)
+        return key in self._pinned or key in self._tail
+
     @property
     def pinned(self) -> int:
         """How many experts are pinned (never evicted)."""
@@ -276,7 +383,7 @@ class StreamedExperts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the experts held now (<= budget): pinned and tail."""
+        """Bytes of the experts kept now (<= budget - ring_reserve): pinned and tail."""
         return self._pinned_bytes + self._tail_bytes
 
     @property
@@ -294,19 +401,30 @@ class StreamedExperts:
     def close(self) -> None:
         self._pinned.clear()
         self._tail.clear()
+        self._rings.clear()
+        self._unkept.clear()
+        self._advised.clear()
         self._pinned_layer = dict.fromkeys(self._pinned_layer, 0)
         self._pinned_bytes = self._tail_bytes = 0
         self._closer()
 
     # ---- reading -----------------------------------------------------------------------------------
-    def _read(self, key: tuple[int, int]) -> Expert:
+    def _read(self, key: tuple[int, int], into: list | None = None) -> Expert:
+        """The expert read and converted: into new tensors, or into `into` (a ring slot's buffers, one a slab)."""
         if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
             raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+        slabs = self._slabs[key]
+        buf, views = self._direct.take(key, slabs) if self._direct is not None else (None, None)
         parts = []
-        for slab in self._slabs[key]:
-            raw = torch.from_numpy(self._pread(slab))
-            parts.append(_not_viewing(self._decode(raw, slab), raw))     # [SCRATCH] before the next pread
-            self.stats.bytes_read += slab.length
+        try:
+            for i, slab in enumerate(slabs):
+                raw = torch.from_numpy(self._pread(slab) if views is None else views[i])
+                w = self._decode(raw, slab) if into is None else self._decode(raw, slab, out=into[i])
+                parts.append(_not_viewing(w, raw))                   # [SCRATCH] before the buffer is reused
+                self.stats.bytes_read += slab.length
+        finally:
+            if buf is not None:
+                self._direct.release(buf)
         build = self._build[key[0]]
         return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
 
@@ -328,6 +446,150 @@ class StreamedExperts:
         return buf
 
 
+def _close(fd: int, direct: "_DirectReader | None") -> None:
+    if direct is not None:
+        direct.close()
+    os.close(fd)
+
+
+class _DirectReader:
+    """[DIRECT] Expert slabs read with O_DIRECT by READERS threads into reused, aligned buffers (one an expert:
+    its three slabs, each widened to DIRECT_ALIGN boundaries), so a miss costs no page cache: nothing to
+    advise or drop (the two posix_fadvise calls a slab cost ~0.6 ms an expert of CPU on the capped benchmark's
+    turn 2), no kernel copy out of it (preadv's ~0.9 ms an expert), nothing charged to a cgroup twice, and the
+    reads run while the caller converts and multiplies (the threads wait on the disk, GIL released).
+    Buffers in use: the window's READ_AHEAD in flight and the one being converted, so <= READ_AHEAD + 1
+    (allocated as first needed, then reused). Not thread-safe itself: the store's one caller drives it."""
+
+    def __init__(self, fd: int, span: int):
+        from concurrent.futures import ThreadPoolExecutor
+        self.fd, self.span = fd, span
+        self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="ternlm-experts")
+        self._free: list[np.ndarray] = []
+        self._inflight: dict[tuple[int, int], tuple[np.ndarray, list, list[int]]] = {}
+
+    @classmethod
+    def open(cls, path: Path, slabs: dict, must: bool) -> "_DirectReader | None":
+        """A reader for `path`, or None where the file system refuses O_DIRECT (a tmpfs, or no O_DIRECT on
+        this OS) and `must` is False; with `must`, that OSError. Probes one aligned read."""
+        span = max((_aligned_span(x) for x in slabs.values()), default=0)
+        fd = -1
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            probe = _aligned_buffer(DIRECT_ALIGN)
+            os.preadv(fd, [memoryview(probe)], 0)
+        except (OSError, AttributeError):
+            if fd >= 0:
+                os.close(fd)
+            if must:
+                raise
+            return None
+        return cls(fd, span)
+
+    def start(self, key: tuple[int, int], slabs: tuple[Slab, ...]) -> None:
+        """Starts reading the expert's slabs (a no-op when it is already being read)."""
+        if key in self._inflight:
+            return
+        buf = self._free.pop() if self._free else _aligned_buffer(self.span)
+        futures, starts, at = [], [], 0
+        for x in slabs:
+            lo = x.offset - x.offset % DIRECT_ALIGN
+            n = _aligned_len(x)
+            futures.append(self._pool.submit(_pread_direct, self.fd, lo, buf[at:at + n], x.offset + x.length - lo))
+            starts.append(at + x.offset - lo)
+            at += n
+        self._inflight[key] = (buf, futures, starts)
+
+    def take(self, key: tuple[int, int], slabs: tuple[Slab, ...]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(the buffer, each slab's bytes in it) once read; started now if it was not. The caller
+        `release`s the buffer when it has converted the bytes. Raises the read's OSError."""
+        self.start(key, slabs)
+        buf, futures, starts = self._inflight.pop(key)
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            self._wait_free(buf, futures)
+            raise
+        return buf, [buf[a:a + x.length] for a, x in zip(starts, slabs)]
+
+    def release(self, buf: np.ndarray) -> None:
+        self._free.append(buf)
+
+    def drop(self, key: tuple[int, int]) -> None:
+        """An expert read ahead and not asked for: its reads waited for (they write into the buffer), the
+        buffer freed; errors ignored (it was never used)."""
+        got = self._inflight.pop(key, None)
+        if got is not None:
+            self._wait_free(got[0], got[1])
+
+    def _wait_free(self, buf: np.ndarray, futures: list) -> None:
+        for f in futures:
+            try:
+                f.result()
+            except Exception:       # noqa: BLE001 (a read nobody uses)
+                pass
+        self._free.append(buf)
+
+    def close(self) -> None:
+        for key in list(self._inflight):
+            self.drop(key)
+        self._pool.shutdown(wait=True)
+        self._free.clear()
+        os.close(self.fd)
+
+
+def _aligned_len(x: Slab) -> int:
+    """Bytes of the DIRECT_ALIGN-aligned range that holds the slab."""
+    lo = x.offset - x.offset % DIRECT_ALIGN
+    return -(-(x.offset + x.length - lo) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def _aligned_span(slabs: tuple[Slab, ...]) -> int:
+    return sum(_aligned_len(x) for x in slabs)
+
+
+def _aligned_buffer(n: int) -> np.ndarray:
+    """n bytes whose address is a multiple of DIRECT_ALIGN (O_DIRECT's rule for buffers)."""
+    raw = np.empty(n + DIRECT_ALIGN, dtype=np.uint8)
+    at = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[at:at + n]
+
+
+def _pread_direct(fd: int, offset: int, view: np.ndarray, need: int) -> None:
+    """Reads view's aligned range at offset (O_DIRECT: one request; the file's end may cut it short, so
+    only `need` bytes must come). Runs on a reader thread (os.preadv releases the GIL)."""
+    n = os.preadv(fd, [memoryview(view)], offset)
+    if n < need:
+        raise OSError(f"short read at {offset}: {n} of {need} bytes (file truncated?)")
+
+
+def _signature(slabs: tuple[Slab, ...]) -> tuple:
+    """What fixes a converted expert's field shapes and dtypes: each slab's (type, rows, cols)."""
+    return tuple((x.qtype, x.rows, x.cols) for x in slabs)
+
+
+class _Ring:
+    """EXPERTS_IN_USE slots of one signature's buffers [RING], handed out in turn: a slot comes back
+    after EXPERTS_IN_USE more takes. make() -> one slot (a list of blanks, one a slab); nbytes: a slot's;
+    first: the first slot's buffers, already made."""
+
+    def __init__(self, make: Callable[[], list], nbytes: int, first: list):
+        self.make, self.nbytes = make, nbytes
+        self.slots: list[list] = []
+        self._first: list | None = first
+        self._next = 0
+
+    def take(self) -> list:
+        if len(self.slots) < EXPERTS_IN_USE:
+            slot, self._first = (self._first or self.make()), None
+            self.slots.append(slot)
+            return slot
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % EXPERTS_IN_USE
+        return slot
+
+
 def _not_viewing(w, raw: torch.Tensor):
     """w (a decoded slab: QWeight or tensor) with every tensor that shares raw's storage copied out
     [SCRATCH]: the conversions copy (convert.c always), but a float slab's dequantization or a Python
@@ -345,7 +607,20 @@ def _not_viewing(w, raw: torch.Tensor):
 
 
 READ_AHEAD = 8      # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD])
-EXPERT_OVERHEAD = 256 << 20     # beside the resident parts: tokenizer, tables, allocator slack (as fit.py)
+READERS = 4         # threads reading slabs with O_DIRECT (StreamedExperts [DIRECT]): reads in flight at once
+DIRECT_ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and buffers (4 KiB: any block size up to it)
+EXPERTS_IN_USE = 8  # experts from `get` a caller uses at once; a not-kept one is valid for this many more
+                    # not-kept gets (StreamedExperts [RING]; the native MoE layer runs this many in one call)
+# Beside the resident parts, the KV and a step's work, what a streaming server grows by after the plan (the
+# plan's `available` is measured after the interpreter, torch and the tokenizer are in: they are not in it):
+# the server's own objects, allocator slack, the direct reads' buffers [DIRECT], a step's fixed part.
+# Measured on the capped benchmark (benchmarks/results/moe-capped3/TABLE.md, "Budget up to the cap"): ~140 MB
+# over the planned terms at 256 rows (with step_work_bytes' 200 KB a row). It was 256 MiB, with twice the
+# step's work, and the cgroup peaked 230 MB under the cap. others // RESIDENT_SLACK more covers an error in
+# the resident parts' estimate and keeps the process's VmHWM, which counts ~110 MB of shared libraries'
+# pages that the cgroup does not, under the cap too.
+EXPERT_OVERHEAD = 176 << 20
+RESIDENT_SLACK = 8
 
 
 def step_work_bytes(cfg, rows: int) -> int:
@@ -353,12 +628,15 @@ def step_work_bytes(cfg, rows: int) -> int:
     (a streamed cache that takes all the room leaves the chunk's activations none: under a cgroup
     cap, a 2,048-row chunk was OOM-killed, benchmarks/results/moe-capped). fp32 rows of: the
     residual, the norm's output, q/k/v and the attention's output, and the experts' gate|up and
-    their product for each row's k experts (k * (2 I + I + hidden)), twice over for the grouping's
-    gathers and the torch temporaries beside them. An estimate, sized from the shapes. Pure."""
+    their product for each row's k experts (k * (2 I + I + hidden)): 200 KB a row on Qwen3-30B-A3B, where
+    the capped benchmark's step grew the process by ~165 KB a row (VmHWM over the settled RSS: ~50 MB at
+    256 rows, ~177 MB at 1,024; benchmarks/results/moe-capped3/TABLE.md). It was twice that, which left a
+    1,024-row chunk's experts 257 MiB of a cap with ~340 MB unused. An estimate from the shapes; the
+    fixed part of a step is in EXPERT_OVERHEAD. Pure."""
     h, k, inter = cfg.hidden_size, max(cfg.experts_per_token, 1), cfg.expert_intermediate_size
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = 4 * (3 * h + qkv + cfg.num_heads * cfg.head_dim + k * (3 * inter + h))
-    return 2 * rows * per_row
+    return rows * per_row
 
 
 @dataclass(frozen=True)
@@ -374,7 +652,8 @@ def plan_expert_cache(requested: "str | int | None", experts: int, others: int, 
     """--expert-cache -> ExpertCachePlan. Pure. requested: bytes (streamed, that budget), "resident"
     or None (converted at load), "auto": resident when the experts fit in what is available beside
     the resident parts (`others`), the KV budget (`kv`) and an overhead, else streamed with what
-    fits (at least 0: every use then reads). Sizes in bytes, as the weights are held in memory.
+    fits (at least 0: every use then reads; StreamedExperts' budget holds its rings [RING] too). Sizes in
+    bytes, as the weights are held in memory.
     A size may be given as text ("8GiB", sizes.parse_size). Raises ValueError for anything else."""
     if isinstance(requested, str) and requested not in ("auto", "resident"):
         try:
@@ -389,7 +668,7 @@ def plan_expert_cache(requested: "str | int | None", experts: int, others: int, 
         raise ValueError(f"--expert-cache {requested!r}: a size (e.g. 8GiB), auto or resident")
     if available is None:
         return ExpertCachePlan(None, "resident (available memory unknown)")
-    room = available - others - kv - EXPERT_OVERHEAD - others // 8
+    room = available - others - kv - EXPERT_OVERHEAD - others // RESIDENT_SLACK
     if experts <= room:
         return ExpertCachePlan(None, f"resident: experts {fs(experts)} fit in {fs(room)} beside the rest "
                                      f"and the KV ({fs(available)} available)")

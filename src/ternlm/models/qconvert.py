@@ -25,28 +25,36 @@ NATIVE = {
 }
 
 
-# Below this many source bytes one thread converts: an expert (~1 MB a matrix) takes ~0.3 ms alone, and on
-# a busy 2-core host a 2-thread parallel region waited on a descheduled thread for ~10 ms (miss_cost.py,
-# benchmarks/results/moe-capped2). Large matrices (embeddings, LM heads at load) use torch's threads.
-PARALLEL_BYTES = 16 << 20
+# Below this many source bytes one thread converts (tiny matrices: the parallel region's start costs more
+# than it saves). An expert matrix (0.9-1.3 MB on Qwen3-30B-A3B) converts with torch's threads, as the
+# products beside it run: on a quiet 2-core host the capped benchmark's 238-row turn-2 chunk took 1.69-1.73 s
+# instead of 1.91-1.99 s with one thread (benchmarks/results/moe-capped3). On an oversubscribed host a
+# 2-thread region can wait ~10 ms on a descheduled thread (moe-capped2 measured that at load 4.5-7, when this
+# was 16 MiB); the products' regions then wait alike.
+PARALLEL_BYTES = 512 << 10
 
 
 def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: torch.Tensor | None = None,
-                    kernels: Kernels | Unavailable | None = None) -> QWeight | None:
+                    kernels: Kernels | Unavailable | None = None, out: QWeight | None = None) -> QWeight | None:
     """raw: flat uint8 GGML bytes of a (src_rows, cols) weight -> the lanes QWeight of its rows `order`
     (int64 source row indices, the output's rows in order; None: all src_rows as they are, rows ==
     src_rows), or None where convert.c does not cover it (see the module docstring; the caller falls back
     to qweight.from_gguf + to_lanes). The scale mode is decided on the whole of `raw`, as from_gguf decides
-    it before any split. Pure: raw is read, new tensors are returned. kernels: the loaded native kernels
-    (default: kernels.build.load())."""
+    it before any split. kernels: the loaded native kernels (default: kernels.build.load()).
+    out: None (new tensors are returned: pure) or the QWeight to write into and return, its fields'
+    shapes and dtypes exactly `lanes_empty(qtype, rows, cols)`'s (else ValueError; a streamed expert's
+    reused buffers, moe.StreamedExperts [RING]). Side effect with out: its fields are overwritten (not
+    when None is returned: that is decided before anything is written)."""
     spec = NATIVE.get(qtype)
     if spec is None:
         return None
-    fmt, mode, block, size, const = spec
+    _, mode, block, size, _ = spec
     if kernels is None:
         kernels = load()
     if isinstance(kernels, Unavailable) or rows <= 0 or rows % BLOCK_ROWS or cols <= 0 or cols % block:
         return None
+    if out is not None:
+        _checked(out, qtype, rows, cols)         # before anything else: a misfit is the caller's bug
     raw = raw.reshape(-1)
     if raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.numel() % (cols // block * size):
         return None
@@ -59,6 +67,27 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
             return None
     if kernels.convert_finite(int(qtype), raw.data_ptr(), raw.numel() // size) != 1:
         return None                              # some fp16 d or m is inf/nan: the Python path's "f32" mode
+    w = lanes_empty(qtype, rows, cols) if out is None else out
+    rc = kernels.convert_lanes(int(qtype), raw.data_ptr(), src_rows, 0 if order is None else order.data_ptr(),
+                               rows, cols, w.codes.data_ptr(), _ptr(w.high), w.scale.data_ptr(),
+                               _ptr(None if mode == "f16s" else w.bias), _ptr(w.sup),
+                               torch.get_num_threads() if raw.numel() >= PARALLEL_BYTES else 1)
+    if rc != 0:
+        raise ValueError(f"native conversion of a {rows}x{cols} {qtype.name} weight failed ({rc}): "
+                         "shapes were checked, so this is a bug")
+    return w
+
+
+def lanes_empty(qtype: QT, rows: int, cols: int) -> QWeight | None:
+    """The lanes QWeight that lanes_from_gguf makes of a (rows, cols) `qtype` weight, allocated and not
+    filled (the "f16s" types' one-element bias holds its constant), or None where convert.c has no
+    conversion for the type or the shape. Pure."""
+    spec = NATIVE.get(qtype)
+    if spec is None:
+        return None
+    fmt, mode, block, _, const = spec
+    if rows <= 0 or rows % BLOCK_ROWS or cols <= 0 or cols % block:
+        return None
     nb, groups = rows // BLOCK_ROWS, cols // GROUP[fmt]
     codes = torch.empty((nb, cols // 2 if fmt in (Q4L, Q5L) else cols, BLOCK_ROWS), dtype=torch.uint8)
     high = torch.empty((nb, cols, 2), dtype=torch.uint8) if fmt == Q5L else None
@@ -74,15 +103,29 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
         scale = torch.empty((nb, groups, BLOCK_ROWS), dtype=torch.float16)
         if mode == "f16":
             bias = torch.empty((nb, groups, BLOCK_ROWS), dtype=torch.float16)
-    rc = kernels.convert_lanes(int(qtype), raw.data_ptr(), src_rows, 0 if order is None else order.data_ptr(),
-                               rows, cols, codes.data_ptr(), _ptr(high), scale.data_ptr(), _ptr(bias), _ptr(sup),
-                               torch.get_num_threads() if raw.numel() >= PARALLEL_BYTES else 1)
-    if rc != 0:
-        raise ValueError(f"native conversion of a {rows}x{cols} {qtype.name} weight failed ({rc}): "
-                         "shapes were checked, so this is a bug")
-    if mode == "f16s":
-        bias = torch.tensor([const], dtype=torch.float32)
+        else:                                     # "f16s": the type's constant, one fp32 element
+            bias = torch.tensor([const], dtype=torch.float32)
     return QWeight(fmt, codes, scale, bias, high, sup)
+
+
+_FIELDS = ("codes", "scale", "bias", "high", "sup")
+
+
+def _checked(out: QWeight, qtype: QT, rows: int, cols: int) -> QWeight:
+    """out, when every field has the shape and dtype (and contiguity) lanes_empty gives; else ValueError."""
+    want = lanes_empty(qtype, rows, cols)
+    bad = [] if isinstance(out, QWeight) and out.fmt == want.fmt else ["fmt"]
+    for name in _FIELDS if not bad else ():
+        a, b = getattr(out, name), getattr(want, name)
+        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype
+                                                              or not a.is_contiguous())):
+            bad.append(name)
+    if not bad and want.mode == "f16s" and not torch.equal(out.bias, want.bias):
+        bad.append("bias (the type's constant)")
+    if bad:
+        raise ValueError(f"out= does not fit a {rows}x{cols} {qtype.name} lanes weight: {', '.join(bad)} "
+                         f"(expected the fields of lanes_empty)")
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int:
