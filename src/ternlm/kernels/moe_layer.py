@@ -63,6 +63,7 @@ class NativeMoELayer:
     router: torch.Tensor         # (E, hidden) fp32 contiguous
     act: int
     inter: int                   # an expert's intermediate size I
+    layout: list[int]            # scratch floats a row: attention half, slots, experts' rows, shared expert
     shared: "_Expert | None" = None   # qwen2moe's shared expert (resident), and its gate (hid,) fp32
     shared_gate: "torch.Tensor | None" = None
 
@@ -82,7 +83,7 @@ class NativeMoELayer:
         inter = cfg.expert_intermediate_size
         if inter % 16:
             return f"an expert intermediate size {inter} not a multiple of 16"
-        why = _experts_native(moe.store, layer.index, cfg.num_experts)
+        why = _experts_native(moe.store, layer.index)
         if why:
             return why
         router = _router_weight(moe)
@@ -94,9 +95,11 @@ class NativeMoELayer:
                 return "a shared expert layer.c does not take"
             gate = moe.shared.gate.float().reshape(-1).contiguous()     # (hid,)
             keep += [shared, gate]
-        extra = 0 if shared is None else hid + 3 * (shared.gate_up.n_out // 2)   # its output and rows
-        per_row = attn_per_row + k * hid + k * (2 * hid + 3 * inter) + extra      # + slots, + the experts' rows
-        return cls(kernels, spec, per_row, keep + [router], moe, router, spec.act, inter, shared, gate)
+        # scratch, a row: the attention half's | k slots | the experts' rows (k of them at most: gathered
+        # input, gate|up, SiLU * up, output) | the shared expert's output and rows
+        layout = [attn_per_row, k * hid, k * (2 * hid + 3 * inter),
+                  0 if shared is None else hid + 3 * (shared.gate_up.n_out // 2)]
+        return cls(kernels, spec, sum(layout), keep + [router], moe, router, spec.act, inter, layout, shared, gate)
 
     def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
         """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch;
@@ -111,11 +114,7 @@ class NativeMoELayer:
             raise ValueError(f"native MoE layer: unsupported shape or batch (rows {M})")
         moe, k, E = self.moe, self.moe.top_k, self.moe.num_experts
         h = scratch[:M * hid]                                     # (M, hid): the experts' input
-        extra = 0 if self.shared is None else hid + 3 * (self.shared.gate_up.n_out // 2)
-        rest = scratch[M * (self.per_row - k * hid - k * (2 * hid + 3 * self.inter) - extra):]
-        slots = rest[:M * k * hid]                                # (M, k, hid)
-        work = rest[M * k * hid:M * (k * hid + k * (2 * hid + 3 * self.inter))]   # the experts' rows
-        shared_out = rest[M * (k * hid + k * (2 * hid + 3 * self.inter)):]       # (M, hid), then its rows
+        _, slots, work, shared_out = torch.split(scratch[:M * self.per_row], [M * n for n in self.layout])
         route = torch.empty((M, k), dtype=torch.int64)
         weights = torch.empty((M, k), dtype=torch.float32)
         if lib.tq_moe_route(h.data_ptr(), M, hid, self.router.data_ptr(), E, k, int(moe.norm_topk_prob),
@@ -129,9 +128,9 @@ class NativeMoELayer:
         group = len(used) if not store.streamed else _in_use()
         for g0 in range(0, len(used), group):
             ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
-            held = [store.get(layer, e, n) for e, n in zip(ids, ns)]   # alive until the call returns: a
-            # served-not-kept expert (and its _Expert) has no other owner
-            pairs = sorted(zip(ids, (_native_expert(ex) for ex in held)))   # layer.c takes a group ascending
+            got = [store.get(layer, e, n) for e, n in zip(ids, ns)]    # alive until the call returns: a
+            # served-not-kept expert (and its _Expert) may have no other owner
+            pairs = sorted(zip(ids, (_native_expert(ex) for ex in got)))    # layer.c takes a group ascending
             table = torch.tensor(list(zip(*pairs)), dtype=torch.int64)    # (2, n): indices; _Expert addresses
             if lib.tq_moe_experts(h.data_ptr(), M, hid, self.inter, k, route.data_ptr(), weights.data_ptr(),
                                   len(ids), table.data_ptr(), table.data_ptr() + 8 * len(ids), self.act,
@@ -186,19 +185,15 @@ def _router_weight(moe) -> torch.Tensor:
     return w.float().contiguous()
 
 
-def _experts_native(store, layer: int, num_experts: int) -> str:
+def _experts_native(store, layer: int) -> str:
     """Why this layer's experts cannot run in layer.c, or "" (resident: each expert's projections are
     checked; streamed: every slab's GGML type converts to a lanes layout, qweight.QUANTIZED_TYPES)."""
     if store.streamed:
-        from ..models.qweight import QUANTIZED_TYPES
         from gguf import GGMLQuantizationType as QT
-        types = {s.qtype for (li, _), slabs in store._slabs.items() if li == layer for s in slabs}
-        bad = [QT(t).name for t in types if QT(t) not in QUANTIZED_TYPES]
+        from ..models.qweight import QUANTIZED_TYPES
+        bad = sorted(QT(t).name for t in store.slab_types(layer) if QT(t) not in QUANTIZED_TYPES)
         return f"experts of type {', '.join(bad)} (dequantized: no lanes product)" if bad else ""
-    for e in range(num_experts):
-        ex = store._experts.get((layer, e))
-        if ex is None:
-            return f"expert {e} of layer {layer} missing"
+    for ex in store.of_layer(layer):
         for proj in (ex.gate_up, ex.down):
             p = _proj(proj, [])
             if isinstance(p, str):

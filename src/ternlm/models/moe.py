@@ -100,6 +100,10 @@ class ExpertStore:
     def read_ahead(self, layer: int, experts: list[int]) -> None:
         """A hint (StreamedExperts'): nothing to read here."""
 
+    def of_layer(self, layer: int) -> list[Expert]:
+        """Every expert of `layer` held here (no counter changes): what a caller checks before running them."""
+        return [e for (li, _), e in self._experts.items() if li == layer]
+
     def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
         """The expert's projections. Side effect: counts a hit (resident), `rows` rows and its bytes."""
         e = self._experts[(layer, expert)]
@@ -375,6 +379,10 @@ class StreamedExperts:
         (the native MoE layer runs the held experts first, under the misses' reads: [HELD-FIRST] there)."""
         key = (layer, expert)
         return key in self._pinned or key in self._tail
+
+    def slab_types(self, layer: int) -> set[int]:
+        """The GGML types of `layer`'s expert slabs (what a miss will convert). Pure."""
+        return {x.qtype for (li, _), slabs in self._slabs.items() if li == layer for x in slabs}
 
     @property
     def pinned(self) -> int:
