@@ -117,6 +117,27 @@ def test_top_k_ties_go_to_the_lower_expert_index():
     assert torch.equal(select_experts(probs.flip(0), 2)[0], idx.flip(0))
 
 
+def _router_weights_f64(w: torch.Tensor, h: torch.Tensor, k: int, norm: bool, experts: torch.Tensor):
+    """The router weights of `experts` (M, k) in float64, and a per-weight bound on an fp32 computation's
+    error, derived from fp32's unit roundoff u = 2^-24 (Higham's gamma_n):
+      logits: |dz| <= gamma_n * sum_i |w_i h_i| (any order) = D per row (the max over experts);
+      softmax: relative error <= exp(2D) - 1 from the logits, + (E + 4) u for max/exp/sum/divide;
+      renormalising over k: twice the softmax's relative error + (k + 2) u.
+    -> (exact (M, k) float64, bound (M, k) float64)."""
+    u = 2.0 ** -24
+    n, E = w.shape[1], w.shape[0]
+    gamma = n * u / (1 - n * u)
+    w64, h64 = w.double(), h.double()
+    probs = torch.softmax(h64 @ w64.T, dim=-1)                                  # (M, E)
+    D = gamma * (h64.abs() @ w64.abs().T).max(dim=-1, keepdim=True).values       # (M, 1)
+    rel = torch.expm1(2 * D) + (E + 4) * u
+    val = torch.gather(probs, 1, experts)
+    if norm:
+        val = val / val.sum(dim=-1, keepdim=True)
+        rel = 2 * rel + (k + 2) * u
+    return val, val * rel
+
+
 def test_routing_matches_transformers_and_orders_by_expert_index():
     """Router weights as the reference computes them (softmax, top-k, renormalise), listed by
     ascending expert index [SUM-ORDER]; a tie between identical router rows goes to the lower one."""
@@ -135,7 +156,11 @@ def test_routing_matches_transformers_and_orders_by_expert_index():
         assert torch.all(r.experts[:, :-1] < r.experts[:, 1:])
         order = torch.argsort(ref_i, dim=-1)
         assert torch.equal(r.experts, torch.gather(ref_i, 1, order))
-        torch.testing.assert_close(r.weights, torch.gather(ref_w, 1, order), rtol=1e-6, atol=1e-7)
+        # Weights against a float64 reference, within what fp32 rounding allows (any summation order,
+        # any vector width: an AVX-512 host's router differs from transformers' by ~1e-6).
+        exact, bound = _router_weights_f64(ref.weight.detach(), h, 3, norm, r.experts)
+        assert torch.all((r.weights.double() - exact).abs() <= bound)
+        assert torch.all((torch.gather(ref_w, 1, order).double() - exact).abs() <= bound)   # the oracle too
     w = torch.randn(4, 64)
     w[3] = w[1]                                       # experts 1 and 3 always tie
     r = MoE(w, 1, True, ExpertStore(), 0).route(torch.randn(200, 64))
