@@ -64,10 +64,13 @@ bench-quick: install-test
 soak: install
 	$(BIN)/ternlm bench soak -m $(MODEL)
 
-# llama.cpp as a peer for benchmarks only: its own venv, built from source (~6 min on 2 cores) with the
-# ISA options this CPU has (scripts/peer-cmake-flags: AVX2-only hosts get an AVX2 build) and AMX off
-# (its AMX path segfaults for batches of 2+ tokens, llama.cpp#20824).
+# llama.cpp as peers for benchmarks only: llama-cpp-python in its own venv, built from source (~6 min on
+# 2 cores), and llama.cpp's own llama-bench/llama-server/llama-perplexity (scripts/build-llamacpp: ~10-20
+# min on 2 cores, cached in .peers/), both with the ISA options this CPU has (scripts/peer-cmake-flags:
+# AVX2-only hosts get an AVX2 build) and AMX off (its AMX path segfaults for batches of 2+ tokens,
+# llama.cpp#20824).
 bench-peers: .venv-peers/.installed
+	scripts/build-llamacpp
 .venv-peers/.installed:
 	$(PYTHON) -m venv .venv-peers
 	CMAKE_ARGS="$$(scripts/peer-cmake-flags)" .venv-peers/bin/pip install 'llama-cpp-python[server]==0.3.36'

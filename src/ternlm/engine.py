@@ -136,7 +136,8 @@ class Engine:
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
         attn = f"native:{self.kernels.isa}:{self.kernels.digest}" if self.kernels else "torch"
         self.kernel_fingerprint = (f"{kernel_fingerprint(self.dtype_choice, self.cpu)};"
-                                   f"{self.weights_choice.fingerprint};attention={attn};kv={self.kv_dtype}")
+                                   f"{self.weights_choice.fingerprint};attention={attn};kv={self.kv_dtype};"
+                                   f"activations={getattr(self.model, 'activations', 'fp32')}")
         config_digest = hashlib.sha256(f"{cfg!r}:{loaded.extra_sha256}".encode()).hexdigest()[:32]
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
@@ -149,10 +150,12 @@ class Engine:
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str = "smollm2-135m", dtype: str = "auto", cpu: CpuInfo | None = None,
-             weights: str = "auto", expert_cache: "str | int | None" = "auto", **kw) -> "Engine":
+             weights: str = "auto", expert_cache: "str | int | None" = "auto", activations: str = "auto",
+             **kw) -> "Engine":
         """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use.
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
+        activations: auto | int8 | fp32, what gguf weights multiply (weights.py; auto: int8 there);
         an unknown or unsupported choice raises ValueError before any weight is read.
         expert_cache (a GGUF mixture of experts): bytes = experts stream from the file through a cache
         of that size; "resident" = converted at load; "auto" = resident when they fit in the available
@@ -168,7 +171,7 @@ class Engine:
             raise ValueError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
         t0 = time.perf_counter()
         r = resolve(model)
-        wchoice = choose_weights(weights, dtype, r.kind == "gguf")
+        wchoice = choose_weights(weights, dtype, r.kind == "gguf", activations=activations)
         choice = choose_dtype(wchoice.dtype, cpu)
         log.info("%s; %s", choice.log_line, wchoice.log_line)
         one_arena()

@@ -18,6 +18,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "this CPU (fp32 activations; fastest decode); bf16/fp32: dense weights in that dtype; "
                         "auto (default): gguf for a GGUF model when --dtype is auto and the kernel builds, "
                         "else dense in the --dtype choice")
+    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
+                   help="what quantized (gguf) weights multiply: int8 (activations quantized per group of 32, "
+                        "exact integer products, llama.cpp's way; the same bits on every CPU kind) | fp32 "
+                        "(every weight times fp32 activations) | auto (default: int8 for gguf weights)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
                         "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "
@@ -57,6 +61,7 @@ def load_engine(args, slots: int = 1):
                     expert_cache=args.expert_cache,
                     slots=slots)
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
+                         activations=getattr(args, "activations", "auto"),
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
                          chat_template=args.chat_template, expert_cache=args.expert_cache)

@@ -15,16 +15,24 @@
         slower at both. A user feels the whole answer: at ~100 answer tokens gguf wins every turn.
         An explicit `--dtype` keeps dense weights in that dtype (gguf computes in float32 only).
 
+`--activations auto|int8|fp32` (issue 46): what the gguf weights multiply. int8: each row's activations
+quantized to 8 bits per group of 32 and exact integer products (kernels/qint8.c: the same bits at any
+batch, thread count and CPU kind, as llama.cpp's own quantized products do); fp32: the lanes kernels, every
+weight exactly GGML's value times fp32 activations (the transformers-parity tests). auto: int8 for gguf
+weights; dense weights always take their compute dtype (int8 with dense weights is refused).
+
 The choice is part of the KV cache's kernel fingerprint: the bits of every KV position depend on it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .cpu import UnsupportedDtypeError
 from .kernels.build import Unavailable
 
 WEIGHTS = ("auto", "gguf", "bf16", "fp32")
+ACTIVATIONS = ("auto", "int8", "fp32")
 _DENSE_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -38,7 +46,12 @@ class WeightsChoice:
     dtype: str                 # the `--dtype` value to resolve for activations ("auto" allowed for dense)
     reason: str
     requested: str = "auto"
-    kernels: object = None     # kernels.build.Kernels when mode == "gguf"
+    kernels: object = None     # kernels.build.Kernels when mode == "gguf" (its .activations: "int8" | "fp32")
+
+    @property
+    def activations(self) -> str:
+        """What the quantized projections multiply: "int8" | "fp32" (dense weights: "fp32", their dtype)."""
+        return self.kernels.activations if self.mode == "gguf" else "fp32"
 
     @property
     def fingerprint(self) -> str:
@@ -51,11 +64,28 @@ class WeightsChoice:
         return f"weights {self.requested} -> {self.mode} ({self.reason})"
 
 
-def choose_weights(requested: str, dtype: str, is_gguf: bool, build=None) -> WeightsChoice:
-    """Resolve `--weights` against `--dtype` and the model file. `build`: returns the loaded kernels or
-    an Unavailable (default: kernels.build.load, which may compile on first use; the only side effect).
-    Raises ValueError for an unknown name or a contradicting --dtype, WeightsUnavailable when gguf
-    cannot run here."""
+def choose_weights(requested: str, dtype: str, is_gguf: bool, build=None, activations: str = "auto") -> WeightsChoice:
+    """Resolve `--weights` against `--dtype` and the model file, then `--activations` against the result.
+    `build`: returns the loaded kernels or an Unavailable (default: kernels.build.load, which may compile
+    on first use; the only side effect). Raises ValueError for an unknown name, a contradicting --dtype
+    or int8 activations with dense weights, WeightsUnavailable when gguf cannot run here."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
+    choice = _weights(requested, dtype, is_gguf, build)
+    if choice.mode != "gguf":
+        if activations == "int8":
+            raise ValueError(f"--activations int8 needs quantized weights (--weights gguf); these are dense "
+                             f"({choice.reason})")
+        return choice
+    act = "fp32" if activations == "fp32" else "int8"
+    kernels = dataclasses.replace(choice.kernels, activations=act)
+    reason = choice.reason.replace("fp32 activations", f"{act} activations ({kernels.int8_path} integer products)"
+                                   if act == "int8" else "fp32 activations")
+    return dataclasses.replace(choice, kernels=kernels, reason=reason)
+
+
+def _weights(requested: str, dtype: str, is_gguf: bool, build) -> WeightsChoice:
+    """--weights alone (see choose_weights)."""
     if requested not in WEIGHTS:
         raise ValueError(f"unknown --weights {requested!r}; choose one of {', '.join(WEIGHTS)}")
     if requested == "auto":

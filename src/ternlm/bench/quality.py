@@ -1,7 +1,7 @@
 """`ternlm bench quality`: what --weights gguf costs in answers and saves in memory.
 
-Next-token agreement (argmax) and perplexity of `--weights gguf` against the same GGUF dequantized to
-fp32 (`--weights fp32`), over one long text (MT-Bench questions and synthetic prose, teacher-forced),
+Next-token agreement (argmax) and perplexity of `--weights gguf`, with int8 activations (the default) and
+with fp32 ones, against the same GGUF dequantized to fp32 (`--weights fp32`), over one long text (MT-Bench questions and synthetic prose, teacher-forced),
 and each mode's resident set right after loading, measured in a fresh process per mode.
 """
 from __future__ import annotations
@@ -71,21 +71,28 @@ def run(args) -> dict:
     with torch.inference_mode():
         ref_logits = ref.logits(ids)
     del ref
-    q = Engine.load(args.model, weights="gguf", prefix_reuse=False)
-    with torch.inference_mode():
-        q_logits = q.logits(ids)
-    del q
-    agree = float((q_logits.argmax(-1) == ref_logits.argmax(-1)).double().mean())
-    ppl_ref, ppl_q = math.exp(_nll(ref_logits, ids)), math.exp(_nll(q_logits, ids))
+    per_act = {}                 # --weights gguf with each --activations, against the dequantized fp32 model
+    for act in ("fp32", "int8"):
+        q = Engine.load(args.model, weights="gguf", activations=act, prefix_reuse=False)
+        with torch.inference_mode():
+            q_logits = q.logits(ids)
+        del q
+        ppl = math.exp(_nll(q_logits, ids))
+        per_act[act] = {"agreement": float((q_logits.argmax(-1) == ref_logits.argmax(-1)).double().mean()),
+                        "perplexity": ppl, "perplexity_ratio": ppl / math.exp(_nll(ref_logits, ids)),
+                        "max_abs_logit_diff": float((q_logits - ref_logits).abs().max())}
+    agree, ppl_ref = per_act["int8"]["agreement"], math.exp(_nll(ref_logits, ids))
+    ppl_q = per_act["int8"]["perplexity"]
     size = resolve(args.model).path.stat().st_size
     mem = {w: _rss(args.model, w, args.ctx) for w in ("gguf", "bf16", "fp32")}
     res = {"command": command_line(), "model": args.model, "tokens": len(ids), "agreement": agree,
            "perplexity": {"fp32": ppl_ref, "gguf": ppl_q, "ratio": ppl_q / ppl_ref},
-           "max_abs_logit_diff": float((q_logits - ref_logits).abs().max()),
+           "max_abs_logit_diff": per_act["int8"]["max_abs_logit_diff"], "activations": per_act,
            "gguf_file_bytes": size, "ctx": args.ctx, "rss_after_load": mem}
-    print(f"{args.model}: {len(ids)} tokens · next-token agreement gguf vs fp32 {agree:.2%} · perplexity "
-          f"fp32 {ppl_ref:.4f}, gguf {ppl_q:.4f} ({(ppl_q / ppl_ref - 1):+.3%}) · max |logit diff| "
-          f"{res['max_abs_logit_diff']:.2e}")
+    for act, r in per_act.items():
+        print(f"{args.model}: {len(ids)} tokens · gguf with {act} activations vs the dequantized fp32 model: "
+              f"next-token agreement {r['agreement']:.2%} · perplexity fp32 {ppl_ref:.4f}, gguf {r['perplexity']:.4f} "
+              f"({(r['perplexity_ratio'] - 1):+.3%}) · max |logit diff| {r['max_abs_logit_diff']:.2e}")
     for w, m in mem.items():
         if "error" in m:
             print(f"  --weights {w}: {m['error']}")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "attention.c", "layer.c", "convert.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "qint8.c", "attention.c", "layer.c", "convert.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h",)]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
@@ -43,7 +43,13 @@ LANES_VARIANTS = (("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "k"), ("q4x16", 
 AMX_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
                 ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
                 ("q8g16", "k6"), ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
-MM_VARIANTS = LANES_VARIANTS + AMX_VARIANTS
+# qint8.c's: the integer products (int8 activations) on the int layouts (models/qweight.py to_int8), the
+# default for quantized weights (--activations auto)
+INT8_VARIANTS = (("i4x16", "f32"), ("i4x16", "f16"), ("i4x16", "k"), ("i4x16", "f16s"),
+                 ("i5x16", "f32"), ("i5x16", "f16"), ("i5x16", "k"), ("i5x16", "f16s"),
+                 ("i8x16", "f32"), ("i8x16", "f16"), ("i8x16", "f16s"), ("i6x16", "k6"))
+MM_VARIANTS = LANES_VARIANTS + AMX_VARIANTS + INT8_VARIANTS
+ACTIVATIONS = ("auto", "int8", "fp32")
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
 # decode and prefill shapes of the attention's loops fused different products, and a request's logits
@@ -63,6 +69,17 @@ class Kernels:
     lib: ctypes.CDLL
     isa: str
     digest: str
+    activations: str = "fp32"     # "int8": quantized projections take qint8.c's integer products (weights.py)
+
+    @property
+    def int8(self) -> bool:
+        """Whether quantized projections multiply int8 activations (qint8.c; layouts models/qweight.to_int8)."""
+        return self.activations == "int8"
+
+    @property
+    def int8_path(self) -> str:
+        """qint8.c's integer path in this build: avx512-vnni | avx2 | scalar (the bits are the same on each)."""
+        return self.lib.tq_int8_path().decode()
 
     @property
     def lanes(self) -> bool:
@@ -220,6 +237,9 @@ def load() -> Kernels | Unavailable:
     lib.tq_convert_finite.argtypes = [ctypes.c_int, p, i]
     lib.tq_convert_finite.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p
+    lib.tq_int8_path.restype = ctypes.c_char_p
+    lib.tq_int8_quant.argtypes = [p, i, i, p, p, p]
+    lib.tq_int8_quant.restype = None
     lib.tq_amx_init.restype = ctypes.c_int
     # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
     # every quantized product takes qamx.c (isa "amx", other bits than "avx512": the isa is in the cache

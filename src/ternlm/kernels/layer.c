@@ -32,6 +32,9 @@ MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
 MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
 MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
 MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm) MM_DECL(tq_q6x16_k6_mm)
+MM_DECL(tq_i4x16_f32_mm) MM_DECL(tq_i4x16_f16_mm) MM_DECL(tq_i4x16_k_mm) MM_DECL(tq_i4x16_f16s_mm)
+MM_DECL(tq_i5x16_f32_mm) MM_DECL(tq_i5x16_f16_mm) MM_DECL(tq_i5x16_k_mm) MM_DECL(tq_i5x16_f16s_mm)
+MM_DECL(tq_i8x16_f32_mm) MM_DECL(tq_i8x16_f16_mm) MM_DECL(tq_i8x16_f16s_mm) MM_DECL(tq_i6x16_k6_mm)
 int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                    const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
                    int64_t b0, int64_t b1, float *y, int64_t ldy);
@@ -39,10 +42,11 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
 
-/* [layout][scale mode]: qamx.c's row layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32 (the opt-in AMX build), and
- * qlanes.c's 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16; modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
+/* [layout][scale mode]: qamx.c's row layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32 (the opt-in AMX build),
+ * qlanes.c's 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16 (fp32 activations) and qint8.c's 8 i4x16, 9 i5x16, 10 i8x16,
+ * 11 i6x16 (int8 activations, quantized inside each call); modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
  * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
-static const mm_fn MM[8][5] = {
+static const mm_fn MM[12][5] = {
     {tq_q4g32_f32_mm, tq_q4g32_f16_mm, tq_q4g32_k_mm, NULL, tq_q4g32_f16s_mm},
     {tq_q5g32_f32_mm, tq_q5g32_f16_mm, tq_q5g32_k_mm, NULL, tq_q5g32_f16s_mm},
     {NULL, NULL, NULL, tq_q8g16_k6_mm, NULL},
@@ -51,6 +55,10 @@ static const mm_fn MM[8][5] = {
     {tq_q5x16_f32_mm, tq_q5x16_f16_mm, tq_q5x16_k_mm, NULL, tq_q5x16_f16s_mm},
     {tq_q8x16_f32_mm, tq_q8x16_f16_mm, NULL, NULL, tq_q8x16_f16s_mm},
     {NULL, NULL, NULL, tq_q6x16_k6_mm, NULL},
+    {tq_i4x16_f32_mm, tq_i4x16_f16_mm, tq_i4x16_k_mm, NULL, tq_i4x16_f16s_mm},
+    {tq_i5x16_f32_mm, tq_i5x16_f16_mm, tq_i5x16_k_mm, NULL, tq_i5x16_f16s_mm},
+    {tq_i8x16_f32_mm, tq_i8x16_f16_mm, NULL, NULL, tq_i8x16_f16s_mm},
+    {NULL, NULL, NULL, tq_i6x16_k6_mm, NULL},
 };
 
 /* Mirrored by ctypes Structures in kernels/layer.py: every field 8 bytes, no padding. */

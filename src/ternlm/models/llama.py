@@ -45,7 +45,7 @@ from ..invariants import check
 from ..kernels.build import Kernels
 from .moe import ExpertStore, MoE, SharedExpert
 from .qlinear import projection
-from .qweight import QWeight, to_lanes
+from .qweight import QWeight, to_int8, to_lanes
 
 if TYPE_CHECKING:
     from ..kernels.layer import NativeLayer
@@ -326,13 +326,19 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         quantized = kernels is not None and keep_quantized
+        # [INT8] --activations int8: every quantized projection multiplies int8 activations (kernels/qint8.c)
+        # in an int layout. Mixtures of experts keep fp32 activations: layer.c's expert ranges take lanes
+        # layouts only (issue 46 leaves the MoE path for later).
+        int8 = quantized and kernels.int8 and not cfg.num_experts
+        self.activations = "int8" if int8 else "fp32"
 
         def w(name: str) -> "torch.Tensor | QWeight":
             if name not in weights:
                 raise KeyError(f"missing weight {name!r}")
             t = weights[name]
-            if isinstance(t, QWeight) and quantized and kernels.lanes:
-                return to_lanes(t) or t      # here, once: a tied embedding and lm_head share one copy
+            if isinstance(t, QWeight) and quantized and (kernels.lanes or int8):
+                t = to_lanes(t) or t         # here, once: a tied embedding and lm_head share one copy
+                return to_int8(t) if int8 and t.lanes else t
             return t if isinstance(t, QWeight) else t.to(dtype).contiguous()
 
         embed = w("model.embed_tokens.weight")                                   # (vocab, hidden)

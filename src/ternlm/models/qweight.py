@@ -48,8 +48,13 @@ Q4L, Q5L, Q8L, Q6L = "q4x16", "q5x16", "q8x16", "q6x16"
 # (row layout, scale mode) -> its lanes layout: every GGML type's (Q6_K's q8g16 "k6" is q6x16: groups of 16)
 LANES = {(Q4, m): Q4L for m in ("f32", "f16", "f16s", "k")} | {(Q5, m): Q5L for m in ("f32", "f16", "f16s", "k")} \
     | {(Q8W, m): Q8L for m in ("f32", "f16", "f16s")} | {(Q8, "k6"): Q6L}
+# The int layouts (kernels/qint8.c, int8 activations): the lanes layouts' scales, biases and super-block
+# scales, their codes and high bits rearranged so that a 32-bit lane holds 4 codes of one row. Made at
+# load by to_int8() from a lanes layout; see there.
+Q4I, Q5I, Q8I, Q6I = "i4x16", "i5x16", "i8x16", "i6x16"
+INT_OF = {Q4L: Q4I, Q5L: Q5I, Q8L: Q8I, Q6L: Q6I}
 BLOCK_ROWS = 16
-GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32, Q4L: 32, Q5L: 32, Q8L: 32, Q6L: 16}
+GROUP = {Q4: 32, Q5: 32, Q8: 16, Q8W: 32, Q4L: 32, Q5L: 32, Q8L: 32, Q6L: 16, Q4I: 32, Q5I: 32, Q8I: 32, Q6I: 16}
 NIBBLES = (Q4, Q5)       # row layouts whose codes are packed nibbles (GGML's order)
 
 
@@ -72,8 +77,14 @@ class QWeight:
 
     @property
     def lanes(self) -> bool:
-        """Whether this is a lanes layout (16 weight rows interleaved: kernels/qlanes.c)."""
-        return self.fmt in (Q4L, Q5L, Q8L, Q6L)
+        """Whether this is a lanes layout (16 weight rows interleaved: kernels/qlanes.c), or an int layout
+        (the same, codes rearranged for int8 activations: kernels/qint8.c)."""
+        return self.fmt in (Q4L, Q5L, Q8L, Q6L) or self.int8
+
+    @property
+    def int8(self) -> bool:
+        """Whether this is an int layout (kernels/qint8.c: multiplied with int8 activations)."""
+        return self.fmt in (Q4I, Q5I, Q8I, Q6I)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -126,6 +137,8 @@ class QWeight:
 
     def codes_of_rows(self, rows: torch.Tensor | slice) -> torch.Tensor:
         """Each weight's code, (len(rows), in) uint8, in input order."""
+        if self.int8:
+            return _int_codes(self, *_block_lane(rows, self.shape[0]))
         if self.lanes:
             block, lane = _block_lane(rows, self.shape[0])
             c = self.codes[block, :, lane]                                      # (n, in/2 or in)
@@ -188,6 +201,72 @@ def to_lanes(q: QWeight) -> QWeight | None:
     if fmt is None:
         return None
     return _chunked(q.shape[0], lambda r0, r1: _lanes_of(_row_slice(q, r0, r1), fmt))
+
+
+def to_int8(q: QWeight) -> QWeight:
+    """A lanes layout -> its int layout (kernels/qint8.c's top comment: the codes' byte order and the high
+    bits' packing; scales, biases, super-block scales and `out` are q's own tensors, shared). Already int:
+    q itself. Pure: q is not changed. Converted INT_CHUNK_BLOCKS blocks at a time (bounded temporaries:
+    qwen2.5's 151,936-row LM head unpacks to a byte a weight)."""
+    if q.int8:
+        return q
+    fmt = INT_OF.get(q.fmt)
+    if fmt is None:
+        raise ValueError(f"no int layout for {q.fmt} (a lanes layout is needed: to_lanes first)")
+    nb, k = q.scale.shape[0], q.shape[1]
+    codes = torch.empty((nb, k // 4 if fmt == Q8I else k // 8, BLOCK_ROWS, 4), dtype=torch.uint8)
+    high = {Q5I: torch.empty((nb, k // 32, BLOCK_ROWS, 4), dtype=torch.uint8),
+            Q6I: torch.empty((nb, k // 16, BLOCK_ROWS, 4), dtype=torch.uint8)}.get(fmt)
+    for b0 in range(0, nb, INT_CHUNK_BLOCKS):
+        b1 = min(nb, b0 + INT_CHUNK_BLOCKS)
+        c = _lanes_codes(q, b0, b1)                                             # (n, in, 16) 0..255
+        n = b1 - b0
+        if fmt == Q8I:
+            codes[b0:b1] = c.view(n, k // 4, 4, BLOCK_ROWS).permute(0, 1, 3, 2)
+            continue
+        o = (c & 0x0F).view(n, k // 8, 2, 4, BLOCK_ROWS).permute(0, 1, 4, 3, 2)   # (n, octet, lane, i, half)
+        codes[b0:b1] = o[..., 0] | (o[..., 1] << 4)
+        if fmt == Q5I:          # byte i, bit s = 2 * octet + half of the group of 32
+            h = ((c >> 4) & 1).view(n, k // 32, 8, 4, BLOCK_ROWS).permute(0, 1, 4, 3, 2)   # (n, g, lane, i, s)
+            high[b0:b1] = (h << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+        elif fmt == Q6I:        # byte i, bits 2s, 2s+1 = bits 4-5 of input 4s + i of the 16
+            h = (c >> 4).view(n, k // 16, 4, 4, BLOCK_ROWS).permute(0, 1, 4, 3, 2)         # (n, h, lane, i, s)
+            high[b0:b1] = (h << (2 * torch.arange(4, dtype=torch.uint8))).sum(-1, dtype=torch.uint8)
+    return QWeight(fmt, codes, q.scale, q.bias, high, q.sup, q.out)
+
+
+INT_CHUNK_BLOCKS = 256      # blocks of 16 rows to_int8 unpacks at a time
+
+
+def _lanes_codes(q: QWeight, b0: int, b1: int) -> torch.Tensor:
+    """Blocks [b0, b1) of a lanes layout's codes, one byte a weight: (b1 - b0, in, 16) uint8."""
+    c = q.codes[b0:b1]
+    if q.fmt in (Q8L, Q6L):
+        return c
+    t = torch.stack((c & 0x0F, c >> 4), dim=2).reshape(c.shape[0], -1, BLOCK_ROWS)       # inputs 2p, 2p+1
+    if q.fmt == Q5L:
+        bits = (q.high[b0:b1].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1   # (n, in, 2, 8)
+        t = t | (bits.reshape(t.shape) << 4)
+    return t
+
+
+def _int_codes(q: QWeight, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """An int layout's codes of the rows (block, lane), (n, in) uint8 in input order: to_int8's inverse."""
+    k = q.shape[1]
+    c = q.codes[block, :, lane]                                                 # (n, in/8 or in/4, 4)
+    n = c.shape[0]
+    if q.fmt == Q8I:
+        return c.reshape(n, k)
+    codes = torch.stack((c & 0x0F, c >> 4), dim=2).reshape(n, k)                # octet: i, then 4 + i
+    if q.fmt == Q5I:
+        h = q.high[block, :, lane]                                              # (n, in/32, 4): byte i, bit s
+        bits = (h.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1      # (n, g, i, s)
+        codes = codes | (bits.permute(0, 1, 3, 2).reshape(n, k) << 4)           # s = 2 octet + half: input 4s + i
+    elif q.fmt == Q6I:
+        h = q.high[block, :, lane]                                              # (n, in/16, 4)
+        f = (h.unsqueeze(-1) >> (2 * torch.arange(4, dtype=torch.uint8))) & 3   # (n, h, i, s)
+        codes = codes | (f.permute(0, 1, 3, 2).reshape(n, k) << 4)
+    return codes
 
 
 def _row_slice(q: QWeight, r0: int, r1: int) -> QWeight:

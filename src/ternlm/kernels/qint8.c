@@ -1,0 +1,440 @@
+/* Integer products (issue 46): y[m, n] = sum_k x[m, k] * w[n, k] with x quantized per row to int8 in
+ * groups of 32 and the weights' integer codes, every group's dot product an exact int32 sum.
+ *
+ * Why: the fp32-activation lanes kernels (qlanes.c) unpack every 4- or 6-bit code to fp32 and spend one
+ * FMA a weight: decode ran at ~39% of the bandwidth bound on the 1.5B, prefill bound by fp32 FMAs. Here
+ * one vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2) multiplies 4 codes by 4 activations a lane.
+ *
+ * The value, per output (m, n) (every step per lane: nothing here depends on the vector width):
+ *   activations, per row m and group g of 32 inputs (quant_row; the row alone decides):
+ *     a = max |x[m, k]| over the group; dx[m, g] = a / 127 (0 when a = 0)
+ *     q[m, k] = round-half-even(x[m, k] * (127 / a)) in -127..127; sx = sum of q over each 16
+ *   the group's integer sum, exact whatever the order of the adds (lanes, tiles, threads):
+ *     isum = sum_k (code[n, k] - off) * q[m, k]      (Q6_K: sc_a * sum over inputs 0-15 + sc_b * 16-31)
+ *   then, groups in order, T = 0:
+ *     T = fma(s[n, g] * dx[m, g], (float) isum, T)     (Q6_K: s = the super-block's d; sc is in isum)
+ *     T = fma(b[n, g], dx[m, g] * (float) sx_g, T)     (modes with a bias: Q4_1, Q5_1, Q4_K, Q5_K, ...)
+ *   y[m, n] = T. s and b are the exact fp32 GGML scales and biases of qlanes.c (scale_at / bias_at);
+ *   off: the layout's own offset where the matrix's bias is exactly it (Q4_0 8, Q5_0 16, Q8_0 128,
+ *   Q6_K 32), else 0. |isum| < 2^24, so (float) isum is exact.
+ *
+ * [BATCH-INVARIANT] and [SAME-BITS-EVERY-ISA]: the integer sums are exact and every float step is one
+ * IEEE operation per lane in a fixed order, so M, the row tile, the thread count and the ISA (AVX-512
+ * VNNI, AVX2, the scalar build: fmaf there, correctly rounded) cannot change a bit.
+ *
+ * Layouts (the lanes layouts' codes and high bits, rearranged so that a 32-bit lane holds 4 codes of one
+ * weight row; scales, biases and super-block scales are the lanes layouts' own, models/qweight.py):
+ *   i4x16: codes (N/16, K/8, 16, 4): octet o, lane j, byte i = code(16b+j, 8o+i) | code(16b+j, 8o+4+i) << 4
+ *          (the low nibbles pair with inputs 8o..8o+3, the high ones with 8o+4..8o+7: x in its own order)
+ *   i5x16: i4x16 + high (N/16, K/32, 16, 4): group g, lane j, byte i, bit s = bit 4 of code(32g + 8(s>>1)
+ *          + 4(s&1) + i): the bit for octet o's low half sits at s = 2o, its high half at 2o + 1
+ *   i6x16: i4x16's low nibbles + high (N/16, K/16, 16, 4): bits 2s, 2s+1 of byte i = bits 4-5 of code(16h
+ *          + 4s + i) (Q6_K: 0.82 bytes a weight with its scales, GGML's own size)
+ *   i8x16: codes (N/16, K/4, 16, 4): quad t, lane j, byte i = code(16b+j, 4t+i) (Q8_0's code + 128)
+ * Built by kernels/build.py with the other sources.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "vec.h"
+
+#define IINLINE static inline __attribute__((always_inline))
+
+enum { I4 = 0, I5 = 1, I6 = 2, I8 = 3 };                       /* code kinds */
+/* scale modes: qlanes.c's numbering (LM_F16I: "f16s" whose constant is the layout's own offset) */
+enum { IM_F32 = 0, IM_F16 = 1, IM_K = 2, IM_K6 = 3, IM_F16S = 4, IM_F16I = 5 };
+#define IBLK 16
+#define IHAS_BIAS(mode) ((mode) != IM_F16I && (mode) != IM_K6)
+#define RT 4                    /* activation rows a tile: 4 x 2 accumulators beside the codes */
+
+typedef struct {
+    const uint8_t *codes, *high;
+    const void *scale, *bias;
+    const uint16_t *sup;
+    int64_t K;
+} IMat;
+
+/* ---- activations -------------------------------------------------------------------------------- */
+
+/* One row x (K) -> q (K) int8, d (K/32) fp32, s16 (K/16) int32 (see the top of the file). Element-wise
+ * IEEE operations only (a division per group, a product and a rounding per input): every build, vector or
+ * scalar, gives the same bits. */
+static void quant_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s16) {
+    for (int64_t g = 0; g < K / 32; g++) {
+        const float *xg = x + 32 * g;
+        float a = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float v = fabsf(xg[k]);
+            a = v > a ? v : a;
+        }
+        int8_t *qg = q + 32 * g;
+        if (a == 0.0f) {
+            memset(qg, 0, 32);
+            d[g] = 0.0f;
+            s16[2 * g] = s16[2 * g + 1] = 0;
+            continue;
+        }
+        const float id = 127.0f / a;
+        d[g] = a / 127.0f;
+        for (int h = 0; h < 2; h++) {
+            int32_t s = 0;
+            for (int k = 16 * h; k < 16 * h + 16; k++) {
+                const int v = (int)nearbyintf(xg[k] * id);     /* |x * id| <= 127 (+ an ulp): -127..127 */
+                qg[k] = (int8_t)v;
+                s += v;
+            }
+            s16[2 * g + h] = s;
+        }
+    }
+}
+
+/* ---- the integer sums ---------------------------------------------------------------------------- */
+
+/* acc[r][sub][j]: for weight row 16b + j and activation row r, the group's sum over its inputs (sub 0:
+ * all 32, or with `split` the first 16 and sub 1 the last 16) of (code - base) * q, base 128 for i8x16
+ * on the AVX2 path (its signed product, DOT8_BASE) and 0 elsewhere. Exact int32. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define IL 16
+#define DOT8_BASE 0
+typedef __m512i vi;
+IINLINE vi vi_ld(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+IINLINE vi vi_bc(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+IINLINE vi vi_and(vi a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+IINLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+IINLINE vi vi_shift(vi a, int n) { return n > 0 ? _mm512_slli_epi32(a, n) : n < 0 ? _mm512_srli_epi32(a, -n) : a; }
+IINLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
+IINLINE void vi_st(int32_t *p, vi a) { _mm512_storeu_si512((void *)p, a); }
+IINLINE vi dotu(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }    /* 4 u8 x s8 a lane */
+IINLINE vi dot8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }    /* codes 0..255 */
+#define HAVE_VI 1
+#elif defined(__AVX2__)
+#define IL 8
+#define DOT8_BASE 128
+typedef __m256i vi;
+IINLINE vi vi_ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+IINLINE vi vi_bc(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+IINLINE vi vi_and(vi a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+IINLINE vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+IINLINE vi vi_shift(vi a, int n) { return n > 0 ? _mm256_slli_epi32(a, n) : n < 0 ? _mm256_srli_epi32(a, -n) : a; }
+IINLINE vi vi_zero(void) { return _mm256_setzero_si256(); }
+IINLINE void vi_st(int32_t *p, vi a) { _mm256_storeu_si256((__m256i *)p, a); }
+/* codes <= 63, |q| <= 127: a pair's int16 sum <= 16002, no saturation */
+IINLINE vi dotu(vi acc, vi w, vi x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+/* codes 0..255 would saturate vpmaddubsw (2 * 255 * 127): multiply c = code - 128 instead, as |c| (<= 128)
+ * times q with c's sign (|q| <= 127: a pair <= 32512) */
+IINLINE vi dot8(vi acc, vi w, vi x) {
+    const vi c = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(c), _mm256_sign_epi8(x, c)),
+                                                   _mm256_set1_epi16(1)));
+}
+#define HAVE_VI 1
+#else
+#define IL 16
+#define DOT8_BASE 0
+#define HAVE_VI 0
+#endif
+
+#if HAVE_VI
+#define NI (IBLK / IL)      /* vectors a block of 16 rows */
+IINLINE void group_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, int R, const int8_t *xq,
+                       int64_t ldx, int32_t acc[RT][2][IBLK]) {
+    const int64_t K = w->K;
+    const int8_t *xg = xq + 32 * g;
+#pragma GCC unroll 2
+    for (int h = 0; h < NI; h++) {
+        vi A[RT][2];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) A[r][0] = A[r][1] = vi_zero();
+        if (kind == I8) {
+#pragma GCC unroll 8
+            for (int t = 0; t < 8; t++) {
+                const vi c = vi_ld(w->codes + ((b * (K / 4) + 8 * g + t) * IBLK + h * IL) * 4);
+                const int sub = split && t >= 4;
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) A[r][sub] = dot8(A[r][sub], c, vi_bc(xg + r * ldx + 4 * t));
+            }
+        } else {
+            vi hw0 = vi_zero(), hw1 = vi_zero();
+            if (kind == I5) hw0 = vi_ld(w->high + ((b * (K / 32) + g) * IBLK + h * IL) * 4);
+            if (kind == I6) {
+                hw0 = vi_ld(w->high + ((b * (K / 16) + 2 * g) * IBLK + h * IL) * 4);
+                hw1 = vi_ld(w->high + ((b * (K / 16) + 2 * g + 1) * IBLK + h * IL) * 4);
+            }
+#pragma GCC unroll 4
+            for (int o = 0; o < 4; o++) {
+                const vi c = vi_ld(w->codes + ((b * (K / 8) + 4 * g + o) * IBLK + h * IL) * 4);
+                vi lo = vi_and(c, 0x0F0F0F0F), hi = vi_and(vi_shift(c, -4), 0x0F0F0F0F);
+                if (kind == I5) {           /* bits s = 2o (low half), 2o + 1 (high half) -> bit 4 */
+                    lo = vi_or(lo, vi_and(vi_shift(hw0, 4 - 2 * o), 0x10101010));
+                    hi = vi_or(hi, vi_and(vi_shift(hw0, 3 - 2 * o), 0x10101010));
+                }
+                if (kind == I6) {           /* fields s = 2 (o & 1), + 1 at bits 2s -> bits 4-5 */
+                    const vi h2 = o < 2 ? hw0 : hw1;
+                    const int s = 2 * (o & 1);
+                    lo = vi_or(lo, vi_and(vi_shift(h2, 4 - 2 * s), 0x30303030));
+                    hi = vi_or(hi, vi_and(vi_shift(h2, 2 - 2 * s), 0x30303030));
+                }
+                const int sub = split && o >= 2;
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    A[r][sub] = dotu(dotu(A[r][sub], lo, vi_bc(xg + r * ldx + 8 * o)), hi, vi_bc(xg + r * ldx + 8 * o + 4));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            vi_st(acc[r][0] + h * IL, A[r][0]);
+            if (split) vi_st(acc[r][1] + h * IL, A[r][1]);
+        }
+    }
+}
+#else
+/* The scalar build: the same sums, one product at a time. */
+static void group_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, int R, const int8_t *xq,
+                      int64_t ldx, int32_t acc[RT][2][IBLK]) {
+    const int64_t K = w->K;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < IBLK; j++) {
+            int32_t s[2] = {0, 0};
+            for (int k = 0; k < 32; k++) {
+                int c;
+                if (kind == I8) {
+                    c = w->codes[((b * (K / 4) + 8 * g + k / 4) * IBLK + j) * 4 + k % 4];
+                } else {
+                    const int o = k / 8, i = k % 4, half = (k % 8) / 4;
+                    const uint8_t byte = w->codes[((b * (K / 8) + 4 * g + o) * IBLK + j) * 4 + i];
+                    c = half ? byte >> 4 : byte & 15;
+                    if (kind == I5)
+                        c |= ((w->high[((b * (K / 32) + g) * IBLK + j) * 4 + i] >> (2 * o + half)) & 1) << 4;
+                    if (kind == I6) {
+                        const int sidx = 2 * (o & 1) + half;
+                        c |= ((w->high[((b * (K / 16) + 2 * g + o / 2) * IBLK + j) * 4 + i] >> (2 * sidx)) & 3) << 4;
+                    }
+                }
+                s[split && k >= 16] += c * (int32_t)xq[r * ldx + 32 * g + k];
+            }
+            acc[r][0][j] = s[0];
+            acc[r][1][j] = s[1];
+        }
+}
+#endif
+
+/* ---- the float steps ----------------------------------------------------------------------------- */
+
+/* a * b + c rounded once on every build (the scalar build has no FMA instruction: libm's fmaf, exact). */
+IINLINE vf fmai(vf a, vf b, vf c) {
+#if VN >= 8 || defined(__FMA__)
+    return fman(a, b, c);
+#else
+    vf r;
+    for (int i = 0; i < VN; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+/* VN unsigned bytes -> floats; VN signed bytes -> int32 lanes (one widening each: a scalar loop here was
+ * the decode GEMV's hottest code, measured with perf on Q4_K) */
+IINLINE vf bytes_uf(const uint8_t *p) {
+#if VN == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VN == 8
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf r;
+    for (int i = 0; i < VN; i++) r[i] = (float)p[i];
+    return r;
+#endif
+}
+IINLINE vfi bytes_si(const int8_t *p) {
+#if VN == 16
+    return (vfi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VN == 8
+    return (vfi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vfi r;
+    for (int i = 0; i < VN; i++) r[i] = p[i];
+    return r;
+#endif
+}
+IINLINE vf halfs(const uint16_t *p) { return loadnh((const _Float16 *)p); }
+
+/* Lanes (v * VN ..) of block b's group-g scale (qlanes.c's scale_at: exact fp32) for the modes with groups
+ * of 32; IM_K6's is the super-block's d (its int8 sc are applied to the integer sums). */
+IINLINE vf iscale(int mode, const IMat *w, int64_t b, int64_t g, int v) {
+    const int64_t G = w->K / 32, i = (b * G + g) * IBLK + v * VN;
+    switch (mode) {
+    case IM_F32: return loadn((const float *)w->scale + i);
+    case IM_K:   return halfs(w->sup + ((b * (w->K / 256) + g / 8) * 2) * IBLK + v * VN)
+                        * bytes_uf((const uint8_t *)w->scale + i);
+    case IM_K6:  return halfs(w->sup + (b * (w->K / 256) + g / 8) * IBLK + v * VN);
+    default:     return halfs((const uint16_t *)w->scale + i);
+    }
+}
+
+IINLINE vf ibias(int mode, const IMat *w, int64_t b, int64_t g, int v) {
+    const int64_t G = w->K / 32, i = (b * G + g) * IBLK + v * VN;
+    switch (mode) {
+    case IM_F32:  return loadn((const float *)w->bias + i);
+    case IM_F16S: return iscale(mode, w, b, g, v) * splatn(((const float *)w->bias)[0]);
+    case IM_K:    return -(halfs(w->sup + ((b * (w->K / 256) + g / 8) * 2 + 1) * IBLK + v * VN)
+                           * bytes_uf((const uint8_t *)w->bias + i));
+    default:      return halfs((const uint16_t *)w->bias + i);
+    }
+}
+
+/* The code offset subtracted in the integer sum (see the top of the file). */
+IINLINE int ioff(int kind, int mode) {
+    return mode == IM_K6 ? 32 : mode != IM_F16I ? 0 : kind == I8 ? 128 : kind == I5 ? 16 : 8;
+}
+
+/* T (kept in y: R rows, 16 columns of block b) += group g's terms. first: T starts at +0. */
+IINLINE void group_out(int kind, int mode, const IMat *w, int64_t b, int64_t g, int R, int32_t acc[RT][2][IBLK],
+                       const float *dx, const int32_t *s16, int64_t G, float *y, int64_t ldy) {
+    const int off = ioff(kind, mode) - (kind == I8 ? DOT8_BASE : 0);    /* what acc still holds of the codes */
+#pragma GCC unroll 4
+    for (int v = 0; v < IBLK / VN; v++) {
+        const vf s = iscale(mode, w, b, g, v);
+        const vf bv = IHAS_BIAS(mode) ? ibias(mode, w, b, g, v) : splatn(0.0f);
+        vfi sca = {0}, scb = {0};
+        if (mode == IM_K6) {
+            sca = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g) * IBLK + v * VN);
+            scb = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g + 1) * IBLK + v * VN);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int32_t sa = s16[r * 2 * G + 2 * g], sb = s16[r * 2 * G + 2 * g + 1];
+            const float d = dx[r * G + g];
+            vfi a0, isum;
+            memcpy(&a0, acc[r][0] + v * VN, sizeof a0);
+            if (mode == IM_K6) {
+                vfi a1;
+                memcpy(&a1, acc[r][1] + v * VN, sizeof a1);
+                isum = sca * (a0 - off * sa) + scb * (a1 - off * sb);
+            } else {
+                isum = a0 - off * (sa + sb);
+            }
+            float *t = y + r * ldy + v * VN;
+            vf T = fmai(s * splatn(d), __builtin_convertvector(isum, vf), g == 0 ? splatn(0.0f) : loadn(t));
+            if (IHAS_BIAS(mode)) T = fmai(bv, splatn(d * (float)(sa + sb)), T);
+            storen(t, T);
+        }
+    }
+}
+
+/* Rows [0, R) (R <= RT) of the quantized activations x block b: y's 16 columns (y: block b's first). */
+IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, const int8_t *xq, const float *dx,
+                        const int32_t *s16, float *y, int64_t ldy) {
+    const int64_t K = w->K, G = K / 32;
+    int32_t acc[RT][2][IBLK] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < G; g++) {
+        group_dot(kind, mode == IM_K6, w, b, g, R, xq, K, acc);
+        group_out(kind, mode, w, b, g, R, acc, dx, s16, G, y, ldy);
+    }
+}
+
+/* Blocks [b0, b1) for all M rows, RT rows at a time (a block's codes stay in L1/L2 across the row tiles).
+ * The padded last block (N % 16 != 0) goes through scratch, its N % 16 real columns copied out. */
+static inline __attribute__((always_inline)) void blocks_kind(int kind, int mode, const IMat *w, int64_t N, int64_t M,
+                                                  const int8_t *xq, const float *dx, const int32_t *s16,
+                                                  int64_t b0, int64_t b1, float *y, int64_t ldy) {
+    const int64_t K = w->K, G = K / 32;
+    for (int64_t b = b0; b < b1; b++) {
+        const int padded = (b + 1) * IBLK > N;
+        for (int64_t m = 0; m < M; m += RT) {
+            const int R = (int)(M - m < RT ? M - m : RT);
+            float tmp[RT * IBLK] __attribute__((aligned(64)));
+            float *yb = padded ? tmp : y + m * ldy + b * IBLK;
+            const int64_t ld = padded ? IBLK : ldy;
+            const int8_t *xm = xq + m * K;
+            const float *dm = dx + m * G;
+            const int32_t *sm = s16 + m * 2 * G;
+            switch (R) {            /* R a constant: the row loops unroll */
+            case 1: block_rows(kind, mode, w, b, 1, xm, dm, sm, yb, ld); break;
+            case 2: block_rows(kind, mode, w, b, 2, xm, dm, sm, yb, ld); break;
+            case 3: block_rows(kind, mode, w, b, 3, xm, dm, sm, yb, ld); break;
+            default: block_rows(kind, mode, w, b, RT, xm, dm, sm, yb, ld); break;
+            }
+            if (padded)
+                for (int r = 0; r < R; r++) memcpy(y + (m + r) * ldy + b * IBLK, tmp + r * IBLK, (size_t)(N - b * IBLK) * sizeof(float));
+        }
+    }
+}
+
+/* blocks_kind with the kind and the mode constants (15 copies: a run-time mode's branches were the
+ * decode GEMV's second-hottest instruction). */
+static void blocks(int kind, int mode, const IMat *w, int64_t N, int64_t M, const int8_t *xq, const float *dx,
+                   const int32_t *s16, int64_t b0, int64_t b1, float *y, int64_t ldy) {
+#define BK(K_, M_) if (kind == K_ && mode == M_) { blocks_kind(K_, M_, w, N, M, xq, dx, s16, b0, b1, y, ldy); return; }
+    BK(I4, IM_F32) BK(I4, IM_F16) BK(I4, IM_K) BK(I4, IM_F16S) BK(I4, IM_F16I)
+    BK(I5, IM_F32) BK(I5, IM_F16) BK(I5, IM_K) BK(I5, IM_F16S) BK(I5, IM_F16I)
+    BK(I8, IM_F32) BK(I8, IM_F16) BK(I8, IM_F16S) BK(I8, IM_F16I)
+    BK(I6, IM_K6)
+#undef BK
+    abort();            /* the entries below make no other pair */
+}
+
+/* x: (M, K) fp32 contiguous, K a multiple of 32; y: rows of stride ldy; w: a layout above, N real rows.
+ * Side effects: writes y[:, :N] only; allocates and frees its scratch (the quantized rows: ~1.2 K bytes a
+ * row). Threads quantize rows, then take chunks of blocks as they come free (which thread does a block
+ * never changes its arithmetic). */
+static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w, int64_t N, float *y,
+                   int64_t ldy, int nthreads) {
+    const int64_t K = w->K, G = K / 32, nb = (N + IBLK - 1) / IBLK;
+    if (M <= 0 || N <= 0) return;
+    int8_t *xq = aligned_alloc(64, ((size_t)(M * K) + 63) / 64 * 64);
+    float *dx = malloc((size_t)(M * G) * sizeof(float));
+    int32_t *s16 = malloc((size_t)(M * 2 * G) * sizeof(int32_t));
+    if (!xq || !dx || !s16) abort();
+    const int64_t per = (nb + (int64_t)nthreads * 8 - 1) / ((int64_t)nthreads * 8);
+#pragma omp parallel num_threads(nthreads) if (M * K * N > (1 << 18))
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quant_row(x + m * K, K, xq + m * K, dx + m * G, s16 + m * 2 * G);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < (nb + per - 1) / per; c++) {
+            const int64_t b0 = c * per, b1 = b0 + per < nb ? b0 + per : nb;
+            blocks(kind, mode, w, N, M, xq, dx, s16, b0, b1, y, ldy);
+        }
+    }
+    free(s16);
+    free(dx);
+    free(xq);
+}
+
+/* ---- the entries (kernels/build.py INT8_VARIANTS; the mm_fn signature of layer.c's table) ---------- */
+
+/* The integer path this build took: part of the kernels' description (the bits do not depend on it). */
+const char *tq_int8_path(void) { return HAVE_VI ? (IL == 16 ? "avx512-vnni" : "avx2") : "scalar"; }
+
+/* x (M, K) -> q (M, K) int8, d (M, K/32), s16 (M, K/16): the activations' quantization, for tests. */
+void tq_int8_quant(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s16) {
+    for (int64_t m = 0; m < M; m++) quant_row(x + m * K, K, q + m * K, d + m * (K / 32), s16 + m * (K / 16));
+}
+
+#define INT_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
+    const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
+#define INT_MAT {codes, high, scale, bias, sup, K}
+#define INT_EXPORT(NAME, KIND, MODE) void NAME(INT_ARGS) { \
+    const IMat w = INT_MAT; int_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
+/* f16s: the layout's own offset (Q4_0 / Q5_0 / Q8_0) is subtracted in the integer sum */
+#define INT_EXPORT_F16S(NAME, KIND) void NAME(INT_ARGS) { \
+    const IMat w = INT_MAT; \
+    const float off = (KIND) == I8 ? 128.0f : (KIND) == I5 ? 16.0f : 8.0f; \
+    int_mm(KIND, ((const float *)bias)[0] == -off ? IM_F16I : IM_F16S, x, M, &w, N, y, ldy, nthreads); }
+
+INT_EXPORT(tq_i4x16_f32_mm, I4, IM_F32)
+INT_EXPORT(tq_i4x16_f16_mm, I4, IM_F16)
+INT_EXPORT(tq_i4x16_k_mm, I4, IM_K)
+INT_EXPORT_F16S(tq_i4x16_f16s_mm, I4)
+INT_EXPORT(tq_i5x16_f32_mm, I5, IM_F32)
+INT_EXPORT(tq_i5x16_f16_mm, I5, IM_F16)
+INT_EXPORT(tq_i5x16_k_mm, I5, IM_K)
+INT_EXPORT_F16S(tq_i5x16_f16s_mm, I5)
+INT_EXPORT(tq_i8x16_f32_mm, I8, IM_F32)
+INT_EXPORT(tq_i8x16_f16_mm, I8, IM_F16)
+INT_EXPORT_F16S(tq_i8x16_f16s_mm, I8)
+INT_EXPORT(tq_i6x16_k6_mm, I6, IM_K6)
