@@ -65,13 +65,22 @@ def smollm2_bf16():
 @pytest.fixture(scope="session")
 def smollm2_q():
     """The default model with --weights gguf: its Q4_1 blocks kept quantized, the native kernel (built
-    for this CPU with the system C compiler on first use; a missing compiler fails here, loudly)."""
+    for this CPU with the system C compiler on first use; a missing compiler fails here, loudly), and
+    the default --activations auto, i.e. int8 activations (kernels/qint8.c)."""
     from ternlm import Engine
     return Engine.load("smollm2-135m", weights="gguf")
 
 
 @pytest.fixture(scope="session")
-def smollm2_q32():
-    """smollm2_q with an fp32 KV cache (`--kv-dtype float32`; the default is fp16 with these weights)."""
+def smollm2_qf():
+    """smollm2_q with fp32 activations (`--activations fp32`): every product is GGML's weight times
+    the fp32 activation, the transformers-parity path."""
     from ternlm import Engine
-    return Engine.load("smollm2-135m", weights="gguf", kv_dtype="float32")
+    return Engine.load("smollm2-135m", weights="gguf", activations="fp32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q32():
+    """smollm2_qf with an fp32 KV cache (`--kv-dtype float32`; the default is fp16 with these weights)."""
+    from ternlm import Engine
+    return Engine.load("smollm2-135m", weights="gguf", kv_dtype="float32", activations="fp32")

@@ -130,7 +130,7 @@ def test_partial_rotary_order_pairs_the_rotated_dims():
 
 def _engine(loaded, quantized: bool, ctx: int | None = None) -> Engine:
     if quantized:
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype="float32",
+        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype="float32",
                       ctx=ctx)
     return Engine(loaded, dtype=torch.float32, ctx=ctx)
 

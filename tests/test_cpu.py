@@ -167,7 +167,7 @@ def test_auto_generates_on_an_avx2_cpu_like_float32(smollm2_gguf):
     args = ["generate", "--max-tokens", "8", "--temperature", "0", "Once upon a time"]
     auto = ternlm(*args)
     assert auto.returncode == 0, auto.stderr
-    assert "weights auto -> gguf (quantized blocks, fp32 activations" in auto.stderr
+    assert "weights auto -> gguf (quantized blocks, int8 activations" in auto.stderr
     gguf = ternlm(*args, "--weights", "gguf")
     assert gguf.returncode == 0 and auto.stdout == gguf.stdout and auto.stdout.strip()
     no_native = {**AVX2_ENV, "TERNLM_NATIVE": "0"}

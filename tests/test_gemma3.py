@@ -76,7 +76,7 @@ def ids_of(n: int, seed: int = 1) -> list[int]:
 
 def _engine(loaded, quantized: bool, kv_dtype: str = "float32") -> Engine:
     if quantized:
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype=kv_dtype)
+        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype=kv_dtype)
     return Engine(loaded, dtype=torch.float32)
 
 

@@ -80,7 +80,7 @@ def _engine(loaded, quantized: "bool | str") -> Engine:
     if quantized == "bf16":
         return Engine(loaded, dtype=torch.bfloat16)
     if quantized is True:
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype="float32")
+        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype="float32")
     return Engine(loaded, dtype=torch.float32)
 
 

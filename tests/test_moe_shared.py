@@ -88,7 +88,7 @@ def test_greedy_tokens_match_transformers(name, tmp_path):
     path = tmp_path / f"{name}.gguf"
     write_gguf(hf, path, MODELS[name][3], quant=QT.Q8_0)
     loaded = load_gguf(path, torch.float32, keep_quantized=True, lanes=True)
-    engine = Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype="float32")
+    engine = Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype="float32")
     ids = ids_of(40, seed=9)
     ours = engine.generate(ids, max_tokens=32, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(hf, ids, 32)
@@ -108,7 +108,7 @@ def test_streamed_shared_expert_stays_resident(qwen2moe_file):
     is no slab of the store, it is built at load in each layer) and the logits are the resident bits."""
     def engine(budget):
         loaded = load_gguf(qwen2moe_file, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget)
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True), kv_dtype="float32")
+        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype="float32")
 
     resident, streamed = engine(None), engine(0)
     store, cfg = streamed.model.experts, streamed.config

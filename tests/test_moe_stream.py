@@ -29,7 +29,7 @@ def moe_file(tmp_path_factory):
 
 def _engine(path, budget: int | None, quantized: bool = True) -> Engine:
     loaded = load_gguf(path, torch.float32, keep_quantized=quantized, lanes=quantized, expert_budget=budget)
-    weights = choose_weights("gguf", "auto", True) if quantized else None
+    weights = choose_weights("gguf", "auto", True, activations="fp32") if quantized else None
     return Engine(loaded, dtype="float32", weights=weights, kv_dtype="float32")
 
 

@@ -263,7 +263,7 @@ _AMX_SCRIPT = textwrap.dedent("""
             torch.set_num_threads(2)
         from ternlm import Engine
         from ternlm.kv.slots import Slot
-        e = Engine.load("smollm2-135m", weights="gguf")
+        e = Engine.load("smollm2-135m", weights="gguf", activations="fp32")   # AMX bf16 tiles: fp32 activations
         assert "weights=gguf:amx:" in e.kernel_fingerprint
         ids = e.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow."}])
         got = e.generate(ids, max_tokens=24, ignore_eos=True)
@@ -306,6 +306,14 @@ def test_weights_choice():
     built = choose_weights("auto", "auto", True)
     assert (built.mode, built.dtype, built.requested) == ("gguf", "float32", "auto")
     assert "weights=gguf:" in built.fingerprint
+    # --activations: int8 is auto's choice for quantized blocks, fp32 on request; int8 needs gguf weights
+    assert built.activations == "int8" and "int8 activations" in built.reason
+    assert choose_weights("auto", "auto", True, activations="fp32").activations == "fp32"
+    assert choose_weights("fp32", "auto", True).activations == "fp32"
+    with pytest.raises(ValueError, match="--activations int8 needs quantized weights"):
+        choose_weights("bf16", "auto", True, activations="int8")
+    with pytest.raises(ValueError, match="unknown --activations"):
+        choose_weights("auto", "auto", True, activations="int4")
     for dtype, is_gguf, build, why in (("float32", True, None, "--dtype float32 asked for"),
                                        ("auto", False, None, "not a GGUF model"),
                                        ("auto", True, lambda: Unavailable(Failed.reason), "no C compiler")):
@@ -313,9 +321,13 @@ def test_weights_choice():
         assert (dense.mode, dense.dtype) == ("dense", dtype) and why in dense.reason
 
 
-def test_engine_holds_quantized_weights(smollm2_q, smollm2_f32, smollm2_gguf):
+def test_engine_holds_quantized_weights(smollm2_q, smollm2_qf, smollm2_f32, smollm2_gguf):
     m = smollm2_q.model
     assert isinstance(m.layers[0].qkv, QLinear) and isinstance(m.lm_head, QLinear)
+    # --activations is in the cache namespace: int8-product KV never meets fp32-product KV
+    assert (smollm2_q.model.activations, smollm2_qf.model.activations) == ("int8", "fp32")
+    assert smollm2_q.namespace() != smollm2_qf.namespace()
+    assert all(p.int8 for p in m.layers[0].qkv.parts) and not any(p.int8 for p in smollm2_qf.model.layers[0].qkv.parts)
     assert isinstance(m.embed, QWeight)
     assert smollm2_q.dtype == torch.float32
     # the choice is in the cache namespace: gguf KV never mixes with dense KV
@@ -332,7 +344,7 @@ def test_engine_holds_quantized_weights(smollm2_q, smollm2_f32, smollm2_gguf):
 # logits move by a few 1e-2 against transformers' fp32 cache (measured max printed by the test; 3.3e-2
 # on TEXTS[0]), where the fp32 cache stays within LOGIT_ATOL. llama.cpp's default cache is f16 too.
 F16_KV_ATOL = 0.08
-ENGINES = {"float32": "smollm2_q32", "float16": "smollm2_q"}
+ENGINES = {"float32": "smollm2_q32", "float16": "smollm2_qf"}   # fp32 activations: the parity path
 
 
 @pytest.mark.parametrize("kv", list(ENGINES))
