@@ -15,13 +15,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "elsewhere) | float32 | bfloat16 | float16; `ternlm info` shows what auto picks")
     p.add_argument("--weights", default="auto", choices=["auto", "gguf", "bf16", "fp32"],
                    help="gguf: keep a GGUF's quantized blocks and multiply them with a native kernel built for "
-                        "this CPU (fp32 activations; fastest decode); bf16/fp32: dense weights in that dtype; "
+                        "this CPU (with --activations: int8 by default; fastest decode); bf16/fp32: dense weights in that dtype; "
                         "auto (default): gguf for a GGUF model when --dtype is auto and the kernel builds, "
                         "else dense in the --dtype choice")
     p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
                    help="what quantized (gguf) weights multiply: int8 (activations quantized per group of 32, "
                         "exact integer products, llama.cpp's way; the same bits on every CPU kind) | fp32 "
-                        "(every weight times fp32 activations) | auto (default: int8 for gguf weights)")
+                        "(every weight times fp32 activations: transformers' numbers) | auto (default: int8 for gguf "
+                        "weights except mixtures of experts, which keep fp32 for now); part of the KV namespace")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
                         "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "

@@ -35,7 +35,7 @@ def gather() -> dict:
             dtypes[name] = {"refused": str(e)}
     k = load_kernels()
     native = ({"available": False, "reason": k.reason} if isinstance(k, Unavailable)
-              else {"available": True, "isa": k.isa, "digest": k.digest})
+              else {"available": True, "isa": k.isa, "digest": k.digest, "int8_path": k.int8_path})
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "ternlm": __version__,
@@ -88,17 +88,19 @@ def _print(info: dict, out) -> None:
         lines.append(f"{label:18s}refused: {d['refused']}" if "refused" in d
                      else f"{label:18s}{d['dtype']}, {d['kernel']} ({d['reason']})")
     n = info["native_kernels"]
-    lines.append("native    " + (f"{n['isa']} build {n['digest']} (attention; --weights gguf, the default for GGUF models)"
+    lines.append("native    " + (f"{n['isa']} build {n['digest']} (attention; --weights gguf, the default for GGUF models; "
+                                 f"--activations int8 by {n['int8_path']} integer products)"
                                  if n["available"] else f"unavailable: {n['reason']} (torch attention; dense weights only)"))
     th = info["threads"]
     lines.append("threads   torch " + str(th["torch"]) + "".join(f" · {k}={v}" for k, v in th.items() if k != "torch"))
     lines.append(f"cache     models {info['cache']['models']} · kv {info['cache']['kv']}")
     attn = f"native:{n['isa']}:{n['digest']}" if n["available"] else "torch"
-    # --weights auto on a GGUF model: gguf (float32 activations) where the kernels built, else dense (weights.py)
+    # --weights auto on a GGUF model: gguf (int8 activations; a dense model: fp32) where the kernels built, else
+    # dense (weights.py)
     weights = f"gguf:{n['isa']}:{n['digest']}" if n["available"] else "dense"
     fp = info["dtype"]["float32" if n["available"] else "auto"].get("fingerprint", "-")
     lines.append(f"kernel fingerprint (auto, a GGUF model): {fp};weights={weights};attention={attn};"
-                 f"kv={'float16' if n['available'] else 'float32'}")
+                 f"kv={'float16' if n['available'] else 'float32'};activations={'int8' if n['available'] else 'fp32'}")
     if e := info.get("experts"):
         from .sizes import format_size
         how = (f"streamed: {format_size(e['expert_bytes'])} of expert slabs mapped from the file, read on demand "

@@ -141,55 +141,47 @@ IINLINE vi dot8(vi acc, vi w, vi x) {
 
 #if HAVE_VI
 #define NI (IBLK / IL)      /* vectors a block of 16 rows */
-IINLINE void group_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, int R, const int8_t *xq,
-                       int64_t ldx, int32_t acc[RT][2][IBLK]) {
+/* Vector h (rows 16b + IL h ..) of group g's sums for activation rows [0, R), left in A[r][sub]. */
+IINLINE void half_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, int h, int R, const int8_t *xq,
+                      int64_t ldx, vi A[RT][2]) {
     const int64_t K = w->K;
     const int8_t *xg = xq + 32 * g;
-#pragma GCC unroll 2
-    for (int h = 0; h < NI; h++) {
-        vi A[RT][2];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) A[r][0] = A[r][1] = vi_zero();
-        if (kind == I8) {
+    for (int r = 0; r < R; r++) A[r][0] = A[r][1] = vi_zero();
+    if (kind == I8) {
 #pragma GCC unroll 8
-            for (int t = 0; t < 8; t++) {
-                const vi c = vi_ld(w->codes + ((b * (K / 4) + 8 * g + t) * IBLK + h * IL) * 4);
-                const int sub = split && t >= 4;
+        for (int t = 0; t < 8; t++) {
+            const vi c = vi_ld(w->codes + ((b * (K / 4) + 8 * g + t) * IBLK + h * IL) * 4);
+            const int sub = split && t >= 4;
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) A[r][sub] = dot8(A[r][sub], c, vi_bc(xg + r * ldx + 4 * t));
-            }
-        } else {
-            vi hw0 = vi_zero(), hw1 = vi_zero();
-            if (kind == I5) hw0 = vi_ld(w->high + ((b * (K / 32) + g) * IBLK + h * IL) * 4);
-            if (kind == I6) {
-                hw0 = vi_ld(w->high + ((b * (K / 16) + 2 * g) * IBLK + h * IL) * 4);
-                hw1 = vi_ld(w->high + ((b * (K / 16) + 2 * g + 1) * IBLK + h * IL) * 4);
-            }
-#pragma GCC unroll 4
-            for (int o = 0; o < 4; o++) {
-                const vi c = vi_ld(w->codes + ((b * (K / 8) + 4 * g + o) * IBLK + h * IL) * 4);
-                vi lo = vi_and(c, 0x0F0F0F0F), hi = vi_and(vi_shift(c, -4), 0x0F0F0F0F);
-                if (kind == I5) {           /* bits s = 2o (low half), 2o + 1 (high half) -> bit 4 */
-                    lo = vi_or(lo, vi_and(vi_shift(hw0, 4 - 2 * o), 0x10101010));
-                    hi = vi_or(hi, vi_and(vi_shift(hw0, 3 - 2 * o), 0x10101010));
-                }
-                if (kind == I6) {           /* fields s = 2 (o & 1), + 1 at bits 2s -> bits 4-5 */
-                    const vi h2 = o < 2 ? hw0 : hw1;
-                    const int s = 2 * (o & 1);
-                    lo = vi_or(lo, vi_and(vi_shift(h2, 4 - 2 * s), 0x30303030));
-                    hi = vi_or(hi, vi_and(vi_shift(h2, 2 - 2 * s), 0x30303030));
-                }
-                const int sub = split && o >= 2;
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    A[r][sub] = dotu(dotu(A[r][sub], lo, vi_bc(xg + r * ldx + 8 * o)), hi, vi_bc(xg + r * ldx + 8 * o + 4));
-            }
+            for (int r = 0; r < R; r++) A[r][sub] = dot8(A[r][sub], c, vi_bc(xg + r * ldx + 4 * t));
         }
+        return;
+    }
+    vi hw0 = vi_zero(), hw1 = vi_zero();
+    if (kind == I5) hw0 = vi_ld(w->high + ((b * (K / 32) + g) * IBLK + h * IL) * 4);
+    if (kind == I6) {
+        hw0 = vi_ld(w->high + ((b * (K / 16) + 2 * g) * IBLK + h * IL) * 4);
+        hw1 = vi_ld(w->high + ((b * (K / 16) + 2 * g + 1) * IBLK + h * IL) * 4);
+    }
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            vi_st(acc[r][0] + h * IL, A[r][0]);
-            if (split) vi_st(acc[r][1] + h * IL, A[r][1]);
+    for (int o = 0; o < 4; o++) {
+        const vi c = vi_ld(w->codes + ((b * (K / 8) + 4 * g + o) * IBLK + h * IL) * 4);
+        vi lo = vi_and(c, 0x0F0F0F0F), hi = vi_and(vi_shift(c, -4), 0x0F0F0F0F);
+        if (kind == I5) {           /* bits s = 2o (low half), 2o + 1 (high half) -> bit 4 */
+            lo = vi_or(lo, vi_and(vi_shift(hw0, 4 - 2 * o), 0x10101010));
+            hi = vi_or(hi, vi_and(vi_shift(hw0, 3 - 2 * o), 0x10101010));
         }
+        if (kind == I6) {           /* fields s = 2 (o & 1), + 1 at bits 2s -> bits 4-5 */
+            const vi h2 = o < 2 ? hw0 : hw1;
+            const int s = 2 * (o & 1);
+            lo = vi_or(lo, vi_and(vi_shift(h2, 4 - 2 * s), 0x30303030));
+            hi = vi_or(hi, vi_and(vi_shift(h2, 2 - 2 * s), 0x30303030));
+        }
+        const int sub = split && o >= 2;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            A[r][sub] = dotu(dotu(A[r][sub], lo, vi_bc(xg + r * ldx + 8 * o)), hi, vi_bc(xg + r * ldx + 8 * o + 4));
     }
 }
 #else
@@ -291,49 +283,73 @@ IINLINE int ioff(int kind, int mode) {
     return mode == IM_K6 ? 32 : mode != IM_F16I ? 0 : kind == I8 ? 128 : kind == I5 ? 16 : 8;
 }
 
-/* T (kept in y: R rows, 16 columns of block b) += group g's terms. first: T starts at +0. */
-IINLINE void group_out(int kind, int mode, const IMat *w, int64_t b, int64_t g, int R, int32_t acc[RT][2][IBLK],
-                       const float *dx, const int32_t *s16, int64_t G, float *y, int64_t ldy) {
-    const int off = ioff(kind, mode) - (kind == I8 ? DOT8_BASE : 0);    /* what acc still holds of the codes */
+/* T[r] = group g's terms added to T[r] (every step one IEEE operation a lane, the order of the top
+ * comment), for the VN weight rows 16b + VN v .. of block b; a0[r], a1[r]: the group's integer sums
+ * (a1: the second 16 inputs', Q6_K only). */
+IINLINE void group_out(int kind, int mode, const IMat *w, int64_t b, int64_t g, int v, int R, const vfi a0[RT],
+                       const vfi a1[RT], const float *dx, const int32_t *s16, int64_t G, vf T[RT]) {
+    const int off = ioff(kind, mode) - (kind == I8 ? DOT8_BASE : 0);    /* what the sums still hold of the codes */
+    const vf s = iscale(mode, w, b, g, v);
+    const vf bv = IHAS_BIAS(mode) ? ibias(mode, w, b, g, v) : splatn(0.0f);
+    vfi sca = {0}, scb = {0};
+    if (mode == IM_K6) {
+        sca = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g) * IBLK + v * VN);
+        scb = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g + 1) * IBLK + v * VN);
+    }
 #pragma GCC unroll 4
-    for (int v = 0; v < IBLK / VN; v++) {
-        const vf s = iscale(mode, w, b, g, v);
-        const vf bv = IHAS_BIAS(mode) ? ibias(mode, w, b, g, v) : splatn(0.0f);
-        vfi sca = {0}, scb = {0};
-        if (mode == IM_K6) {
-            sca = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g) * IBLK + v * VN);
-            scb = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g + 1) * IBLK + v * VN);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const int32_t sa = s16[r * 2 * G + 2 * g], sb = s16[r * 2 * G + 2 * g + 1];
-            const float d = dx[r * G + g];
-            vfi a0, isum;
-            memcpy(&a0, acc[r][0] + v * VN, sizeof a0);
-            if (mode == IM_K6) {
-                vfi a1;
-                memcpy(&a1, acc[r][1] + v * VN, sizeof a1);
-                isum = sca * (a0 - off * sa) + scb * (a1 - off * sb);
-            } else {
-                isum = a0 - off * (sa + sb);
-            }
-            float *t = y + r * ldy + v * VN;
-            vf T = fmai(s * splatn(d), __builtin_convertvector(isum, vf), g == 0 ? splatn(0.0f) : loadn(t));
-            if (IHAS_BIAS(mode)) T = fmai(bv, splatn(d * (float)(sa + sb)), T);
-            storen(t, T);
-        }
+    for (int r = 0; r < R; r++) {
+        const int32_t sa = s16[r * 2 * G + 2 * g], sb = s16[r * 2 * G + 2 * g + 1];
+        const float d = dx[r * G + g];
+        const vfi isum = mode == IM_K6 ? sca * (a0[r] - off * sa) + scb * (a1[r] - off * sb) : a0[r] - off * (sa + sb);
+        T[r] = fmai(s * splatn(d), __builtin_convertvector(isum, vf), T[r]);
+        if (IHAS_BIAS(mode)) T[r] = fmai(bv, splatn(d * (float)(sa + sb)), T[r]);
     }
 }
 
-/* Rows [0, R) (R <= RT) of the quantized activations x block b: y's 16 columns (y: block b's first). */
+/* Rows [0, R) (R <= RT) of the quantized activations x block b: y's 16 columns (y: block b's first).
+ * T starts at +0 and stays in registers over the groups (g in order). */
 IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, const int8_t *xq, const float *dx,
                         const int32_t *s16, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / 32;
+#if HAVE_VI
+#pragma GCC unroll 2
+    for (int h = 0; h < NI; h++) {          /* IL == VN on both vector paths: vector h is lane vector h */
+        vf T[RT];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) T[r] = splatn(0.0f);
+        for (int64_t g = 0; g < G; g++) {
+            vi A[RT][2];
+            half_dot(kind, mode == IM_K6, w, b, g, h, R, xq, K, A);
+            vfi a0[RT], a1[RT];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                memcpy(&a0[r], &A[r][0], sizeof a0[r]);
+                memcpy(&a1[r], &A[r][1], sizeof a1[r]);
+            }
+            group_out(kind, mode, w, b, g, h, R, a0, a1, dx, s16, G, T);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) storen(y + r * ldy + h * VN, T[r]);
+    }
+#else
     int32_t acc[RT][2][IBLK] __attribute__((aligned(64)));
+    vf T[IBLK / VN][RT];
+    for (int v = 0; v < IBLK / VN; v++)
+        for (int r = 0; r < R; r++) T[v][r] = splatn(0.0f);
     for (int64_t g = 0; g < G; g++) {
         group_dot(kind, mode == IM_K6, w, b, g, R, xq, K, acc);
-        group_out(kind, mode, w, b, g, R, acc, dx, s16, G, y, ldy);
+        for (int v = 0; v < IBLK / VN; v++) {
+            vfi a0[RT], a1[RT];
+            for (int r = 0; r < R; r++) {
+                memcpy(&a0[r], acc[r][0] + v * VN, sizeof a0[r]);
+                memcpy(&a1[r], acc[r][1] + v * VN, sizeof a1[r]);
+            }
+            group_out(kind, mode, w, b, g, v, R, a0, a1, dx, s16, G, T[v]);
+        }
     }
+    for (int v = 0; v < IBLK / VN; v++)
+        for (int r = 0; r < R; r++) storen(y + r * ldy + v * VN, T[v][r]);
+#endif
 }
 
 /* Blocks [b0, b1) for all M rows, RT rows at a time (a block's codes stay in L1/L2 across the row tiles).
