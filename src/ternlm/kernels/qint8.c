@@ -48,7 +48,13 @@ enum { I4 = 0, I5 = 1, I6 = 2, I8 = 3 };                       /* code kinds */
 enum { IM_F32 = 0, IM_F16 = 1, IM_K = 2, IM_K6 = 3, IM_F16S = 4, IM_F16I = 5 };
 #define IBLK 16
 #define IHAS_BIAS(mode) ((mode) != IM_F16I && (mode) != IM_K6)
-#define RT 4                    /* activation rows a tile: 4 x 2 accumulators beside the codes */
+/* activation rows a tile: 8 x (2 sums + a total) vectors beside the codes in AVX-512's 32 registers, 4 in
+ * AVX2's 16 (the tile never changes a bit: every output's arithmetic is its own) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RT 8
+#else
+#define RT 4
+#endif
 
 typedef struct {
     const uint8_t *codes, *high;
@@ -146,14 +152,14 @@ IINLINE void half_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, 
                       int64_t ldx, vi A[RT][2]) {
     const int64_t K = w->K;
     const int8_t *xg = xq + 32 * g;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) A[r][0] = A[r][1] = vi_zero();
     if (kind == I8) {
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t++) {
             const vi c = vi_ld(w->codes + ((b * (K / 4) + 8 * g + t) * IBLK + h * IL) * 4);
             const int sub = split && t >= 4;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) A[r][sub] = dot8(A[r][sub], c, vi_bc(xg + r * ldx + 4 * t));
         }
         return;
@@ -179,7 +185,7 @@ IINLINE void half_dot(int kind, int split, const IMat *w, int64_t b, int64_t g, 
             hi = vi_or(hi, vi_and(vi_shift(h2, 2 - 2 * s), 0x30303030));
         }
         const int sub = split && o >= 2;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++)
             A[r][sub] = dotu(dotu(A[r][sub], lo, vi_bc(xg + r * ldx + 8 * o)), hi, vi_bc(xg + r * ldx + 8 * o + 4));
     }
@@ -287,7 +293,8 @@ IINLINE int ioff(int kind, int mode) {
  * comment), for the VN weight rows 16b + VN v .. of block b; a0[r], a1[r]: the group's integer sums
  * (a1: the second 16 inputs', Q6_K only). */
 IINLINE void group_out(int kind, int mode, const IMat *w, int64_t b, int64_t g, int v, int R, const vfi a0[RT],
-                       const vfi a1[RT], const float *dx, const int32_t *s16, int64_t G, vf T[RT]) {
+                       const vfi a1[RT], const float *dx, const int32_t *s16, const float *ds, int64_t G,
+                       vf T[RT]) {
     const int off = ioff(kind, mode) - (kind == I8 ? DOT8_BASE : 0);    /* what the sums still hold of the codes */
     const vf s = iscale(mode, w, b, g, v);
     const vf bv = IHAS_BIAS(mode) ? ibias(mode, w, b, g, v) : splatn(0.0f);
@@ -296,39 +303,39 @@ IINLINE void group_out(int kind, int mode, const IMat *w, int64_t b, int64_t g, 
         sca = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g) * IBLK + v * VN);
         scb = bytes_si((const int8_t *)w->scale + (b * (w->K / 16) + 2 * g + 1) * IBLK + v * VN);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const int32_t sa = s16[r * 2 * G + 2 * g], sb = s16[r * 2 * G + 2 * g + 1];
-        const float d = dx[r * G + g];
+        const float d = dx[r * G + g];           /* ds[r G + g] = d * (float) (sa + sb): one product, made once */
         const vfi isum = mode == IM_K6 ? sca * (a0[r] - off * sa) + scb * (a1[r] - off * sb) : a0[r] - off * (sa + sb);
         T[r] = fmai(s * splatn(d), __builtin_convertvector(isum, vf), T[r]);
-        if (IHAS_BIAS(mode)) T[r] = fmai(bv, splatn(d * (float)(sa + sb)), T[r]);
+        if (IHAS_BIAS(mode)) T[r] = fmai(bv, splatn(ds[r * G + g]), T[r]);
     }
 }
 
 /* Rows [0, R) (R <= RT) of the quantized activations x block b: y's 16 columns (y: block b's first).
  * T starts at +0 and stays in registers over the groups (g in order). */
 IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, const int8_t *xq, const float *dx,
-                        const int32_t *s16, float *y, int64_t ldy) {
+                        const int32_t *s16, const float *ds, float *y, int64_t ldy) {
     const int64_t K = w->K, G = K / 32;
 #if HAVE_VI
 #pragma GCC unroll 2
     for (int h = 0; h < NI; h++) {          /* IL == VN on both vector paths: vector h is lane vector h */
         vf T[RT];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) T[r] = splatn(0.0f);
         for (int64_t g = 0; g < G; g++) {
             vi A[RT][2];
             half_dot(kind, mode == IM_K6, w, b, g, h, R, xq, K, A);
             vfi a0[RT], a1[RT];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 memcpy(&a0[r], &A[r][0], sizeof a0[r]);
                 memcpy(&a1[r], &A[r][1], sizeof a1[r]);
             }
-            group_out(kind, mode, w, b, g, h, R, a0, a1, dx, s16, G, T);
+            group_out(kind, mode, w, b, g, h, R, a0, a1, dx, s16, ds, G, T);
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) storen(y + r * ldy + h * VN, T[r]);
     }
 #else
@@ -344,7 +351,7 @@ IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, con
                 memcpy(&a0[r], acc[r][0] + v * VN, sizeof a0[r]);
                 memcpy(&a1[r], acc[r][1] + v * VN, sizeof a1[r]);
             }
-            group_out(kind, mode, w, b, g, v, R, a0, a1, dx, s16, G, T[v]);
+            group_out(kind, mode, w, b, g, v, R, a0, a1, dx, s16, ds, G, T[v]);
         }
     }
     for (int v = 0; v < IBLK / VN; v++)
@@ -352,11 +359,19 @@ IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, con
 #endif
 }
 
+/* The quantized activations of M rows (int_mm's scratch): q (M, K), d (M, G), s16 (M, 2G), ds (M, G). */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s16;
+    const float *ds;
+} IAct;
+
 /* Blocks [b0, b1) for all M rows, RT rows at a time (a block's codes stay in L1/L2 across the row tiles).
  * The padded last block (N % 16 != 0) goes through scratch, its N % 16 real columns copied out. */
 static inline __attribute__((always_inline)) void blocks_kind(int kind, int mode, const IMat *w, int64_t N, int64_t M,
-                                                  const int8_t *xq, const float *dx, const int32_t *s16,
-                                                  int64_t b0, int64_t b1, float *y, int64_t ldy) {
+                                                              const IAct *x, int64_t b0, int64_t b1, float *y,
+                                                              int64_t ldy) {
     const int64_t K = w->K, G = K / 32;
     for (int64_t b = b0; b < b1; b++) {
         const int padded = (b + 1) * IBLK > N;
@@ -365,14 +380,17 @@ static inline __attribute__((always_inline)) void blocks_kind(int kind, int mode
             float tmp[RT * IBLK] __attribute__((aligned(64)));
             float *yb = padded ? tmp : y + m * ldy + b * IBLK;
             const int64_t ld = padded ? IBLK : ldy;
-            const int8_t *xm = xq + m * K;
-            const float *dm = dx + m * G;
-            const int32_t *sm = s16 + m * 2 * G;
+            const int8_t *xm = x->q + m * K;
+            const float *dm = x->d + m * G, *dsm = x->ds + m * G;
+            const int32_t *sm = x->s16 + m * 2 * G;
             switch (R) {            /* R a constant: the row loops unroll */
-            case 1: block_rows(kind, mode, w, b, 1, xm, dm, sm, yb, ld); break;
-            case 2: block_rows(kind, mode, w, b, 2, xm, dm, sm, yb, ld); break;
-            case 3: block_rows(kind, mode, w, b, 3, xm, dm, sm, yb, ld); break;
-            default: block_rows(kind, mode, w, b, RT, xm, dm, sm, yb, ld); break;
+#define BR(n) case n: block_rows(kind, mode, w, b, n, xm, dm, sm, dsm, yb, ld); break;
+            BR(1) BR(2) BR(3)
+#if RT > 4
+            BR(4) BR(5) BR(6) BR(7)
+#endif
+#undef BR
+            default: block_rows(kind, mode, w, b, RT, xm, dm, sm, dsm, yb, ld); break;
             }
             if (padded)
                 for (int r = 0; r < R; r++) memcpy(y + (m + r) * ldy + b * IBLK, tmp + r * IBLK, (size_t)(N - b * IBLK) * sizeof(float));
@@ -382,9 +400,9 @@ static inline __attribute__((always_inline)) void blocks_kind(int kind, int mode
 
 /* blocks_kind with the kind and the mode constants (15 copies: a run-time mode's branches were the
  * decode GEMV's second-hottest instruction). */
-static void blocks(int kind, int mode, const IMat *w, int64_t N, int64_t M, const int8_t *xq, const float *dx,
-                   const int32_t *s16, int64_t b0, int64_t b1, float *y, int64_t ldy) {
-#define BK(K_, M_) if (kind == K_ && mode == M_) { blocks_kind(K_, M_, w, N, M, xq, dx, s16, b0, b1, y, ldy); return; }
+static void blocks(int kind, int mode, const IMat *w, int64_t N, int64_t M, const IAct *x, int64_t b0, int64_t b1,
+                   float *y, int64_t ldy) {
+#define BK(K_, M_) if (kind == K_ && mode == M_) { blocks_kind(K_, M_, w, N, M, x, b0, b1, y, ldy); return; }
     BK(I4, IM_F32) BK(I4, IM_F16) BK(I4, IM_K) BK(I4, IM_F16S) BK(I4, IM_F16I)
     BK(I5, IM_F32) BK(I5, IM_F16) BK(I5, IM_K) BK(I5, IM_F16S) BK(I5, IM_F16I)
     BK(I8, IM_F32) BK(I8, IM_F16) BK(I8, IM_F16S) BK(I8, IM_F16I)
@@ -394,7 +412,7 @@ static void blocks(int kind, int mode, const IMat *w, int64_t N, int64_t M, cons
 }
 
 /* x: (M, K) fp32 contiguous, K a multiple of 32; y: rows of stride ldy; w: a layout above, N real rows.
- * Side effects: writes y[:, :N] only; allocates and frees its scratch (the quantized rows: ~1.2 K bytes a
+ * Side effects: writes y[:, :N] only; allocates and frees its scratch (the quantized rows: ~1.3 K bytes a
  * row). Threads quantize rows, then take chunks of blocks as they come free (which thread does a block
  * never changes its arithmetic). */
 static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w, int64_t N, float *y,
@@ -402,21 +420,27 @@ static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w,
     const int64_t K = w->K, G = K / 32, nb = (N + IBLK - 1) / IBLK;
     if (M <= 0 || N <= 0) return;
     int8_t *xq = aligned_alloc(64, ((size_t)(M * K) + 63) / 64 * 64);
-    float *dx = malloc((size_t)(M * G) * sizeof(float));
+    float *dx = malloc((size_t)(M * G) * sizeof(float)), *ds = malloc((size_t)(M * G) * sizeof(float));
     int32_t *s16 = malloc((size_t)(M * 2 * G) * sizeof(int32_t));
-    if (!xq || !dx || !s16) abort();
+    if (!xq || !dx || !ds || !s16) abort();
+    const IAct act = {xq, dx, s16, ds};
     const int64_t per = (nb + (int64_t)nthreads * 8 - 1) / ((int64_t)nthreads * 8);
 #pragma omp parallel num_threads(nthreads) if (M * K * N > (1 << 18))
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quant_row(x + m * K, K, xq + m * K, dx + m * G, s16 + m * 2 * G);
+        for (int64_t m = 0; m < M; m++) {
+            quant_row(x + m * K, K, xq + m * K, dx + m * G, s16 + m * 2 * G);
+            for (int64_t g = 0; g < G; g++)
+                ds[m * G + g] = dx[m * G + g] * (float)(s16[m * 2 * G + 2 * g] + s16[m * 2 * G + 2 * g + 1]);
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < (nb + per - 1) / per; c++) {
             const int64_t b0 = c * per, b1 = b0 + per < nb ? b0 + per : nb;
-            blocks(kind, mode, w, N, M, xq, dx, s16, b0, b1, y, ldy);
+            blocks(kind, mode, w, N, M, &act, b0, b1, y, ldy);
         }
     }
     free(s16);
+    free(ds);
     free(dx);
     free(xq);
 }
