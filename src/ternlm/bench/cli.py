@@ -26,6 +26,10 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="KV context of the RSS measurement (one slot)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--llama-perplexity", metavar="BIN", default=None,
+                   help="llama.cpp's own llama-perplexity (make bench-peers builds it): run on the same file and "
+                        "text, beside ternlm's perplexity under its protocol (chunks of --ppl-ctx, second halves)")
+    p.add_argument("--ppl-ctx", type=int, default=512, help="llama-perplexity's -c: the chunk length")
     p.set_defaults(func=_quality)
 
     p = which.add_parser("dtype", help="float32 vs bfloat16 on this CPU, and what --dtype auto picks here")

@@ -2,7 +2,9 @@
 
 Next-token agreement (argmax) and perplexity of `--weights gguf`, with int8 activations (the default) and
 with fp32 ones, against the same GGUF dequantized to fp32 (`--weights fp32`), over one long text (MT-Bench questions and synthetic prose, teacher-forced),
-and each mode's resident set right after loading, measured in a fresh process per mode.
+and each mode's resident set right after loading, measured in a fresh process per mode. With
+--llama-perplexity, llama.cpp's own llama-perplexity on the same file and text (the decoded tokens, written
+beside the JSON), and every mode's perplexity under its protocol (chunks of --ppl-ctx, second halves scored).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +57,32 @@ def _nll(logits: torch.Tensor, ids: list[int]) -> float:
     return float(-lp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean())
 
 
+def _chunked_ppl(engine, ids: list[int], n_ctx: int) -> float:
+    """Perplexity under llama-perplexity's protocol: consecutive chunks of n_ctx tokens, each evaluated on its
+    own (its first token replaced by BOS where the model adds one), only each chunk's second half scored."""
+    bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
+    nll, count, first = 0.0, 0, n_ctx // 2
+    for c in range(len(ids) // n_ctx):
+        chunk = list(ids[c * n_ctx:(c + 1) * n_ctx])
+        if bos is not None:
+            chunk[0] = bos
+        with torch.inference_mode():
+            lp = torch.log_softmax(engine.logits(chunk).double(), dim=-1)
+        nll += float(-lp[first - 1:n_ctx - 1].gather(1, torch.tensor(chunk[first:]).unsqueeze(1)).sum())
+        count += n_ctx - first
+    return math.exp(nll / count)
+
+
+def _llama_perplexity(binary: str, model_path: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
+    """llama.cpp's own perplexity of the file on the text (it tokenizes the text itself)."""
+    cmd = [binary, "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx), "-t", str(threads), "-b", str(n_ctx)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
+    if r.returncode != 0 or not m:
+        return {"command": " ".join(cmd), "error": (r.stderr.strip().splitlines() or [str(r.returncode)])[-1]}
+    return {"command": " ".join(cmd), "perplexity": float(m.group(1))}
+
+
 def _rss(model: str, weights: str, ctx: int) -> dict:
     r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, model, weights, str(ctx)], capture_output=True,
                        text=True, timeout=600, env=dict(os.environ))
@@ -66,16 +95,26 @@ def run(args) -> dict:
     from ..engine import Engine
     from ..models.registry import resolve
     torch.set_num_threads(args.threads)
+    llama = getattr(args, "llama_perplexity", None)
+    n_ctx = getattr(args, "ppl_ctx", 512)
+    chunked = {}                 # llama-perplexity's protocol, each mode and llama.cpp itself (--llama-perplexity)
     ref = Engine.load(args.model, weights="fp32", prefix_reuse=False)
     ids = _text_ids(ref, args.tokens)
     with torch.inference_mode():
         ref_logits = ref.logits(ids)
+    if llama:
+        chunked["dense fp32"] = _chunked_ppl(ref, ids, n_ctx)
+        text_file = Path(args.out) / f"quality-text-{Path(str(args.model)).name}.txt"
+        text_file.parent.mkdir(parents=True, exist_ok=True)
+        text_file.write_text(ref.tokenizer.decode([i for i in ids if i != ref.tokenizer.bos_id]))
     del ref
     per_act = {}                 # --weights gguf with each --activations, against the dequantized fp32 model
     for act in ("fp32", "int8"):
         q = Engine.load(args.model, weights="gguf", activations=act, prefix_reuse=False)
         with torch.inference_mode():
             q_logits = q.logits(ids)
+        if llama:
+            chunked[f"gguf {act}"] = _chunked_ppl(q, ids, n_ctx)
         del q
         ppl = math.exp(_nll(q_logits, ids))
         per_act[act] = {"agreement": float((q_logits.argmax(-1) == ref_logits.argmax(-1)).double().mean()),
@@ -89,6 +128,13 @@ def run(args) -> dict:
            "perplexity": {"fp32": ppl_ref, "gguf": ppl_q, "ratio": ppl_q / ppl_ref},
            "max_abs_logit_diff": per_act["int8"]["max_abs_logit_diff"], "activations": per_act,
            "gguf_file_bytes": size, "ctx": args.ctx, "rss_after_load": mem}
+    if llama:
+        chunked["llama.cpp"] = _llama_perplexity(llama, resolve(args.model).path, text_file, n_ctx, args.threads)
+        res["llama_perplexity_protocol"] = {"n_ctx": n_ctx, "text_file": str(text_file), "perplexity": chunked}
+        lc = chunked["llama.cpp"]
+        print(f"{args.model}: perplexity in chunks of {n_ctx} (llama-perplexity's protocol): "
+              + " · ".join(f"{k} {v:.4f}" for k, v in chunked.items() if isinstance(v, float))
+              + (f" · llama.cpp {lc['perplexity']:.4f}" if "perplexity" in lc else f" · llama.cpp: {lc['error']}"))
     for act, r in per_act.items():
         print(f"{args.model}: {len(ids)} tokens · gguf with {act} activations vs the dequantized fp32 model: "
               f"next-token agreement {r['agreement']:.2%} · perplexity fp32 {ppl_ref:.4f}, gguf {r['perplexity']:.4f} "
