@@ -3,7 +3,8 @@
  *
  * Why: the fp32-activation lanes kernels (qlanes.c) unpack every 4- or 6-bit code to fp32 and spend one
  * FMA a weight: decode ran at ~39% of the bandwidth bound on the 1.5B, prefill bound by fp32 FMAs. Here
- * one vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX2) multiplies 4 codes by 4 activations a lane.
+ * one vpdpbusd (AVX-512 VNNI) or vpmaddubsw + vpmaddwd (AVX-512 BW without VNNI; AVX2) multiplies 4 codes by
+ * 4 activations a lane.
  *
  * The value, per output (m, n) (every step per lane: nothing here depends on the vector width):
  *   activations, per row m and group g of 32 inputs (quant_row; the row alone decides):
@@ -50,7 +51,7 @@ enum { IM_F32 = 0, IM_F16 = 1, IM_K = 2, IM_K6 = 3, IM_F16S = 4, IM_F16I = 5 };
 #define IHAS_BIAS(mode) ((mode) != IM_F16I && (mode) != IM_K6)
 /* activation rows a tile: 8 x (2 sums + a total) vectors beside the codes in AVX-512's 32 registers, 4 in
  * AVX2's 16 (the tile never changes a bit: every output's arithmetic is its own) */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512BW__)
 #define RT 8
 #else
 #define RT 4
@@ -102,9 +103,8 @@ static void quant_row(const float *x, int64_t K, int8_t *q, float *d, int32_t *s
 /* acc[r][sub][j]: for weight row 16b + j and activation row r, the group's sum over its inputs (sub 0:
  * all 32, or with `split` the first 16 and sub 1 the last 16) of (code - base) * q, base 128 for i8x16
  * on the AVX2 path (its signed product, DOT8_BASE) and 0 elsewhere. Exact int32. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512BW__) && VN == 16
 #define IL 16
-#define DOT8_BASE 0
 typedef __m512i vi;
 IINLINE vi vi_ld(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 IINLINE vi vi_bc(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
@@ -113,12 +113,31 @@ IINLINE vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
 IINLINE vi vi_shift(vi a, int n) { return n > 0 ? _mm512_slli_epi32(a, n) : n < 0 ? _mm512_srli_epi32(a, -n) : a; }
 IINLINE vi vi_zero(void) { return _mm512_setzero_si512(); }
 IINLINE void vi_st(int32_t *p, vi a) { _mm512_storeu_si512((void *)p, a); }
+#if defined(__AVX512VNNI__)
+#define DOT8_BASE 0
+#define INT8_PATH "avx512-vnni"
 IINLINE vi dotu(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }    /* 4 u8 x s8 a lane */
 IINLINE vi dot8(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }    /* codes 0..255 */
+#else
+/* AVX-512 without VNNI (Skylake-SP/X): AVX2's pair products at 512 bits; AVX-512 has no vpsignb, so q takes
+ * the sign of c = code - 128 by a masked negation (where c = 0 its |c| = 0 zeroes the product anyway) */
+#define DOT8_BASE 128
+#define INT8_PATH "avx512bw"
+IINLINE vi dotu(vi acc, vi w, vi x) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+IINLINE vi dot8(vi acc, vi w, vi x) {
+    const vi c = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    const vi xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(c), xs),
+                                                   _mm512_set1_epi16(1)));
+}
+#endif
 #define HAVE_VI 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && VN == 8      /* (an AVX2 build without FMA or F16C has VN 4: the scalar path) */
 #define IL 8
 #define DOT8_BASE 128
+#define INT8_PATH "avx2"
 typedef __m256i vi;
 IINLINE vi vi_ld(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 IINLINE vi vi_bc(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
@@ -142,6 +161,7 @@ IINLINE vi dot8(vi acc, vi w, vi x) {
 #else
 #define IL 16
 #define DOT8_BASE 0
+#define INT8_PATH "scalar"
 #define HAVE_VI 0
 #endif
 
@@ -320,7 +340,7 @@ IINLINE void block_rows(int kind, int mode, const IMat *w, int64_t b, int R, con
     const int64_t K = w->K, G = K / 32;
 #if HAVE_VI
 #pragma GCC unroll 2
-    for (int h = 0; h < NI; h++) {          /* IL == VN on both vector paths: vector h is lane vector h */
+    for (int h = 0; h < NI; h++) {          /* IL == VN on every vector path (the #if chain above): vector h is lane vector h */
         vf T[RT];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) T[r] = splatn(0.0f);
@@ -448,7 +468,7 @@ static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w,
 /* ---- the entries (kernels/build.py INT8_VARIANTS; the mm_fn signature of layer.c's table) ---------- */
 
 /* The integer path this build took: part of the kernels' description (the bits do not depend on it). */
-const char *tq_int8_path(void) { return HAVE_VI ? (IL == 16 ? "avx512-vnni" : "avx2") : "scalar"; }
+const char *tq_int8_path(void) { return INT8_PATH; }
 
 /* x (M, K) -> q (M, K) int8, d (M, K/32), s16 (M, K/16): the activations' quantization, for tests. */
 void tq_int8_quant(const float *x, int64_t M, int64_t K, int8_t *q, float *d, int32_t *s16) {
