@@ -8,7 +8,9 @@ model=${1:?MODEL}; out=${2:?OUTDIR}; shift 2
 mkdir -p "$out"
 bin=$(scripts/build-llamacpp | tail -1)
 file=$(.venv/bin/ternlm models 2>/dev/null | sed -n "s/^$model: //p")
-"$bin/llama-server" -m "$file" -t 2 -tb 2 -c 8192 -np 1 --host 127.0.0.1 --port 8091 > "$out/llama-server.log" 2>&1 &
+# shellcheck disable=SC2086
+"$bin/llama-server" -m "$file" -t 2 -tb 2 -c 8192 -np 1 --host 127.0.0.1 --port 8091 ${LLAMA_SERVER_ARGS:-} \
+  > "$out/llama-server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 120); do curl -sf http://127.0.0.1:8091/health > /dev/null && break; sleep 1; done
