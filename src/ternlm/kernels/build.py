@@ -78,7 +78,7 @@ class Kernels:
 
     @property
     def int8_path(self) -> str:
-        """qint8.c's integer path in this build: avx512-vnni | avx2 | scalar (the bits are the same on each)."""
+        """qint8.c's integer path in this build: avx512-vnni | avx512bw | avx2 | scalar (the same bits on each)."""
         return self.lib.tq_int8_path().decode()
 
     @property
