@@ -79,15 +79,18 @@ def ids_of(n: int, seed: int = 1) -> list[int]:
 def _engine(loaded, quantized: "bool | str") -> Engine:
     if quantized == "bf16":
         return Engine(loaded, dtype=torch.bfloat16)
-    if quantized is True:
-        return Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="fp32"), kv_dtype="float32")
+    if quantized is True or quantized == "int8":          # the GGUF's blocks: fp32 or int8 activations
+        act = "int8" if quantized == "int8" else "fp32"
+        e = Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32")
+        assert e.model.activations == act
+        return e
     return Engine(loaded, dtype=torch.float32)
 
 
 def _gguf_engine(name: str, quantized: bool, tmp_path, seed: int):
     hf = hf_model(name, seed=seed)
     path = tmp_path / f"{name}.gguf"
-    keep = quantized is True                       # "q8_0-dense": the same file, dequantized at load
+    keep = quantized is True or quantized == "int8"   # "q8_0-dense": the same file, dequantized at load
     write_gguf(hf, path, MODELS[name][3], quant=QT.Q8_0 if keep or quantized == "q8_0-dense" else None)
     loaded = load_gguf(path, torch.bfloat16 if quantized == "bf16" else torch.float32, keep_quantized=keep, lanes=keep)
     return hf, _engine(loaded, quantized)
@@ -225,7 +228,7 @@ def test_gguf_matches_transformers(name, quantized, tmp_path):
 
 # ---- bits: chunks, batches ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("quantized", [False, True, "bf16"], ids=["f32", "q8_0-native", "bf16"])
+@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16"], ids=["f32", "q8_0-native", "q8_0-int8", "bf16"])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
     """[BATCH-INVARIANT] chunks of 7 (each routing its own rows, experts seeing 1..7 rows), then decode,
@@ -239,7 +242,7 @@ def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
     assert torch.equal(engine.runner.decode(engine.slots[0], ids[-1]), whole[-1])
 
 
-@pytest.mark.parametrize("quantized", [False, True, "bf16"], ids=["f32", "q8_0-native", "bf16"])
+@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16"], ids=["f32", "q8_0-native", "q8_0-int8", "bf16"])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_alone_and_batched_are_bit_exact(name, quantized, tmp_path):
     """A sequence's logits alone == the same sequence in one forward_batch with another sequence's

@@ -14,18 +14,21 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from ternlm.engine import Engine
 from ternlm.kernels.moe_layer import NativeMoELayer
 from ternlm.models import moe
 from ternlm.models.gguf import load_gguf
 from ternlm.models.moe import select_experts
 from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import to_lanes
+from ternlm.weights import choose_weights
+from ternlm.models.qweight import to_int8, to_lanes
 from hf_to_gguf import write_gguf
 from lesser_isa import LESSER, run_built_for
 from test_moe import _engine, hf_logits, hf_model, ids_of
+from test_qint8 import int8_kernels
 from test_qweight import K_LAYOUTS, LAYOUTS, _weights, kernels
 
-_CODES = {"q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7}
+_CODES = {"q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7, "i4x16": 8, "i5x16": 9, "i8x16": 10, "i6x16": 11}
 _MODES = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
 
 
@@ -53,6 +56,34 @@ def test_a_block_range_gives_the_whole_products_bits(layout, out):
             c0, c1 = 16 * b0, min(16 * b1, out)
             assert torch.equal(y[:, c0:c1], full[:, c0:c1]), (m, b0, b1)
             assert y[:, :c0].isnan().all() and y[:, c1:].isnan().all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + K_LAYOUTS, ids=lambda f: f"{f[0]}_{f[1]}")
+@pytest.mark.parametrize("out", [96, 40])
+def test_an_int8_block_range_gives_the_whole_products_bits(layout, out):
+    """tq_int8_prepare + tq_int8_range (the MoE experts' int layouts, each expert's rows quantized once):
+    blocks [b0, b1) on one thread are the same bits as those columns of the whole qint8.c product, and
+    nothing else is written."""
+    w = to_int8(to_lanes(_weights(layout, out, 512)))
+    lin = QLinear([w], None, int8_kernels())
+    lib, blocks = kernels().lib, -(-out // 16)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(out))
+    q, d, s16, ds = (torch.empty(40, 512, dtype=torch.int8), torch.empty(40, 16), torch.empty(40, 32, dtype=torch.int32),
+                     torch.empty(40, 16))
+    lib.tq_int8_prepare(x.data_ptr(), 512, 0, 40, q.data_ptr(), d.data_ptr(), s16.data_ptr(), ds.data_ptr())
+    for m in (1, 3, 13, 40):
+        full = lin(x[:m])
+        for b0, b1 in ((0, blocks), (0, 1), (1, blocks), (blocks - 1, blocks), (1, 2)):
+            y = torch.full((m, out), float("nan"))
+            rc = lib.tq_int8_range(_CODES[w.fmt], _MODES[w.mode], q.data_ptr(), d.data_ptr(), s16.data_ptr(),
+                                   ds.data_ptr(), m, 512, w.codes.data_ptr(), _ptr(w.high), w.scale.data_ptr(),
+                                   _ptr(w.bias), _ptr(w.sup), out, b0, b1, y.data_ptr(), out)
+            assert rc == 0
+            c0, c1 = 16 * b0, min(16 * b1, out)
+            assert torch.equal(y[:, c0:c1], full[:, c0:c1]), (m, b0, b1)
+            assert y[:, :c0].isnan().all() and y[:, c1:].isnan().all()
+    assert lib.tq_int8_range(_CODES["q8x16"], 0, q.data_ptr(), d.data_ptr(), s16.data_ptr(), ds.data_ptr(), 1, 512,
+                             w.codes.data_ptr(), 0, w.scale.data_ptr(), 0, 0, out, 0, 1, y.data_ptr(), out) == -2
 
 
 def _route(h: torch.Tensor, router: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,6 +183,45 @@ def test_threads_do_not_change_the_bits(q8_moe):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def test_int8_experts_are_fused_thread_invariant_and_the_model(q8_moe):
+    """--activations int8 on a resident MoE: the experts' int layouts run in layer.c (each expert's rows
+    quantized once); 1, 2 or 3 threads give the same bits; the model is still the model (top-1 agreement
+    with transformers on >= 90% of the positions, as the dense int8 test asks)."""
+    hf, path = q8_moe
+    engine = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), "int8")
+    assert all(isinstance(n, NativeMoELayer) for n in engine.model.native)
+    ex = engine.model.experts.get(0, 0)
+    assert ex.gate_up.parts[0].int8 and ex.down.parts[0].int8
+    ids = ids_of(60, seed=4)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(engine.logits(ids))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    same = int((outs[0].argmax(-1) == hf_logits(hf, ids).argmax(-1)).sum())
+    print(f"int8 MoE: top-1 agreement with transformers {same}/{len(ids)}")
+    assert same >= 0.9 * len(ids)
+
+
+def test_streamed_experts_keep_fp32_activations_and_say_so(q8_moe):
+    """Experts streamed from the file are converted to lanes layouts as read (no int layout there yet): asked
+    for int8, such a model runs fp32 activations, reports it (activations_note, the KV namespace's
+    activations=fp32) and gives the fp32 engine's bits."""
+    _, path = q8_moe
+    loaded = load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=0)
+    engine = _engine(loaded, True)
+    asked = Engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=0), dtype="float32",
+                   weights=choose_weights("gguf", "auto", True, activations="int8"), kv_dtype="float32")
+    assert asked.model.activations == "fp32" and "streamed experts" in asked.model.activations_note
+    assert "activations=fp32" in asked.kernel_fingerprint
+    ids = ids_of(30, seed=8)
+    assert torch.equal(asked.logits(ids), engine.logits(ids))
+
+
 _ISA_SCRIPT = textwrap.dedent("""
     import torch
     from gguf import GGMLQuantizationType as QT
@@ -163,15 +233,18 @@ _ISA_SCRIPT = textwrap.dedent("""
         path = os.path.join(tempfile.mkdtemp(), "m.gguf")
         hf = hf_model(name, seed=5)
         write_gguf(hf, path, arch, quant=QT.Q8_0)
-        e = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), True)
-        assert e.model.native is not None
-        ids = ids_of(50, seed=2)
-        whole = e.logits(ids)
-        ref = hf_logits(hf, ids)
-        assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
-        e.runner.chunk_size = 7
-        last = e.runner.prefill(e.slots[0], ids[:-1])
-        assert torch.equal(last, whole[-2]) and torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
+        ref = None
+        for act in (True, "int8"):                 # fp32 activations (qlanes.c), int8 (qint8.c's path here)
+            e = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), act)
+            assert e.model.native is not None
+            ids = ids_of(50, seed=2)
+            whole = e.logits(ids)
+            if ref is None:
+                ref = hf_logits(hf, ids)
+                assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
+            e.runner.chunk_size = 7
+            last = e.runner.prefill(e.slots[0], ids[:-1])
+            assert torch.equal(last, whole[-2]) and torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
     print(e.model.kernels.isa, "ok")
 """)
 
@@ -179,6 +252,6 @@ _ISA_SCRIPT = textwrap.dedent("""
 @LESSER
 def test_lesser_isa_builds(march, isa, tmp_path):
     """The fused MoE layers (Mixtral; olmoe's whole-projection q/k norms; qwen2moe's shared expert) as an
-    AVX2-only (or baseline x86-64) CPU builds them: agree with transformers, chunked prefill and decode give
-    one pass's bits."""
+    AVX2-only (or baseline x86-64) CPU builds them, with fp32 and with int8 activations: agree with
+    transformers (fp32), chunked prefill and decode give one pass's bits (both)."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

@@ -189,6 +189,9 @@ class Engine:
                 loaded = load_hf_folder(r.path, tdtype)
             engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
             engine.expert_plan = plans[0] if plans else None
+        note = getattr(engine.model, "activations_note", "")
+        if note:                                 # the model runs other activations than the line above said
+            log.info("activations: %s", note)
         if engine.expert_plan is not None and engine.expert_plan.budget is not None:
             streamed_blocks_return()             # after loading(): it sets the serving thresholds
         log.info("loaded %s (%s, %s) in %.2f s", model, engine.config.arch, choice.dtype, time.perf_counter() - t0)

@@ -240,6 +240,10 @@ def load() -> Kernels | Unavailable:
     lib.tq_int8_path.restype = ctypes.c_char_p
     lib.tq_int8_quant.argtypes = [p, i, i, p, p, p]
     lib.tq_int8_quant.restype = None
+    lib.tq_int8_prepare.argtypes = [p, i, i, i, p, p, p, p]
+    lib.tq_int8_prepare.restype = None
+    lib.tq_int8_range.argtypes = [i, i, p, p, p, p, i, i, p, p, p, p, p, i, i, i, p, i]
+    lib.tq_int8_range.restype = ctypes.c_int
     lib.tq_amx_init.restype = ctypes.c_int
     # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
     # every quantized product takes qamx.c (isa "amx", other bits than "avx512": the isa is in the cache

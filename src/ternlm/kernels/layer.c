@@ -38,6 +38,12 @@ MM_DECL(tq_i8x16_f32_mm) MM_DECL(tq_i8x16_f16_mm) MM_DECL(tq_i8x16_f16s_mm) MM_D
 int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                    const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
                    int64_t b0, int64_t b1, float *y, int64_t ldy);
+void tq_int8_prepare(const float *x, int64_t K, int64_t m0, int64_t m1, int8_t *q, float *d, int32_t *s16,
+                     float *ds);
+int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d, const int32_t *s16,
+                  const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
+                  const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
+                  float *y, int64_t ldy);
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
@@ -359,17 +365,55 @@ typedef struct {
     TqProj gate_up, down;       /* (2 I, hid) gate rows first; (hid, I); no bias */
 } TqExpert;
 
-/* A product's share: blocks [b0, b1) of one part, for the rows x (M, K) -> y (stride ldy). */
+/* The rows' int8 activations (qint8.c's tq_int8_prepare) for the int layouts, or all NULL (lanes only):
+ * q (R, K), d and ds (R, K/32), s16 (R, K/16). */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *s16;
+} QRows;
+
+/* A product's share: blocks [b0, b1) of one part, for the rows x (M, K) (and their int8 activations xq at
+ * the same rows) -> y (stride ldy). */
 typedef struct {
     const TqPart *part;
     const float *x;
+    QRows xq;
     float *y;
     int64_t M, K, ldy, b0, b1;
 } Share;
 
+/* R rows of K activations' int8 form, or all NULL when none of the experts' parts is an int layout (or on a
+ * failed allocation: *err then). */
+static QRows qrows_alloc(int any_int, int64_t R, int64_t K, int *err) {
+    QRows r = {NULL, NULL, NULL, NULL};
+    if (!any_int) return r;
+    r.q = malloc((size_t)(R * K));
+    r.d = malloc((size_t)(R * K / 32) * sizeof(float));
+    r.ds = malloc((size_t)(R * K / 32) * sizeof(float));
+    r.s16 = malloc((size_t)(R * K / 16) * sizeof(int32_t));
+    if (!r.q || !r.d || !r.ds || !r.s16) *err = -1;
+    return r;
+}
+
+static void qrows_free(QRows *r) { free(r->q); free(r->d); free(r->ds); free(r->s16); }
+
+/* x (R, K) -> r's rows (every row its own quantization: the split across threads changes nothing). */
+static void qrows_fill(const QRows *r, const float *x, int64_t R, int64_t K, int par, int nthreads) {
+    if (!r->q) return;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
+    for (int64_t m = 0; m < R; m++) tq_int8_prepare(x, K, m, m + 1, r->q, r->d, r->s16, r->ds);
+}
+
+/* r's rows from `start` on (an expert's first gathered row). */
+static QRows qrows_at(const QRows *r, int64_t start, int64_t K) {
+    if (!r->q) return *r;
+    return (QRows){r->q + start * K, r->d + start * K / 32, r->ds + start * K / 32, r->s16 + start * K / 16};
+}
+
 /* Every projection `which` (0 gate_up, 1 down) of the n experts cut into shares, about 4 a thread. */
 static int64_t shares(const TqExpert *const *ex, int64_t n, const int64_t *start, const int64_t *count, int which,
-                      const float *x, int64_t K, float *y, int64_t ldy, int nthreads, Share *out) {
+                      const float *x, const QRows *xq, int64_t K, float *y, int64_t ldy, int nthreads, Share *out) {
     int64_t parts = 0, t = 0;
     for (int64_t i = 0; i < n; i++) if (count[i]) parts += which ? ex[i]->down.nparts : ex[i]->gate_up.nparts;
     const int64_t want = 4 * (int64_t)nthreads, cut = parts ? (want + parts - 1) / parts : 1;
@@ -381,8 +425,8 @@ static int64_t shares(const TqExpert *const *ex, int64_t n, const int64_t *start
             const TqPart *pt = &p->parts[q];
             const int64_t nb = (pt->n + 15) / 16, c = cut < nb ? cut : nb;
             for (int64_t s = 0; s < c; s++)
-                out[t++] = (Share){pt, x + start[i] * K, y + start[i] * ldy + off, count[i], K, ldy,
-                                   nb * s / c, nb * (s + 1) / c};
+                out[t++] = (Share){pt, x + start[i] * K, qrows_at(xq, start[i], K), y + start[i] * ldy + off,
+                                   count[i], K, ldy, nb * s / c, nb * (s + 1) / c};
             off += pt->n;
         }
     }
@@ -394,8 +438,14 @@ static int run_shares(const Share *sh, int64_t n, int nthreads) {
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const TqPart *p = sh[i].part;
-        if (tq_lanes_range(p->layout, p->mode, sh[i].x, sh[i].M, sh[i].K, p->codes, p->high, p->scale, p->bias,
-                           p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy) != 0) {
+        const QRows *q = &sh[i].xq;
+        const int rc = p->layout >= 8
+            ? (q->q ? tq_int8_range(p->layout, p->mode, q->q, q->d, q->s16, q->ds, sh[i].M, sh[i].K, p->codes,
+                                    p->high, p->scale, p->bias, p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy)
+                    : -1)
+            : tq_lanes_range(p->layout, p->mode, sh[i].x, sh[i].M, sh[i].K, p->codes, p->high, p->scale, p->bias,
+                             p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy);
+        if (rc != 0) {
             #pragma omp atomic write
             err = -1;
         }
@@ -422,7 +472,14 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
     int64_t *pos = malloc((size_t)(M * k) * sizeof *pos), *at = malloc((size_t)n * sizeof *at);
     Share *sh = NULL;
     float *xg;
-    int rc = -1;
+    int rc = -1, any_int = 0;
+    QRows qx = {NULL, NULL, NULL, NULL}, qa = qx;      /* the gathered rows' and SiLU * up's int8 form */
+    for (int64_t i = 0; i < n; i++)
+        for (int w = 0; w < 2; w++) {
+            const TqProj *p = w ? &ex[i]->down : &ex[i]->gate_up;
+            for (int64_t q = 0; q < p->nparts; q++) any_int |= p->parts[q].layout >= 8;
+        }
+    if (any_int && (hid % 32 || I % 32)) goto out;
     if (!count || !start || !pos || !at) goto out;
     for (int64_t r = 0; r < M * k; r++) {                  /* rows per expert: ids ascending, a binary search */
         int64_t lo = 0, hi = n - 1, e = route[r];
@@ -443,12 +500,15 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
     for (int64_t i = 0; i < n; i++) maxparts += ex[i]->gate_up.nparts + ex[i]->down.nparts;
     sh = malloc((size_t)(maxparts * (4 * (int64_t)nthreads + 1)) * sizeof *sh);
     xg = scratch;
-    if (!sh || scratch_floats < R * (2 * hid + 3 * I)) { rc = -1; goto out; }
+    qx = qrows_alloc(any_int, R, hid, &rc);
+    qa = qrows_alloc(any_int, R, I, &rc);
+    if (rc || !sh || scratch_floats < R * (2 * hid + 3 * I)) { rc = -1; goto out; }   /* rc: an allocation */
     float *gu = xg + R * hid, *a = gu + R * 2 * I, *y = a + R * I;
     const int par = R >= 64;         /* row loops: a parallel region costs more than a decode step's few rows */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < R; r++) memcpy(xg + r * hid, h + (pos[r] / k) * hid, (size_t)hid * sizeof(float));
-    rc = run_shares(sh, shares(ex, n, start, count, 0, xg, hid, gu, 2 * I, nthreads, sh), nthreads);
+    qrows_fill(&qx, xg, R, hid, par, nthreads);      /* once for every expert's gate|up (the int layouts') */
+    rc = run_shares(sh, shares(ex, n, start, count, 0, xg, &qx, hid, gu, 2 * I, nthreads, sh), nthreads);
     if (rc) goto out;
     const int gelu = act == ACT_GELU_TANH;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
@@ -457,7 +517,8 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
             vf g = loadn(gu + r * 2 * I + c), u = loadn(gu + r * 2 * I + I + c);
             storen(a + r * I + c, gelu ? gelu_tanh_muln(g, u) : silu_muln(g, u));
         }
-    rc = run_shares(sh, shares(ex, n, start, count, 1, a, I, y, hid, nthreads, sh), nthreads);
+    qrows_fill(&qa, a, R, I, par, nthreads);
+    rc = run_shares(sh, shares(ex, n, start, count, 1, a, &qa, I, y, hid, nthreads, sh), nthreads);
     if (rc) goto out;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (par)
     for (int64_t r = 0; r < R; r++) {
@@ -467,6 +528,7 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
     }
 out:
     free(count); free(start); free(pos); free(at); free(sh);
+    qrows_free(&qx); qrows_free(&qa);
     return rc;
 }
 

@@ -1,5 +1,6 @@
-"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral, olmoe, qwen2moe: fp32 activations, every
-projection and expert quantized in a lanes layout).
+"""A mixture-of-experts decoder layer run by kernels/layer.c (qwen3moe, Mixtral, olmoe, qwen2moe: every projection
+and expert quantized, in a lanes layout (fp32 activations) or an int layout (int8 activations, qint8.c: each
+expert's gathered rows quantized once, its shares then integer products)).
 
 Why: a MoE layer in torch is ~30 kernel calls and ~100 small torch ops a decoded token (router, norms,
 RoPE, each expert's gate, up, down: each its own OpenMP region), while a dense layer is one layer.c call;

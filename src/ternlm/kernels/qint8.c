@@ -431,6 +431,23 @@ static void blocks(int kind, int mode, const IMat *w, int64_t N, int64_t M, cons
     abort();            /* the entries below make no other pair */
 }
 
+/* Row m of x (K) -> its quantized activations in act's row m: q, d, s16 (quant_row) and ds[g] = d[g] *
+ * (s16[2g] + s16[2g + 1]) (a bias mode's second term, computed once a row, not once a weight row). */
+static void prepare_row(const float *x, int64_t K, int64_t m, int8_t *q, float *d, int32_t *s16, float *ds) {
+    const int64_t G = K / 32;
+    quant_row(x + m * K, K, q + m * K, d + m * G, s16 + m * 2 * G);
+    for (int64_t g = 0; g < G; g++)
+        ds[m * G + g] = d[m * G + g] * (float)(s16[m * 2 * G + 2 * g] + s16[m * 2 * G + 2 * g + 1]);
+}
+
+/* The mode an "f16s" matrix takes: its bias exactly the layout's own offset -> IM_F16I (the offset is
+ * subtracted in the integer sum), else IM_F16S. Other modes: themselves. */
+static int resolve_mode(int kind, int mode, const void *bias) {
+    if (mode != IM_F16S) return mode;
+    const float off = kind == I8 ? 128.0f : kind == I5 ? 16.0f : 8.0f;
+    return ((const float *)bias)[0] == -off ? IM_F16I : IM_F16S;
+}
+
 /* x: (M, K) fp32 contiguous, K a multiple of 32; y: rows of stride ldy; w: a layout above, N real rows.
  * Side effects: writes y[:, :N] only; allocates and frees its scratch (the quantized rows: ~1.3 K bytes a
  * row). Threads quantize rows, then take chunks of blocks as they come free (which thread does a block
@@ -448,11 +465,7 @@ static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w,
 #pragma omp parallel num_threads(nthreads) if (M * K * N > (1 << 18))
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            quant_row(x + m * K, K, xq + m * K, dx + m * G, s16 + m * 2 * G);
-            for (int64_t g = 0; g < G; g++)
-                ds[m * G + g] = dx[m * G + g] * (float)(s16[m * 2 * G + 2 * g] + s16[m * 2 * G + 2 * g + 1]);
-        }
+        for (int64_t m = 0; m < M; m++) prepare_row(x, K, m, xq, dx, s16, ds);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < (nb + per - 1) / per; c++) {
             const int64_t b0 = c * per, b1 = b0 + per < nb ? b0 + per : nb;
@@ -475,6 +488,33 @@ void tq_int8_quant(const float *x, int64_t M, int64_t K, int8_t *q, float *d, in
     for (int64_t m = 0; m < M; m++) quant_row(x + m * K, K, q + m * K, d + m * (K / 32), s16 + m * (K / 16));
 }
 
+/* x (M, K) -> the rows' quantized activations for tq_int8_range: q (M, K) int8, d (M, K/32), s16 (M, K/16),
+ * ds (M, K/32); rows [m0, m1) only (the caller's threads split the rows). Side effects: those rows. */
+void tq_int8_prepare(const float *x, int64_t K, int64_t m0, int64_t m1, int8_t *q, float *d, int32_t *s16,
+                     float *ds) {
+    for (int64_t m = m0; m < m1; m++) prepare_row(x, K, m, q, d, s16, ds);
+}
+
+/* One thread's share of an int-layout product on prepared activations (tq_int8_prepare): blocks [b0, b1)
+ * of 16 weight rows for all M rows -> y (stride ldy). layout: layer.c's codes 8 i4x16, 9 i5x16, 10 i8x16,
+ * 11 i6x16; mode: 0 f32, 1 f16, 2 k, 3 k6, 4 f16s. The same bits as the tq_i*_mm entries (the arithmetic of
+ * an output never depends on which blocks a call takes). 0, or -2 on a layout / mode / range it does not
+ * take. Side effects: y's rows at those blocks' columns. */
+int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d, const int32_t *s16,
+                  const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
+                  const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
+                  float *y, int64_t ldy) {
+    static const int KIND[4] = {I4, I5, I8, I6};
+    if (layout < 8 || layout > 11 || mode < 0 || mode > 4 || (layout == 11) != (mode == 3)
+        || (layout == 10 && mode == 2) || K % 32 || b0 < 0 || b1 > (N + IBLK - 1) / IBLK)
+        return -2;
+    const int kind = KIND[layout - 8];
+    const IMat w = {codes, high, scale, bias, sup, K};
+    const IAct act = {q, d, s16, ds};
+    if (M > 0 && b1 > b0) blocks(kind, resolve_mode(kind, (int)mode, bias), &w, N, M, &act, b0, b1, y, ldy);
+    return 0;
+}
+
 #define INT_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define INT_MAT {codes, high, scale, bias, sup, K}
@@ -482,9 +522,7 @@ void tq_int8_quant(const float *x, int64_t M, int64_t K, int8_t *q, float *d, in
     const IMat w = INT_MAT; int_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
 /* f16s: the layout's own offset (Q4_0 / Q5_0 / Q8_0) is subtracted in the integer sum */
 #define INT_EXPORT_F16S(NAME, KIND) void NAME(INT_ARGS) { \
-    const IMat w = INT_MAT; \
-    const float off = (KIND) == I8 ? 128.0f : (KIND) == I5 ? 16.0f : 8.0f; \
-    int_mm(KIND, ((const float *)bias)[0] == -off ? IM_F16I : IM_F16S, x, M, &w, N, y, ldy, nthreads); }
+    const IMat w = INT_MAT; int_mm(KIND, resolve_mode(KIND, IM_F16S, bias), x, M, &w, N, y, ldy, nthreads); }
 
 INT_EXPORT(tq_i4x16_f32_mm, I4, IM_F32)
 INT_EXPORT(tq_i4x16_f16_mm, I4, IM_F16)

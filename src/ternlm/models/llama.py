@@ -327,10 +327,13 @@ class Transformer(nn.Module):
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         quantized = kernels is not None and keep_quantized
         # [INT8] --activations int8: every quantized projection multiplies int8 activations (kernels/qint8.c)
-        # in an int layout. Mixtures of experts keep fp32 activations: layer.c's expert ranges take lanes
-        # layouts only (issue 46 leaves the MoE path for later).
-        int8 = quantized and kernels.int8 and not cfg.num_experts
+        # in an int layout, resident experts included (layer.c's expert shares take either kind). Experts
+        # streamed from the file keep fp32 activations, and so does the rest of that model (one setting a
+        # model): the store converts what it reads to lanes layouts only (issue 49 takes the int layouts).
+        int8 = quantized and kernels.int8 and not (cfg.num_experts and experts is not None)
         self.activations = "int8" if int8 else "fp32"
+        self.activations_note = ("streamed experts: fp32 activations (the store reads lanes layouts)"
+                                 if quantized and kernels.int8 and not int8 else "")
 
         def w(name: str) -> "torch.Tensor | QWeight":
             if name not in weights:
