@@ -48,6 +48,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from ternlm.bench.peers import SERVER_MODULE, llamacpp_server_argv, peers_python  # noqa: E402
+from ternlm.sizes import parse_size  # noqa: E402
+
 MEMCG = Path("/sys/fs/cgroup/memory")
 GiB = 1 << 30
 
@@ -225,11 +230,10 @@ PORTS = {"reuse": 0, "no-reuse": 1, "llama.cpp": 2, "llama.cpp-repack": 3}
 
 def command(kind: str, model: Path, port: int, args) -> list[str]:
     if kind in LLAMA:
-        how = ["-c", NO_REPACK] if kind == "llama.cpp" else ["-m", "llama_cpp.server"]
-        return [str(ROOT / ".venv-peers/bin/python"), *how, "--model", str(model),
-                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", str(args.ctx),
-                "--use_mlock", "False",   # llama-server's default; the Python server's default mlock pins the mapping
-                "--host", "127.0.0.1", "--port", str(port), *args.llama_args]
+        # --use_mlock False: llama-server's default; the Python server's default mlock pins the mapping
+        return llamacpp_server_argv(str(peers_python(ROOT)), model, args.threads, args.ctx, port,
+                                    ["--use_mlock", "False", *args.llama_args],
+                                    run=("-c", NO_REPACK) if kind == "llama.cpp" else SERVER_MODULE)
     cmd = [str(ROOT / ".venv/bin/ternlm"), "serve", "-m", str(model), "--port", str(port), "--threads",
            str(args.threads), "--ctx", str(args.ctx), "--slots", "1", "--expert-cache", args.expert_cache,
            "--chunk", str(args.chunk), "--cache-ram", "0", "--cache-disk", "0"]
@@ -379,8 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-only", action="store_true", help="start, record the load (and the expert plan), stop")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/moe-capped")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
-    from ternlm.sizes import parse_size
     args.cap = parse_size(args.cap)
     args.env = [tuple(kv.split("=", 1)) for kv in args.env]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))    # `finally` stops the server, removes the cgroup

@@ -33,7 +33,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from llamacpp_peer import ROOT, LlamaCpp, Renderer, Ternlm, command_line, md_table  # noqa: E402
+from replay_common import ROOT, LlamaCpp, Renderer, Ternlm, command_line, md_table  # noqa: E402
 
 REUSE, NO_REUSE, LLAMA = "ternlm-reuse", "ternlm-no-reuse", "llama.cpp"
 TEMPLATE = ROOT / "tests" / "data" / "thinking.jinja"

@@ -1,5 +1,6 @@
 """Replay glue shared by benchmarks/reasoning_replay.py and benchmarks/swa_replay.py: llama-cpp-python's
-OpenAI server as the llama.cpp peer, one streaming client for both engines, and the prompt arithmetic.
+OpenAI server as the llama.cpp peer (started by ternlm.bench.peers, the project's one llama.cpp launcher),
+one streaming client for both engines, and the prompt arithmetic.
 
 There is no `llama-server` binary here: the peer is llama-cpp-python 0.3.36's server (`make bench-peers`,
 `.venv-peers/bin/python -m llama_cpp.server`). It cannot take a jinja chat template, so the replays render
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from server_proc import ServerProc  # noqa: E402
-from ternlm.procs import die_with_parent  # noqa: E402
+from ternlm.bench.peers import LlamaCppServer, llamacpp_server_argv, peers_python  # noqa: E402
 
-PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 MODELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ternlm" / "models"
 
@@ -155,65 +154,28 @@ class Ternlm:
 
 # ---- llama.cpp (llama-cpp-python's server) ----------------------------------------------------
 
-class LlamaCpp:
-    """llama-cpp-python's OpenAI server on `port`, one context (its server has one), output to a log file.
-    A context manager: the process is terminated (killed after 30 s) on the way out, pass or fail, and
-    dies with this process (PR_SET_PDEATHSIG)."""
+class LlamaCpp(LlamaCppServer):
+    """llama-cpp-python's OpenAI server on `port`, one context (its server has one), output to a temporary log
+    file that its client methods read. A context manager (peers.LlamaCppServer): the process is stopped on the
+    way out, pass or fail, and dies with this process; the log file is removed after."""
 
     label = "llama.cpp"
 
     def __init__(self, model_path: Path, port: int, n_ctx: int, threads: int = 2, logits_all: bool = False):
-        if not PEER_PYTHON.exists():
-            raise SystemExit(f"{PEER_PYTHON} missing: run `make bench-peers` first")
-        self.base = f"http://127.0.0.1:{port}"
-        self.cmd = [str(PEER_PYTHON), "-m", "llama_cpp.server", "--model", str(model_path),
-                    "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-                    "--host", "127.0.0.1", "--port", str(port),
-                    # [LOGITS-ALL] its server defaults to logits_all=True: the full-vocabulary logits of EVERY
-                    # prompt position are computed and copied into an (n_ctx, vocab) numpy array (gemma3: 1 MiB
-                    # a token; RSS grew to 6.9 GiB at 5k tokens and prefill pays the 262k-row output matmul per
-                    # token). llama-server computes only the last; so do we, unless asked.
-                    "--logits_all", str(logits_all)]
-        self.log_path = Path(tempfile.mkstemp(prefix="llamacpp-peer-", suffix=".log")[1])
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "LlamaCpp":
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **ENV),
-                                         preexec_fn=die_with_parent)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"llama_cpp.server not ready after {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+        python = peers_python(ROOT)
+        if not python.exists():
+            raise SystemExit(f"{python} missing: run `make bench-peers` first")
+        # [LOGITS-ALL] its server defaults to logits_all=True: the full-vocabulary logits of EVERY prompt
+        # position are computed and copied into an (n_ctx, vocab) numpy array (gemma3: 1 MiB a token; RSS grew
+        # to 6.9 GiB at 5k tokens and prefill pays the 262k-row output matmul per token). llama-server
+        # computes only the last; so do we, unless asked.
+        argv = llamacpp_server_argv(str(python), model_path, threads, n_ctx, port, ["--logits_all", str(logits_all)])
+        log = Path(tempfile.mkstemp(prefix="llamacpp-peer-", suffix=".log")[1])
+        super().__init__(argv, port, log, env=dict(os.environ, PYTHONUNBUFFERED="1", **ENV))
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__exit__(*exc)
         self.log_path.unlink(missing_ok=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def tokenize(self, text: str) -> list[int]:
         """The ids its /v1/completions makes of `text` (BOS added when the file says so, specials parsed)."""

@@ -16,7 +16,7 @@ Contenders, interleaved turn by turn (the order rotates each turn), each with it
 the reuse server's, token ids turn by turn: a mismatch is printed and exits 1), and llama-cpp-python's
 server (one context, same file). Prompts are rendered here with ternlm's renderer and the built-in
 Gemma template (the file has none) and sent as token ids to ternlm's /v1/completions and as text to
-llama.cpp's (benchmarks/llamacpp_peer.py says why and how its processed tokens are read).
+llama.cpp's (benchmarks/replay_common.py says why and how its processed tokens are read).
 
 Per turn and contender: prompt tokens, tokens processed, client TTFT (streamed, first text chunk).
 ternlm's reuse is checked exactly every turn: the record (previous prompt ids + returned ids, cut to
@@ -35,7 +35,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llamacpp_peer import (Answer, LlamaCpp, Renderer, Ternlm, command_line, expected_reuse, lcp,  # noqa: E402
+from replay_common import (Answer, LlamaCpp, Renderer, Ternlm, command_line, expected_reuse, lcp,  # noqa: E402
                            md_table)
 
 REUSE, NO_REUSE, LLAMA = "ternlm-reuse", "ternlm-no-reuse", "llama.cpp"
@@ -209,7 +209,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8100, help="llama.cpp's port")
     ap.add_argument("--llama-threads", type=int, default=2)
     ap.add_argument("--llama-logits-all", action="store_true",
-                    help="llama-cpp-python server's own default (all positions' logits): see llamacpp_peer.py")
+                    help="llama-cpp-python server's own default (all positions' logits): see replay_common.py")
     ap.add_argument("--contenders", default=f"{REUSE},{NO_REUSE},{LLAMA}")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/swa-replay"))
     ap.add_argument("--report-partial", action="store_true",

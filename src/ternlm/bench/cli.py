@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-PEERS_PYTHON = ".venv-peers/bin/python"
+from .peers import PEERS_PYTHON
 
 
 def add_bench_parser(sub, engine_args, load_engine) -> None:

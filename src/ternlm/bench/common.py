@@ -1,20 +1,17 @@
 """Pieces every benchmark shares: statistics, a synthetic conversation, the model under test (a registry
-name or any local path), the resident set around a load, the llama.cpp worker, output."""
+name or any local path), the resident set around a load, output."""
 from __future__ import annotations
 
 import gc
 import json
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
-
-from ..procs import die_with_parent
 
 T = TypeVar("T")
 
@@ -174,35 +171,6 @@ def kv_budget_bytes(engine) -> int:
     """Every slot's KV at the engine's full context (slots grow on demand: this is the allowance)."""
     s = engine.slots[0].shape
     return 2 * s.layers * s.kv_heads * s.head_dim * s.max_capacity * s.dtype.itemsize * len(engine.slots)
-
-
-class LlamaCppWorker:
-    """llama-cpp-python in its own venv and process (it must not share our interpreter), driven over
-    JSON lines. See benchmarks/llamacpp_worker.py for the commands."""
-
-    def __init__(self, python: str, model_path: Path, threads: int, n_ctx: int):
-        worker = Path(__file__).resolve().parents[3] / "benchmarks" / "llamacpp_worker.py"
-        self.proc = subprocess.Popen([python, str(worker), str(model_path), str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=die_with_parent)
-        self.call({"op": "ping"})
-
-    def status(self) -> dict[str, int]:
-        """The worker process's /proc status (KiB): its RSS holds llama.cpp's model and Python."""
-        return proc_status(self.proc.pid)
-
-    def call(self, req: dict) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("llama.cpp worker died")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=30)
 
 
 def write_json(out_dir: Path, name: str, data: dict) -> Path:

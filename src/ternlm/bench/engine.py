@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .common import (BenchModel, LlamaCppWorker, LoadMemory, bench_model, command_line, kv_budget_bytes,
-                     measure_load, median, proc_status, synthetic_text, write_json)
+from .common import (BenchModel, LoadMemory, bench_model, command_line, kv_budget_bytes, measure_load, median,
+                     proc_status, synthetic_text, write_json)
+from .peers import LlamaCppWorker
 
 _MIB = 1 << 20
 

@@ -7,7 +7,7 @@ summary.json copies its figures from the JSON the benchmark wrote, nothing is me
 plots the benchmarks make (multi-turn TTFT by turn, streams) stay beside their JSON and are linked.
 
 Peers are optional: transformers (this venv) and llama.cpp (llama-cpp-python in .venv-peers, `make
-bench-peers`) are found first (bench/peers.py); a missing one is a line in its table, not a failure.
+bench-peers`) are found and started by bench/peers.py; a missing one is a line in its table, not a failure.
 The multi-turn replay gets llama-cpp-python's server on the same GGUF as a --url contender; the streams
 benchmark gets `llama-server` only when given (--llama-server BIN): llama-cpp-python's server serves one
 request at a time, which is no batching peer. A benchmark that fails is recorded with its exit status

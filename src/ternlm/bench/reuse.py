@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .common import LlamaCppWorker, bench_model, command_line, long_chat, median, synthetic_text, write_json
+from .common import bench_model, command_line, long_chat, median, synthetic_text, write_json
+from .peers import LlamaCppWorker
 
 
 def _turns(engine, history_tokens: int, seed: int) -> tuple[list[int], list[int]]:

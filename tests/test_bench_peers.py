@@ -1,0 +1,124 @@
+"""ternlm.bench.peers is the one llama.cpp launcher: the CLI benchmarks and the scripts under benchmarks/
+find the same peers interpreter for a checkout laid out in tmp_path, build their server command lines
+with it, and start and stop servers and the worker through it. No llama.cpp needed: the peers venv's
+python is a stand-in script that serves /v1/models or answers the worker's JSON lines."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ternlm.bench import peers
+from ternlm.bench.cli import add_bench_parser
+from ternlm.engine_args import engine_args, load_engine
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+# Serves GET /v1/models on the port after --port, prints one line, exits on SIGTERM.
+SERVER = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+print("stand-in llama.cpp server on", port, flush=True)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+# Answers every JSON line with the arguments it was started with.
+WORKER = """
+import json, sys
+for line in sys.stdin:
+    print(json.dumps({"argv": sys.argv[1:]}), flush=True)
+"""
+
+
+def _script(name: str):
+    """A benchmarks/ script imported as a module once (its own sys.path set-up runs)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)      # its dataclasses look themselves up
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def _peers_venv(root: Path, code: str) -> Path:
+    """root/.venv-peers/bin/python: a stand-in that runs `code` under this interpreter with its arguments."""
+    py = root / ".venv-peers" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    (root / "stand_in.py").write_text(code)
+    py.write_text(f"#!/bin/sh\nexec {sys.executable} {root / 'stand_in.py'} \"$@\"\n")
+    py.chmod(0o755)
+    return py
+
+
+def test_the_cli_and_the_scripts_build_the_same_server_command(tmp_path, monkeypatch):
+    py = _peers_venv(tmp_path, SERVER)
+    gguf = tmp_path / "m.gguf"
+    ap = argparse.ArgumentParser()
+    add_bench_parser(ap.add_subparsers(dest="cmd"), engine_args, load_engine)
+    monkeypatch.chdir(tmp_path)                         # the CLI's default is relative to the checkout
+    for argv in (["bench", "report"], ["bench", "engine"], ["bench", "reuse"]):
+        assert Path(ap.parse_args(argv).llamacpp_python).resolve() == py == peers.peers_python(tmp_path)
+
+    base = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", "2", "--n_threads_batch", "2",
+            "--n_ctx", "8192", "--host", "127.0.0.1", "--port", "8100"]
+    assert peers.llamacpp_server_argv(str(py), gguf, 2, 8192, 8100) == base          # bench report's multiturn
+
+    replay = _script("replay_common")
+    monkeypatch.setattr(replay, "ROOT", tmp_path)
+    assert replay.LlamaCpp(gguf, 8100, 8192).argv == base + ["--logits_all", "False"]
+
+    moe = _script("moe_capped")
+    monkeypatch.setattr(moe, "ROOT", tmp_path)
+    args = argparse.Namespace(threads=2, ctx=8192, llama_args=["--n_batch", "128"])
+    assert moe.command("llama.cpp-repack", gguf, 8100, args) == base + ["--use_mlock", "False", "--n_batch", "128"]
+    patched = moe.command("llama.cpp", gguf, 8100, args)
+    assert patched[:3] == [str(py), "-c", moe.NO_REPACK] and patched[3:] == (base + ["--use_mlock", "False",
+                                                                                     "--n_batch", "128"])[3:]
+
+
+def test_server_starts_answers_and_stops(tmp_path, monkeypatch):
+    py = _peers_venv(tmp_path, SERVER)
+    port = peers.free_port()
+    argv = peers.llamacpp_server_argv(str(py), tmp_path / "m.gguf", 1, 512, port)
+    with peers.LlamaCppServer(argv, port, tmp_path / "logs" / "s.log") as s:
+        with urllib.request.urlopen(f"{s.url}/models", timeout=5) as r:
+            assert r.status == 200
+        assert f"stand-in llama.cpp server on {port}" in s.log()
+    assert s.proc.poll() is not None
+
+    replay = _script("replay_common")
+    monkeypatch.setattr(replay, "ROOT", tmp_path)
+    with replay.LlamaCpp(tmp_path / "m.gguf", peers.free_port(), 512) as s:
+        log = s.log_path
+        assert log.exists() and s.base == f"http://127.0.0.1:{s.port}"
+    assert s.proc.poll() is not None and not log.exists()       # the replay's temporary log goes with it
+
+
+def test_a_server_that_exits_is_an_error_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no such model"):
+        with peers.LlamaCppServer(argv, peers.free_port(), tmp_path / "s.log"):
+            pass
+
+
+def test_worker_runs_the_packaged_worker_script(tmp_path):
+    py = _peers_venv(tmp_path, WORKER)
+    w = peers.LlamaCppWorker(str(py), tmp_path / "m.gguf", 2, 4096)
+    try:
+        assert w.call({"op": "ping"}) == {"argv": [str(peers.WORKER), str(tmp_path / "m.gguf"), "2", "4096"]}
+        assert peers.WORKER.is_file() and "def main" in peers.WORKER.read_text()
+        assert w.status()["VmRSS"] > 0
+    finally:
+        w.close()
+    assert w.proc.returncode == 0 and os.path.dirname(peers.WORKER) == os.path.dirname(peers.__file__)
