@@ -207,19 +207,29 @@ def test_int8_experts_are_fused_thread_invariant_and_the_model(q8_moe):
     assert same >= 0.9 * len(ids)
 
 
-def test_streamed_experts_keep_fp32_activations_and_say_so(q8_moe):
-    """Experts streamed from the file are converted to lanes layouts as read (no int layout there yet): asked
-    for int8, such a model runs fp32 activations, reports it (activations_note, the KV namespace's
-    activations=fp32) and gives the fp32 engine's bits."""
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_streamed_int8_experts_give_the_resident_int8_bits(q8_moe, budget):
+    """Streamed experts read straight into the int layouts (load_gguf int8: convert.c's tq_convert_int) give
+    the resident int8 model's bits, whether the cache keeps nothing or everything. A store read into lanes
+    layouts keeps the model at fp32 activations and says so (activations_note, the KV namespace), with the
+    fp32 engine's bits; an int store under fp32 activations is refused."""
     _, path = q8_moe
-    loaded = load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=0)
-    engine = _engine(loaded, True)
-    asked = Engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=0), dtype="float32",
-                   weights=choose_weights("gguf", "auto", True, activations="int8"), kv_dtype="float32")
-    assert asked.model.activations == "fp32" and "streamed experts" in asked.model.activations_note
-    assert "activations=fp32" in asked.kernel_fingerprint
     ids = ids_of(30, seed=8)
-    assert torch.equal(asked.logits(ids), engine.logits(ids))
+    resident = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), "int8")
+    streamed = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget,
+                                 int8=True), "int8")
+    assert streamed.model.experts.streamed and streamed.model.experts.int8
+    assert torch.equal(streamed.logits(ids), resident.logits(ids))
+    assert streamed.model.experts.stats.misses > 0
+    lanes_store = load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget)
+    asked = Engine(lanes_store, dtype="float32", weights=choose_weights("gguf", "auto", True, activations="int8"),
+                   kv_dtype="float32")
+    assert asked.model.activations == "fp32" and "lanes layouts" in asked.model.activations_note
+    assert "activations=fp32" in asked.kernel_fingerprint
+    fp32 = _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget), True)
+    assert torch.equal(asked.logits(ids), fp32.logits(ids))
+    with pytest.raises(ValueError, match="int8 activations"):
+        _engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True, expert_budget=budget, int8=True), True)
 
 
 _ISA_SCRIPT = textwrap.dedent("""

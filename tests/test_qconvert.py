@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ternlm.kernels.build import load
 from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
-from ternlm.models.qweight import QWeight, from_gguf, to_lanes
+from ternlm.models.qweight import QWeight, from_gguf, to_int8, to_lanes
 from test_qweight import _F16_AT, kernels, random_blocks
 from lesser_isa import LESSER, run_built_for
 
@@ -127,6 +127,32 @@ def test_out_is_written_and_returned_with_the_same_bits(qtype):
         assert_same(got, lanes_from_gguf(raw, qtype, out, inp, kernels=k))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int_layout_in_one_pass_equals_to_int8_of_the_lanes(qtype):
+    """int8=True (tq_convert_int: a streamed expert read straight into qint8.c's layout): the bits of
+    qweight.to_int8 of the lanes weight, every field, for random and extreme blocks, gathered rows, and
+    written into a reused int buffer (lanes_empty(..., int8=True)) twice."""
+    k = kernels()
+    for out, inp in ((16, 256), (48, 512), (160, 1536)):
+        for seed, make in ((out + inp, random_blocks), (3, extreme_blocks)):
+            raw = torch.from_numpy(make(qtype, out, inp, seed))
+            native = lanes_from_gguf(raw, qtype, out, inp, kernels=k, int8=True)
+            assert native is not None and native.int8
+            assert_same(native, to_int8(python_path(raw, qtype, out, inp)))
+    out, inp = 96, 512
+    raw = torch.from_numpy(random_blocks(qtype, out, inp, seed=5))
+    order = torch.randperm(out, generator=torch.Generator().manual_seed(1))
+    assert_same(lanes_from_gguf(raw, qtype, out, inp, order=order, int8=True),
+                to_int8(to_lanes(from_gguf(raw, qtype, out, inp).permute_rows(order))))
+    buf = lanes_empty(qtype, 48, 512, int8=True)
+    for seed in (1, 2):
+        raw = torch.from_numpy(random_blocks(qtype, 48, 512, seed=seed))
+        assert lanes_from_gguf(raw, qtype, 48, 512, out=buf, int8=True) is buf
+        assert_same(buf, to_int8(python_path(raw, qtype, 48, 512)))
+    with pytest.raises(ValueError):                           # a lanes buffer is not an int one
+        lanes_from_gguf(raw, qtype, 48, 512, out=lanes_empty(qtype, 48, 512), int8=True)
+
+
 def test_out_that_does_not_fit_is_refused():
     raw = torch.from_numpy(random_blocks(QT.Q4_K, 32, 512, seed=3))
     for wrong in (lanes_empty(QT.Q4_K, 16, 512), lanes_empty(QT.Q4_K, 32, 256), lanes_empty(QT.Q6_K, 32, 512),
@@ -160,16 +186,18 @@ _ISA_SCRIPT = """
 import torch
 from ternlm.kernels.build import load
 from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
+from ternlm.models.qweight import to_int8
 from test_qconvert import assert_same, extreme_blocks, python_path
 k = load()
 for qtype in NATIVE:
     raw = torch.from_numpy(extreme_blocks(qtype, 48, 512, seed=4))
     assert_same(lanes_from_gguf(raw, qtype, 48, 512, kernels=k), python_path(raw, qtype, 48, 512))
+    assert_same(lanes_from_gguf(raw, qtype, 48, 512, kernels=k, int8=True), to_int8(python_path(raw, qtype, 48, 512)))
 print(k.isa, "ok")
 """
 
 
 @LESSER
 def test_lesser_isa_builds_convert_alike(march, isa, tmp_path):
-    """convert.c is plain C: an AVX2-only or baseline x86-64 build gives the same bits."""
+    """convert.c is plain C: an AVX2-only or baseline x86-64 build gives the same bits (lanes and int layouts)."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

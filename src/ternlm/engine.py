@@ -183,6 +183,7 @@ class Engine:
                 quantized = wchoice.mode == "gguf"
                 loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
                                    lanes=quantized and wchoice.kernels.lanes,
+                                   int8=quantized and wchoice.kernels.lanes and wchoice.kernels.int8,
                                    expert_budget=_expert_budget(expert_cache, kw, plans))
             else:
                 from .models.hf import load_hf_folder

@@ -115,6 +115,12 @@ class Kernels:
         return self.lib.tq_convert_lanes(qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup,
                                          threads)
 
+    def convert_int(self, qtype: int, src: int, src_rows: int, order: int, rows: int, cols: int, codes: int,
+                    high: int, scale: int, bias: int, sup: int, threads: int) -> int:
+        """convert_lanes into the int layout (convert.c's tq_convert_int: to_int8(to_lanes(...))'s bits)."""
+        return self.lib.tq_convert_int(qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup,
+                                       threads)
+
     def convert_finite(self, qtype: int, src: int, nblocks: int) -> int:
         """convert.c's tq_convert_finite: 1 when every fp16 d (and m) of the blocks is finite, 0 if not, -1
         for a type it does not cover."""
@@ -234,6 +240,8 @@ def load() -> Kernels | Unavailable:
     lib.tq_lanes_range.restype = ctypes.c_int
     lib.tq_convert_lanes.argtypes = [ctypes.c_int, p, i, p, i, i, p, p, p, p, p, ctypes.c_int]
     lib.tq_convert_lanes.restype = ctypes.c_int
+    lib.tq_convert_int.argtypes = lib.tq_convert_lanes.argtypes
+    lib.tq_convert_int.restype = ctypes.c_int
     lib.tq_convert_finite.argtypes = [ctypes.c_int, p, i]
     lib.tq_convert_finite.restype = ctypes.c_int
     lib.tq_isa.restype = ctypes.c_char_p

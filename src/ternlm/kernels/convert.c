@@ -26,6 +26,8 @@
  * ("f16s") and Q4_1/Q5_1 ("f16") only when every fp16 d (and m) of the whole matrix is finite, as
  * qweight._scale_mode decides (tq_convert_finite says; otherwise the Python path's "f32" applies).
  *
+ * tq_convert_int writes the int layouts instead (qint8.c; models/qweight.py to_int8's bits).
+ *
  * Rows may be gathered (`order`: output row r is source row order[r]): the loader's q/k permutations
  * and fused-matrix splits take whole rows, and a row's blocks convert alone.
  */
@@ -149,14 +151,48 @@ int tq_convert_finite(int qtype, const uint8_t *src, int64_t nblocks) {
     return 1;
 }
 
-/* rows x cols GGML blocks -> lanes fields (the top of the file). src: the source matrix, src_rows rows
+/* 16 rows' codes c (row-major, 16 x cols) -> their int layout (qint8.c's top comment; models/qweight.py
+ * to_int8 is the reference): out one block's codes, high its high bits (i5x16, i6x16) or NULL. */
+static void int_codes(int qtype, const uint8_t *c, int64_t cols, uint8_t *out, uint8_t *high) {
+    if (qtype == T_Q8_0) {                                   /* i8x16: quad t, lane j, byte i = code 4t + i */
+        for (int64_t t = 0; t < cols / 4; t++)
+            for (int j = 0; j < BLK; j++)
+                for (int i = 0; i < 4; i++) out[(t * BLK + j) * 4 + i] = c[j * cols + 4 * t + i];
+        return;
+    }
+    for (int64_t o = 0; o < cols / 8; o++)                   /* octet o: low nibble 8o + i, high 8o + 4 + i */
+        for (int j = 0; j < BLK; j++)
+            for (int i = 0; i < 4; i++)
+                out[(o * BLK + j) * 4 + i] = (uint8_t)((c[j * cols + 8 * o + i] & 0x0F)
+                                                       | (c[j * cols + 8 * o + 4 + i] & 0x0F) << 4);
+    if (qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_Q5_K) {   /* bit s: bit 4 of code 32g + 4s + i */
+        for (int64_t g = 0; g < cols / 32; g++)
+            for (int j = 0; j < BLK; j++)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t v = 0;
+                    for (int s = 0; s < 8; s++) v |= (uint8_t)(((c[j * cols + 32 * g + 4 * s + i] >> 4) & 1) << s);
+                    high[(g * BLK + j) * 4 + i] = v;
+                }
+    } else if (qtype == T_Q6_K) {                            /* bits 2s, 2s+1: bits 4-5 of code 16h + 4s + i */
+        for (int64_t h = 0; h < cols / 16; h++)
+            for (int j = 0; j < BLK; j++)
+                for (int i = 0; i < 4; i++) {
+                    uint8_t v = 0;
+                    for (int s = 0; s < 4; s++) v |= (uint8_t)(((c[j * cols + 16 * h + 4 * s + i] >> 4) & 3) << (2 * s));
+                    high[(h * BLK + j) * 4 + i] = v;
+                }
+    }
+}
+
+/* rows x cols GGML blocks -> lanes fields (the top of the file); with as_int the int layout's codes and
+ * high bits instead (the same scale, bias and sup fields: the int layouts share them). src: the source matrix, src_rows rows
  * of cols / block blocks; order: NULL (output row r = source row r) or rows int64 source rows. The
  * caller allocates every field (scale/bias/sup per the type's mode; bias, high, sup NULL where the
  * mode has none). Returns 0, or -1 for a type not covered, -2 for a shape (rows % 16, cols % block, an
  * order index out of range), -3 when out of memory. Threads split the blocks of 16 rows. */
-int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int64_t *order, int64_t rows,
-                     int64_t cols, uint8_t *codes, uint8_t *high, uint8_t *scale, uint8_t *bias, uint16_t *sup,
-                     int nthreads) {
+static int convert(int as_int, int qtype, const uint8_t *src, int64_t src_rows, const int64_t *order, int64_t rows,
+                   int64_t cols, uint8_t *codes, uint8_t *high, uint8_t *scale, uint8_t *bias, uint16_t *sup,
+                   int nthreads) {
     TypeInfo t;
     if (type_info(qtype, &t)) return -1;
     if (rows % BLK || cols <= 0 || cols % t.block) return -2;
@@ -167,7 +203,8 @@ int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int6
     const int64_t groups = cols / t.group, supers = cols / 256;
     /* field element sizes: scale fp16 (1-block types) or one byte (the K-quants); bias likewise */
     const int ksz = (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) ? 1 : 2;
-    const int64_t code_w = t.nibbles ? cols / 2 : cols;
+    const int64_t code_w = t.nibbles || (as_int && qtype == T_Q6_K) ? cols / 2 : cols;   /* bytes a lane */
+    const int64_t high_w = qtype == T_Q6_K ? cols / 4 : cols / 8;                       /* int: a lane's high */
     int err = 0;
     #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nb > 1 && nthreads > 1)
     {
@@ -187,6 +224,10 @@ int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int6
                     sup ? sup + b * supers * (ksz == 1 && qtype != T_Q6_K ? 2 : 1) * BLK + j : NULL);
             }
             uint8_t *out = codes + b * code_w * BLK;
+            if (as_int) {
+                int_codes(qtype, c, cols, out, high ? high + b * high_w * BLK : NULL);
+                continue;
+            }
             if (t.nibbles) {
                 for (int64_t p = 0; p < cols / 2; p++)
                     for (int j = 0; j < BLK; j++)
@@ -211,4 +252,19 @@ int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int6
         free(c);
     }
     return err;
+}
+
+int tq_convert_lanes(int qtype, const uint8_t *src, int64_t src_rows, const int64_t *order, int64_t rows,
+                     int64_t cols, uint8_t *codes, uint8_t *high, uint8_t *scale, uint8_t *bias, uint16_t *sup,
+                     int nthreads) {
+    return convert(0, qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup, nthreads);
+}
+
+/* The same into the int layout (i4x16 / i5x16 / i8x16 / i6x16; high: i5x16 (N/16, K/32, 16, 4), i6x16
+ * (N/16, K/16, 16, 4), else NULL): a streamed expert read straight into what qint8.c multiplies. */
+int tq_convert_int(int qtype, const uint8_t *src, int64_t src_rows, const int64_t *order, int64_t rows,
+                   int64_t cols, uint8_t *codes, uint8_t *high, uint8_t *scale, uint8_t *bias, uint16_t *sup,
+                   int nthreads) {
+    if (qtype == T_Q6_K && !high) return -2;
+    return convert(1, qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup, nthreads);
 }

@@ -630,7 +630,7 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
 
 
 def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quantized: bool,
-                  lanes: bool, out: "object | None" = None) -> "torch.Tensor | object":
+                  lanes: bool, out: "object | None" = None, int8: bool = False) -> "torch.Tensor | object":
     """One expert matrix's raw GGML bytes -> the weight the resident load makes of it: a QWeight (in
     the lanes layout with ``lanes``) where ``keep_quantized`` keeps its type, else dense (rows, cols)
     in ``dtype`` (GGML blocks are independent: one slab dequantizes to the same values as inside the
@@ -640,21 +640,25 @@ def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quan
     out: an `expert_blank(slab, ...)` to convert into (overwritten and returned: a streamed expert's
     reused buffers, moe.StreamedExperts [RING]) where the native path takes the slab; where it does not
     (an inf/nan fp16 scale), the weight comes in new tensors and out is untouched. ValueError: an out
-    whose fields do not fit the slab."""
-    from .qweight import QUANTIZED_TYPES, from_gguf, to_lanes
+    whose fields do not fit the slab. int8 (with lanes): the int layout instead (qint8.c's; a streamed
+    expert read straight into it, one pass: convert.c's tq_convert_int)."""
+    from .qweight import QUANTIZED_TYPES, from_gguf, to_int8, to_lanes
     qtype = QT(slab.qtype)
     if keep_quantized and qtype in QUANTIZED_TYPES:
         if lanes:
             from .qconvert import lanes_from_gguf
-            native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols, out=out)
+            native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols, out=out, int8=int8)
             if native is not None:
                 return native
         q = from_gguf(raw, qtype, slab.rows, slab.cols)
-        return (to_lanes(q) or q) if lanes else q
+        if not lanes:
+            return q
+        q = to_lanes(q) or q
+        return to_int8(q) if int8 and q.lanes else q
     return dequantize(raw, qtype, slab.rows * slab.cols, dtype).reshape(slab.rows, slab.cols)
 
 
-def expert_blank(slab: "Slab", keep_quantized: bool, lanes: bool) -> "object | None":
+def expert_blank(slab: "Slab", keep_quantized: bool, lanes: bool, int8: bool = False) -> "object | None":
     """Buffers that `expert_weight(..., out=)` converts this slab into (qconvert.lanes_empty: its native
     lanes weight, allocated, not filled), or None where expert_weight makes new tensors anyway (kept
     dense, a row layout, a type or shape convert.c does not cover). Pure."""
@@ -663,7 +667,7 @@ def expert_blank(slab: "Slab", keep_quantized: bool, lanes: bool) -> "object | N
     if not (keep_quantized and lanes and qtype in QUANTIZED_TYPES):
         return None
     from .qconvert import lanes_empty
-    return lanes_empty(qtype, slab.rows, slab.cols)
+    return lanes_empty(qtype, slab.rows, slab.cols, int8)
 
 
 def _expert_direct() -> bool | None:
@@ -719,7 +723,7 @@ def _each_then_dropped(reader: FastGGUFReader, tensors: list[ReaderTensor]) -> I
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | None = None,
               keep_quantized: bool = False, lanes: bool = False,
-              expert_budget: ExpertBudget = None) -> LoadedModel:
+              expert_budget: ExpertBudget = None, int8: bool = False) -> LoadedModel:
     """Read a GGUF file into a LoadedModel with weights dequantized to ``dtype``, or, with
     ``keep_quantized``, the quantized matrices as QWeights (models/qweight.py) and the rest dequantized;
     with ``lanes`` too, each QWeight in its lanes layout where it has one (qweight.to_lanes), converted as
@@ -734,7 +738,9 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     ``expert_budget`` (mixture of experts only): None = every expert converted now (resident); bytes =
     the experts stay in the file and stream through a cache of that many bytes (moe.StreamedExperts,
     ``LoadedModel.experts``; their weights are absent from ``weights``); a callable (config, experts'
-    bytes, the rest's bytes in memory) -> either, decided once the header is read.
+    bytes, the rest's bytes in memory) -> either, decided once the header is read. ``int8`` (with
+    ``lanes``): streamed experts are read into the int layouts (the model multiplies int8 activations,
+    `--activations int8`); the rest is converted by the model (models/llama.py [INT8]).
     Side effects: logs what is loading and the time taken (logger ``ternlm.models.gguf``);
     may write the sha256 index in the cache dir.
     """
@@ -764,10 +770,11 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
         if callable(expert_budget) else expert_budget
     if config.num_experts and budget is not None:
         from .moe import StreamedExperts
+        int8 = int8 and keep_quantized and lanes
         streamed = StreamedExperts(path, expert_slabs(reader, config), budget, functools.partial(
-            expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes),
-            functools.partial(expert_blank, keep_quantized=keep_quantized, lanes=lanes),
-            direct=_expert_direct())
+            expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes, int8=int8),
+            functools.partial(expert_blank, keep_quantized=keep_quantized, lanes=lanes, int8=int8),
+            direct=_expert_direct(), int8=int8)
         log.info("experts streamed from %s: %s in the file, cache budget %d bytes", path.name,
                  streamed.file_bytes, budget)
     weights: dict[str, torch.Tensor] = {}

@@ -327,12 +327,15 @@ class Transformer(nn.Module):
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         quantized = kernels is not None and keep_quantized
         # [INT8] --activations int8: every quantized projection multiplies int8 activations (kernels/qint8.c)
-        # in an int layout, resident experts included (layer.c's expert shares take either kind). Experts
-        # streamed from the file keep fp32 activations, and so does the rest of that model (one setting a
-        # model): the store converts what it reads to lanes layouts only (issue 49 takes the int layouts).
-        int8 = quantized and kernels.int8 and not (cfg.num_experts and experts is not None)
+        # in an int layout, experts included (layer.c's expert shares take either kind). Streamed experts
+        # are in the layout their store reads them into (load_gguf's int8): the model follows it, one
+        # setting a model, so a store of lanes layouts keeps the whole model at fp32 activations.
+        streamed_int8 = getattr(experts, "int8", None) if cfg.num_experts and experts is not None else None
+        if streamed_int8 and not (quantized and kernels.int8):
+            raise ValueError("streamed experts in int layouts need int8 activations (--activations int8)")
+        int8 = quantized and kernels.int8 and streamed_int8 is not False
         self.activations = "int8" if int8 else "fp32"
-        self.activations_note = ("streamed experts: fp32 activations (the store reads lanes layouts)"
+        self.activations_note = ("streamed experts read into lanes layouts: fp32 activations"
                                  if quantized and kernels.int8 and not int8 else "")
 
         def w(name: str) -> "torch.Tensor | QWeight":

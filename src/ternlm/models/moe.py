@@ -201,16 +201,19 @@ class StreamedExperts:
     streamed: ClassVar[bool] = True
 
     def __init__(self, path: str | os.PathLike[str], slabs: dict[tuple[int, int], tuple[Slab, Slab, Slab]],
-                 budget: int, decode: Decode, blank: Blank | None = None, direct: bool | None = None):
+                 budget: int, decode: Decode, blank: Blank | None = None, direct: bool | None = None,
+                 int8: bool = False):
         """slabs: (layer, expert) -> its (gate, up, down) slabs. decode: the loader's conversion of one
         slab (gguf.expert_weight: the resident load's code), called as decode(raw, slab) or, into a ring's
         buffers [RING], decode(raw, slab, out=blank(slab)); blank: gguf.expert_blank, or None (no ring: every
         expert read is new tensors). direct [DIRECT]: read with O_DIRECT by reader threads (True: or raise),
-        through the page cache (False), or O_DIRECT where the file system takes it (None). Opens `path`
+        through the page cache (False), or O_DIRECT where the file system takes it (None). int8: decode
+        makes int layouts (the model must multiply int8 activations: models/llama.py checks). Opens `path`
         (closed with the store)."""
         if budget < 0:
             raise ValueError(f"expert cache budget {budget} < 0")
         self.path = Path(path)
+        self.int8 = int8
         self.budget = int(budget)
         self.stats = ExpertStats()
         self._slabs = slabs

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from ..kernels.build import Kernels, Unavailable, load
-from .qweight import BLOCK_ROWS, GROUP, Q4L, Q5L, Q6L, Q8L, QWeight
+from .qweight import BLOCK_ROWS, GROUP, INT_OF, Q4L, Q5I, Q5L, Q6I, Q6L, Q8I, Q8L, QWeight
 
 # qtype -> (lanes layout, scale mode, inputs a GGML block, bytes a block, the "f16s" constant or None)
 NATIVE = {
@@ -35,7 +35,8 @@ PARALLEL_BYTES = 512 << 10
 
 
 def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: torch.Tensor | None = None,
-                    kernels: Kernels | Unavailable | None = None, out: QWeight | None = None) -> QWeight | None:
+                    kernels: Kernels | Unavailable | None = None, out: QWeight | None = None,
+                    int8: bool = False) -> QWeight | None:
     """raw: flat uint8 GGML bytes of a (src_rows, cols) weight -> the lanes QWeight of its rows `order`
     (int64 source row indices, the output's rows in order; None: all src_rows as they are, rows ==
     src_rows), or None where convert.c does not cover it (see the module docstring; the caller falls back
@@ -44,7 +45,9 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
     out: None (new tensors are returned: pure) or the QWeight to write into and return, its fields'
     shapes and dtypes exactly `lanes_empty(qtype, rows, cols)`'s (else ValueError; a streamed expert's
     reused buffers, moe.StreamedExperts [RING]). Side effect with out: its fields are overwritten (not
-    when None is returned: that is decided before anything is written)."""
+    when None is returned: that is decided before anything is written).
+    int8: the int layout instead (qweight.to_int8 of the lanes result, bit for bit, in the same one pass:
+    what a streamed expert with int8 activations is read into)."""
     spec = NATIVE.get(qtype)
     if spec is None:
         return None
@@ -54,7 +57,7 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
     if isinstance(kernels, Unavailable) or rows <= 0 or rows % BLOCK_ROWS or cols <= 0 or cols % block:
         return None
     if out is not None:
-        _checked(out, qtype, rows, cols)         # before anything else: a misfit is the caller's bug
+        _checked(out, qtype, rows, cols, int8)   # before anything else: a misfit is the caller's bug
     raw = raw.reshape(-1)
     if raw.dtype != torch.uint8 or not raw.is_contiguous() or raw.numel() % (cols // block * size):
         return None
@@ -67,8 +70,8 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
             return None
     if kernels.convert_finite(int(qtype), raw.data_ptr(), raw.numel() // size) != 1:
         return None                              # some fp16 d or m is inf/nan: the Python path's "f32" mode
-    w = lanes_empty(qtype, rows, cols) if out is None else out
-    rc = kernels.convert_lanes(int(qtype), raw.data_ptr(), src_rows, 0 if order is None else order.data_ptr(),
+    w = lanes_empty(qtype, rows, cols, int8) if out is None else out
+    rc = (kernels.convert_int if int8 else kernels.convert_lanes)(int(qtype), raw.data_ptr(), src_rows, 0 if order is None else order.data_ptr(),
                                rows, cols, w.codes.data_ptr(), _ptr(w.high), w.scale.data_ptr(),
                                _ptr(None if mode == "f16s" else w.bias), _ptr(w.sup),
                                torch.get_num_threads() if raw.numel() >= PARALLEL_BYTES else 1)
@@ -78,10 +81,11 @@ def lanes_from_gguf(raw: torch.Tensor, qtype: QT, rows: int, cols: int, order: t
     return w
 
 
-def lanes_empty(qtype: QT, rows: int, cols: int) -> QWeight | None:
+def lanes_empty(qtype: QT, rows: int, cols: int, int8: bool = False) -> QWeight | None:
     """The lanes QWeight that lanes_from_gguf makes of a (rows, cols) `qtype` weight, allocated and not
     filled (the "f16s" types' one-element bias holds its constant), or None where convert.c has no
-    conversion for the type or the shape. Pure."""
+    conversion for the type or the shape; int8: the int layout's (codes and high bits shaped as
+    qweight.to_int8 makes them; scale, bias, sup as the lanes layout's). Pure."""
     spec = NATIVE.get(qtype)
     if spec is None:
         return None
@@ -105,15 +109,20 @@ def lanes_empty(qtype: QT, rows: int, cols: int) -> QWeight | None:
             bias = torch.empty((nb, groups, BLOCK_ROWS), dtype=torch.float16)
         else:                                     # "f16s": the type's constant, one fp32 element
             bias = torch.tensor([const], dtype=torch.float32)
+    if int8:                                      # qweight.to_int8's codes and high bits (qint8.c's layouts)
+        fmt = INT_OF[fmt]
+        codes = torch.empty((nb, cols // 4 if fmt == Q8I else cols // 8, BLOCK_ROWS, 4), dtype=torch.uint8)
+        high = {Q5I: torch.empty((nb, cols // 32, BLOCK_ROWS, 4), dtype=torch.uint8),
+                Q6I: torch.empty((nb, cols // 16, BLOCK_ROWS, 4), dtype=torch.uint8)}.get(fmt)
     return QWeight(fmt, codes, scale, bias, high, sup)
 
 
 _FIELDS = ("codes", "scale", "bias", "high", "sup")
 
 
-def _checked(out: QWeight, qtype: QT, rows: int, cols: int) -> QWeight:
+def _checked(out: QWeight, qtype: QT, rows: int, cols: int, int8: bool = False) -> QWeight:
     """out, when every field has the shape and dtype (and contiguity) lanes_empty gives; else ValueError."""
-    want = lanes_empty(qtype, rows, cols)
+    want = lanes_empty(qtype, rows, cols, int8)
     bad = [] if isinstance(out, QWeight) and out.fmt == want.fmt else ["fmt"]
     for name in _FIELDS if not bad else ():
         a, b = getattr(out, name), getattr(want, name)
