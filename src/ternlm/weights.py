@@ -71,25 +71,19 @@ def choose_weights(requested: str, dtype: str, is_gguf: bool, build=None, activa
     or int8 activations with dense weights, WeightsUnavailable when gguf cannot run here."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown --activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
-    choice = _weights(requested, dtype, is_gguf, build)
-    if choice.mode != "gguf":
-        if activations == "int8":
-            raise ValueError(f"--activations int8 needs quantized weights (--weights gguf); these are dense "
-                             f"({choice.reason})")
-        return choice
-    act = "fp32" if activations == "fp32" else "int8"
-    kernels = dataclasses.replace(choice.kernels, activations=act)
-    reason = choice.reason.replace("fp32 activations", f"{act} activations ({kernels.int8_path} integer products)"
-                                   if act == "int8" else "fp32 activations")
-    return dataclasses.replace(choice, kernels=kernels, reason=reason)
+    choice = _weights(requested, dtype, is_gguf, build, activations)
+    if choice.mode != "gguf" and activations == "int8":
+        raise ValueError(f"--activations int8 needs quantized weights (--weights gguf); these are dense "
+                         f"({choice.reason})")
+    return choice
 
 
-def _weights(requested: str, dtype: str, is_gguf: bool, build) -> WeightsChoice:
-    """--weights alone (see choose_weights)."""
+def _weights(requested: str, dtype: str, is_gguf: bool, build, activations: str) -> WeightsChoice:
+    """--weights (see choose_weights); `activations` only shapes a gguf choice."""
     if requested not in WEIGHTS:
         raise ValueError(f"unknown --weights {requested!r}; choose one of {', '.join(WEIGHTS)}")
     if requested == "auto":
-        return _auto(dtype, is_gguf, build)
+        return _auto(dtype, is_gguf, build, activations)
     if requested in _DENSE_DTYPE:
         want = _DENSE_DTYPE[requested]
         if dtype not in ("auto", want):
@@ -102,10 +96,10 @@ def _weights(requested: str, dtype: str, is_gguf: bool, build) -> WeightsChoice:
     kernels = _build(build)
     if isinstance(kernels, Unavailable):
         raise WeightsUnavailable(f"--weights gguf needs the native kernel: {kernels.reason}; use --weights auto")
-    return _gguf(kernels, requested)
+    return _gguf(kernels, requested, activations)
 
 
-def _auto(dtype: str, is_gguf: bool, build) -> WeightsChoice:
+def _auto(dtype: str, is_gguf: bool, build, activations: str) -> WeightsChoice:
     """--weights auto: gguf where it can run and no compute dtype was asked for, else dense."""
     def dense(why: str) -> WeightsChoice:
         return WeightsChoice("dense", dtype, f"dense weights in the compute dtype: {why}", "auto")
@@ -116,7 +110,7 @@ def _auto(dtype: str, is_gguf: bool, build) -> WeightsChoice:
     kernels = _build(build)
     if isinstance(kernels, Unavailable):
         return dense(f"no native kernel ({kernels.reason})")
-    return _gguf(kernels, "auto")
+    return _gguf(kernels, "auto", activations)
 
 
 def _build(build):
@@ -125,5 +119,11 @@ def _build(build):
     return (build or load)()
 
 
-def _gguf(kernels, requested: str) -> WeightsChoice:
-    return WeightsChoice("gguf", "float32", f"quantized blocks, fp32 activations, native {kernels.isa} kernel", requested, kernels)
+def _gguf(kernels, requested: str, activations: str) -> WeightsChoice:
+    """The quantized blocks on these kernels, set to multiply `activations` (auto: int8); the reason says which
+    (the log line README quotes)."""
+    act = "fp32" if activations == "fp32" else "int8"
+    kernels = dataclasses.replace(kernels, activations=act)
+    products = f"int8 activations ({kernels.int8_path} integer products)" if act == "int8" else "fp32 activations"
+    return WeightsChoice("gguf", "float32", f"quantized blocks, {products}, native {kernels.isa} kernel", requested,
+                         kernels)
