@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from .weights import ACTIVATIONS
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -18,7 +20,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "this CPU (with --activations: int8 by default; fastest decode); bf16/fp32: dense weights in that dtype; "
                         "auto (default): gguf for a GGUF model when --dtype is auto and the kernel builds, "
                         "else dense in the --dtype choice")
-    p.add_argument("--activations", default="auto", choices=["auto", "int8", "fp32"],
+    p.add_argument("--activations", default="auto", choices=ACTIVATIONS,
                    help="what quantized (gguf) weights multiply: int8 (activations quantized per group of 32, "
                         "exact integer products, llama.cpp's way; the same bits on every CPU kind) | fp32 "
                         "(every weight times fp32 activations: transformers' numbers) | auto (default: int8 for gguf "

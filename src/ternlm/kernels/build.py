@@ -49,7 +49,6 @@ INT8_VARIANTS = (("i4x16", "f32"), ("i4x16", "f16"), ("i4x16", "k"), ("i4x16", "
                  ("i5x16", "f32"), ("i5x16", "f16"), ("i5x16", "k"), ("i5x16", "f16s"),
                  ("i8x16", "f32"), ("i8x16", "f16"), ("i8x16", "f16s"), ("i6x16", "k6"))
 MM_VARIANTS = LANES_VARIANTS + AMX_VARIANTS + INT8_VARIANTS
-ACTIVATIONS = ("auto", "int8", "fp32")
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
 # decode and prefill shapes of the attention's loops fused different products, and a request's logits
