@@ -12,8 +12,11 @@ from .models.rope import Rope
 # qwen2moe is qwen2's (q/k/v bias) with experts plus a gated shared expert; olmoe is llama's with
 # q/k RMSNorm over the whole projection width (qk_norm_full).
 # gemma3 (text) is the llama layout plus per-layer kinds (the fields after norm_topk_prob below).
+# qwen35 (Qwen3.5, issue 47) is hybrid: most layers are gated DeltaNet (a recurrent state, models/deltanet.py),
+# every few a gated attention layer (qwen3's with an output gate and partial RoPE): layer_kinds below.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe")
+                   "qwen2moe", "olmoe", "qwen35")
+LAYER_KINDS = ("attention", "deltanet")
 MLP_ACTS = ("silu", "gelu_tanh")   # the gated MLP's activation: SwiGLU, GeGLU (gelu, tanh approximation)
 
 
@@ -61,6 +64,25 @@ class ModelConfig:
     embed_scale: float = 1.0      # token embeddings times this, cast to the compute dtype (Gemma: sqrt(hidden))
     query_scale: float = 0.0      # q scale in attention; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     final_logit_softcap: float = 0.0   # > 0: logits = c * tanh(logits / c) (Gemma 2 style)
+    # Hybrid models (issue 47). layer_kinds[i]: "attention" or "deltanet" (a gated DeltaNet layer: short
+    # causal conv of kernel linear_conv_kernel over q|k|v, then the gated delta rule with linear_key_heads
+    # q/k heads of linear_key_dim and linear_value_heads value heads of linear_value_dim); (): all attention.
+    layer_kinds: tuple[str, ...] = ()
+    attn_output_gate: bool = False     # attention output * sigmoid(gate) before o (qwen35: gate rows in q_proj)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+
+    def kind(self, layer: int) -> str:
+        """Layer `layer`'s kind: "attention" | "deltanet"."""
+        return self.layer_kinds[layer] if self.layer_kinds else "attention"
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers with a recurrent state, in order (their index into a slot's RecurrentState)."""
+        return tuple(i for i in range(self.num_layers) if self.kind(i) == "deltanet")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window; 0: full causal attention."""
@@ -114,5 +136,13 @@ class ModelConfig:
             raise ValueError("embed_scale must be positive; query_scale and final_logit_softcap not negative")
         if self.swa_rope is not None and self.swa_rope.rotary_dim > self.head_dim:
             raise ValueError(f"swa_rope {self.swa_rope} does not fit head_dim {self.head_dim}")
+        if self.layer_kinds and (len(self.layer_kinds) != self.num_layers
+                                 or any(k not in LAYER_KINDS for k in self.layer_kinds)):
+            raise ValueError(f"layer_kinds {self.layer_kinds} must give each of {self.num_layers} layers one of "
+                             f"{', '.join(LAYER_KINDS)}")
+        if self.recurrent_layers and (min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+                                          self.linear_value_dim, self.linear_conv_kernel) <= 0
+                                      or self.linear_value_heads % self.linear_key_heads):
+            raise ValueError("deltanet layers need positive linear_* sizes, value heads a multiple of key heads")
         if self.rope is not None and (self.rope.theta != self.rope_theta or self.rope.rotary_dim > self.head_dim):
             raise ValueError(f"rope {self.rope} does not match rope_theta {self.rope_theta} / head_dim {self.head_dim}")

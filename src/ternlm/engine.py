@@ -35,6 +35,7 @@ from .kernels.build import load as load_kernels
 from .kv.blocks import BLOCK_TOKENS
 from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
+from .kv.recurrent import recurrent_shape
 from .kv.slots import KVShape, Slot
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, Transformer
@@ -82,12 +83,14 @@ class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
-                 weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None):
+                 weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None,
+                 state_interval: int = 64):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
         with a gguf choice. `kv_dtype`: the KV cache's dtype, auto | float32 | float16 (Transformer:
-        auto is float16 where every layer runs fused in C, else float32). Raises UnsupportedDtypeError
+        auto is float16 where every layer runs fused in C, else float32). `state_interval`: a hybrid model's
+        recurrent snapshots every this many positions (kv/recurrent.py). Raises UnsupportedDtypeError
         for a dtype with no exact kernel here, ValueError for a KV dtype that cannot run."""
         cfg = loaded.config
         self.config = cfg
@@ -130,7 +133,8 @@ class Engine:
         self.runner = Runner(self.model, chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
-        self.slots = [Slot(i, shape) for i in range(slots)]
+        recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
+        self.slots = [Slot(i, shape, recurrent=recurrent, state_interval=state_interval) for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
@@ -142,7 +146,10 @@ class Engine:
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
-        if cache is not None and prefix_reuse:
+        if cache is not None and prefix_reuse and recurrent is not None:
+            log.warning("KV tiers are off for this hybrid model: they hold no recurrent snapshots yet "
+                        "(reuse comes from the slots)")
+        elif cache is not None and prefix_reuse:
             ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   self.kv_dtype)
             self.store = TieredStore.from_config(ident, cache)
@@ -259,8 +266,8 @@ class Engine:
         """Positions of `slot` this prompt would actually keep (namespace, taint, [FRESH-LOGITS] and
         min_reuse applied). Does not modify the slot."""
         slot = self.slots[slot] if isinstance(slot, int) else slot
-        return decide_reuse(slot.record, prompt, namespace, min_reuse=self.min_reuse,
-                            enabled=self.prefix_reuse).tokens
+        return slot.resumable(decide_reuse(slot.record, prompt, namespace, min_reuse=self.min_reuse,
+                                           enabled=self.prefix_reuse).tokens)
 
     def pick_slot(self, prompt: list[int], namespace: bytes, among: list[int] | None = None) -> int:
         """Index of the slot with the longest usable prefix for this prompt (among `among`, default
@@ -316,8 +323,12 @@ class Engine:
                              enabled=self.prefix_reuse, message_ends=prompt_in.message_ends if chat else None,
                              message_roles=tuple(m.get("role", "") for m in getattr(prompt_in, "messages", ()))
                              if chat else None)
+        resumed = slot.resumable(reuse.tokens)
+        if resumed != reuse.tokens:              # [RESUME-AT-SNAPSHOT] a recurrent state resumes at a snapshot
+            reuse = dataclasses.replace(reuse, tokens=resumed,
+                                        why=f"{reuse.why}; recurrent state resumed at {resumed} of {reuse.tokens}")
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
-        if fork_from is not None and self.prefix_reuse:
+        if fork_from is not None and self.prefix_reuse and slot.state is None:   # no recurrent state is forked
             src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from
             # the same reuse rules as any prompt: namespace, embeds, [FRESH-LOGITS] (k <= n - 1)
             fork = decide_reuse(src.record, prompt, ns, prompt_digests=digests, min_reuse=0).tokens
@@ -474,7 +485,7 @@ class Engine:
         if keep == 0:
             slot.reset(ns)
         else:
-            slot.record.truncate(keep)
+            slot.truncate(keep)
 
     def persist_cache(self) -> int:
         """Shutdown: write live slots and the RAM tier to the disk tier. Returns blocks on disk.

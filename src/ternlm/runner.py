@@ -18,6 +18,7 @@ import torch
 
 from .invariants import check
 from .kv.blockfile import BlockKV
+from .kv.recurrent import RecurrentState, recurrent_shape
 from .kv.slots import Slot
 from .models.llama import ATTN_BLOCK, Segment, Transformer
 
@@ -49,6 +50,18 @@ class Feed:
     logits: str = "last"
 
 
+def _captures(f: Feed) -> dict | None:
+    """The recurrent snapshots a feed's step takes (kv/recurrent.py `wants`: the grid's positions it
+    crosses, and its end when it ends a prefill, i.e. a multi-token feed that asks for logits), as empty
+    tensors the recurrent layers fill; None without a recurrent state."""
+    st = f.slot.state
+    if st is None:
+        return None
+    start = len(f.slot.record)
+    want = st.wants(start, start + len(f.ids), prefill_end=len(f.ids) > 1 and f.logits != "none")
+    return {p: (torch.empty_like(st.conv), torch.empty_like(st.ssm)) for p in want} or None
+
+
 class Runner:
     def __init__(self, model: Transformer, chunk_size: int = 256):
         if chunk_size < 1:
@@ -76,8 +89,9 @@ class Runner:
         attention per slot. Returns per feed fp32 logits as its Feed.logits asks ((1, vocab) for "last").
         Side effects: may grow each slot (ensure_capacity; ContextOverflow empties that slot's record
         and raises before anything is computed); writes KV; then, per slot, appends its ids (and
-        embedding digests / taint) to its record [RECORD-WHERE-FED]. If the forward raises, no record
-        changes."""
+        embedding digests / taint) to its record [RECORD-WHERE-FED], a recurrent state's position and the
+        snapshots the step took with it. If the forward raises, no record changes, but for a slot with a
+        recurrent state: it goes back to its latest snapshot (the state may be half-advanced)."""
         if not feeds or any(not f.ids for f in feeds):
             raise ValueError("a step feeds at least one token per slot")   # [FRESH-LOGITS]
         if len({id(f.slot) for f in feeds}) != len(feeds):
@@ -85,9 +99,22 @@ class Runner:
         for f in feeds:
             f.slot.ensure_capacity(len(f.slot.record) + len(f.ids))
         x = self._inputs(feeds)
-        segs = [Segment(len(f.slot.record), len(f.ids), f.slot.k, f.slot.v, f.logits) for f in feeds]
-        logits = self.model.forward_batch(x, segs)
-        for f in feeds:                               # the forward returned: every write succeeded
+        segs = [Segment(len(f.slot.record), len(f.ids), f.slot.k, f.slot.v, f.logits, f.slot.state,
+                        _captures(f)) for f in feeds]
+        try:
+            logits = self.model.forward_batch(x, segs)
+        except BaseException:
+            for f in feeds:       # a recurrent state may be half-advanced: back to its latest snapshot
+                if f.slot.state is not None:
+                    f.slot.state.invalidate()
+                    f.slot.truncate(f.slot.resumable(len(f.slot.record)))
+            raise
+        for f, seg in zip(feeds, segs):               # the forward returned: every write succeeded
+            if seg.state is not None:                 # [RECORD-WHERE-FED] the state moves with the record
+                seg.state.pos = seg.start + seg.length
+                for at, (conv, ssm) in (seg.captures or {}).items():
+                    seg.state.keep(at, conv, ssm)
+        for f in feeds:
             pos = len(f.slot.record)
             digests, taint_at = {}, None
             for p, e in (f.embeds or {}).items():
@@ -140,6 +167,7 @@ class Runner:
         fork the KV its first choice prefilled instead of computing the same bits again. dst's record
         must be a prefix of src's. Side effects: writes dst's KV, appends the ids to dst's record."""
         start = len(dst.record)
+        check(src.state is None, "copy_prefix: a recurrent state is not copied (the engine forks no hybrid slot)")
         check(start <= upto <= len(src.record) and src.record.fed[:start] == dst.record.fed
               and src.record.namespace == dst.record.namespace,
               "copy_prefix: the destination's record must be a prefix of the source's, same namespace")
@@ -156,4 +184,6 @@ class Runner:
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
         k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
         v = torch.zeros_like(k)
-        return m(m.embed_ids(torch.tensor(ids, dtype=torch.long)), 0, k, v, all_logits=True)
+        shape = recurrent_shape(cfg)
+        state = RecurrentState(shape) if shape is not None else None     # a hybrid model's, from position 0
+        return m(m.embed_ids(torch.tensor(ids, dtype=torch.long)), 0, k, v, all_logits=True, state=state)

@@ -26,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger("ternlm")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "qint8.c", "attention.c", "layer.c", "convert.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "qint8.c", "attention.c", "layer.c", "convert.c",
+                                                     "recurrent.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h",)]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
@@ -113,6 +114,17 @@ class Kernels:
         0, or convert.c's negative reason. Releases the GIL while it runs."""
         return self.lib.tq_convert_lanes(qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup,
                                          threads)
+
+    def pointwise(self, op: str, x: "torch.Tensor", u: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """recurrent.c's tq_pointwise: op "sigmoid" | "silu" | "softplus" | "silu_mul" (silu(x) * u) of fp32 x
+        -> a new fp32 tensor of x's shape, every element's bits its own (no vector/tail split). Pure."""
+        import torch
+        x = x.float().contiguous()
+        u = None if u is None else u.float().contiguous()
+        y = torch.empty_like(x)
+        self.lib.tq_pointwise(("sigmoid", "silu", "softplus", "silu_mul").index(op), x.data_ptr(),
+                              0 if u is None else u.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+        return y
 
     def convert_int(self, qtype: int, src: int, src_rows: int, order: int, rows: int, cols: int, codes: int,
                     high: int, scale: int, bias: int, sup: int, threads: int) -> int:
@@ -247,6 +259,10 @@ def load() -> Kernels | Unavailable:
     lib.tq_int8_path.restype = ctypes.c_char_p
     lib.tq_int8_quant.argtypes = [p, i, i, p, p, p]
     lib.tq_int8_quant.restype = None
+    lib.tq_delta_rule.argtypes = [p, p, p, p, p, i, i, i, i, i, p, p, ctypes.c_int]
+    lib.tq_delta_rule.restype = ctypes.c_int
+    lib.tq_pointwise.argtypes = [ctypes.c_int, p, p, p, i, ctypes.c_int]
+    lib.tq_pointwise.restype = None
     lib.tq_int8_prepare.argtypes = [p, i, i, i, p, p, p, p]
     lib.tq_int8_prepare.restype = None
     lib.tq_int8_range.argtypes = [i, i, p, p, p, p, i, i, p, p, p, p, p, i, i, i, p, i]

@@ -5,6 +5,8 @@ The record's lifecycle is the KV's, and this file is the only place KV buffers a
   copy-grow           -> KV copied, record kept (it still describes positions [0, len))
   failed grow         -> record dropped (we no longer know the buffers are intact)
   write past capacity -> record emptied, never left partial
+A hybrid model's slot also owns its recurrent state (kv/recurrent.py), kept in step with the record here:
+whatever clears the record resets the state; `truncate` resumes the state at the cut before cutting.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .record import PrefixRecord
+from .recurrent import RecurrentShape, RecurrentState
 
 
 class ContextOverflow(ValueError):
@@ -36,11 +39,14 @@ class KVShape:
 class Slot:
     """One KV sequence. Not thread-safe: whoever holds the slot is its only user."""
 
-    def __init__(self, index: int, shape: KVShape, initial_capacity: int = 256):
+    def __init__(self, index: int, shape: KVShape, initial_capacity: int = 256,
+                 recurrent: RecurrentShape | None = None, state_interval: int = 64):
         self.index = index
         self.shape = shape
         self.record = PrefixRecord()
         self.last_used = 0.0                 # time.monotonic() of the last release, for LRU
+        # a hybrid model's recurrent layers: their state after the record's last position, and snapshots
+        self.state = RecurrentState(recurrent, state_interval) if recurrent is not None else None
         self._allocate(shape.round_up(min(initial_capacity, shape.max_capacity)))
 
     @property
@@ -52,7 +58,13 @@ class Slot:
         # k, v: (layers, kv_heads, capacity, head_dim)
         self.k = torch.zeros(s.layers, s.kv_heads, capacity, s.head_dim, dtype=s.dtype)
         self.v = torch.zeros_like(self.k)
-        self.record.clear()  # new buffers hold nothing the record could describe
+        self._clear()  # new buffers hold nothing the record could describe
+
+    def _clear(self, namespace: bytes | None = None) -> None:
+        """The record emptied, and the recurrent state with it (it described the record's positions)."""
+        self.record.clear(namespace)
+        if self.state is not None:
+            self.state.reset()
 
     def ensure_capacity(self, needed: int) -> None:
         """Make room for positions [0, needed). May reallocate (copy-grow keeps the record).
@@ -60,7 +72,7 @@ class Slot:
         if needed <= self.capacity:
             return
         if needed > self.shape.max_capacity:
-            self.record.clear()
+            self._clear()
             raise ContextOverflow(f"{needed} tokens exceed the context of {self.shape.max_capacity}")
         # rounding may pass max_capacity: those positions are padding, never written
         new_cap = self.shape.round_up(min(max(needed, 2 * self.capacity), self.shape.max_capacity))
@@ -72,13 +84,26 @@ class Slot:
             k[:, :, :keep] = self.k[:, :, :keep]
             v[:, :, :keep] = self.v[:, :, :keep]
         except BaseException:
-            self.record.clear()   # failed grow: drop the record, the old buffers stay but describe nothing
+            self._clear()         # failed grow: drop the record, the old buffers stay but describe nothing
             raise
         self.k, self.v = k, v     # copy-grow: record still describes positions [0, keep)
 
     def reset(self, namespace: bytes = b"") -> None:
         """Forget the contents (LRU reuse of the slot for another conversation). Keeps the buffers."""
-        self.record.clear(namespace)
+        self._clear(namespace)
+
+    def resumable(self, k: int) -> int:
+        """The longest prefix <= k this slot can keep: k itself (attention KV cuts anywhere), or with a
+        recurrent state the latest position <= k it can resume from [RESUME-AT-SNAPSHOT]. Pure."""
+        return k if self.state is None else self.state.resumable(min(k, len(self.record)))
+
+    def truncate(self, k: int) -> None:
+        """Keep positions [0, k): k must be `resumable(k)` (ValueError otherwise, nothing changed). Side
+        effects: the recurrent state restored at k, then the record cut (the KV past k is left as it is:
+        nothing reads past the record)."""
+        if self.state is not None:
+            self.state.restore(k)
+        self.record.truncate(k)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -28,11 +28,19 @@ log = logging.getLogger(__name__)
 _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
-                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe"}
-_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe"}   # config.json's model_type -> ours, where they differ
+                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
+                 "Qwen3_5ForCausalLM": "qwen35"}
+_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
+                "qwen3_5_text": "qwen35"}   # config.json's model_type -> ours, where they differ
 # Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
 # runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
-_NORMS_FROM_ONE = ("gemma3",)
+_NORMS_FROM_ONE = ("gemma3", "qwen35")
+_NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's gated RMSNorm: x * w (transformers' own)
+# qwen35's gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
+_DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight",
+                                                   "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                                   "in_proj_a.weight")}
+_HF_KINDS = {"linear_attention": "deltanet", "full_attention": "attention"}
 _POST_NORM_PARAMS = {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
 # Fused checkpoints (phi3) -> the llama layout the engine runs: (fused name, [(part, share of rows)])
 _FUSED = {"self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
@@ -126,6 +134,8 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     arch = _arch(cfg)
     if arch == "gemma3":
         return _gemma3_config(cfg, param_names)
+    if arch == "qwen35":
+        return _qwen35_config(cfg, param_names)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window"):
@@ -160,6 +170,41 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         rope=rope,
         **_moe_from_hf(cfg, arch),
     )
+
+
+def _qwen35_config(cfg: dict, param_names: set[str]) -> ModelConfig:
+    """Qwen3.5 text (Qwen3_5TextConfig): layer_types' linear_attention layers are gated DeltaNet, the
+    full_attention ones qwen3's attention with an output gate (q_proj holds each head's q and gate rows) and
+    partial RoPE (rope_parameters' partial_rotary_factor, default 0.25); norms x * (1 + w) (1 added at load);
+    text positions only (mrope's three sections coincide for text)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
+    n = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types") or ["full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0
+                                       else "linear_attention" for i in range(n)]
+    if any(k not in _HF_KINDS for k in kinds):
+        raise UnsupportedModelError(f"layer types {sorted(set(kinds) - set(_HF_KINDS))} are not supported")
+    params = dict(cfg.get("rope_parameters") or {})
+    params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    theta, rope = _rope({**cfg, "rope_parameters": params}, head_dim)
+    attn = [i for i, k in enumerate(kinds) if k == "full_attention"]
+    first = f"model.layers.{attn[0] if attn else 0}.self_attn."
+    return ModelConfig(
+        arch="qwen35", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=first + "q_proj.bias" in param_names, qk_norm=first + "q_norm.weight" in param_names, rope=rope,
+        layer_kinds=tuple(_HF_KINDS[k] for k in kinds), attn_output_gate=True,
+        linear_key_heads=int(cfg["linear_num_key_heads"]), linear_value_heads=int(cfg["linear_num_value_heads"]),
+        linear_key_dim=int(cfg["linear_key_head_dim"]), linear_value_dim=int(cfg["linear_value_head_dim"]),
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
 
 
 def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
@@ -252,8 +297,12 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
         per_layer |= _QK_NORM_PARAMS
     if config.post_norms:
         per_layer |= _POST_NORM_PARAMS
+    if config.attn_output_gate:
+        per_layer.add("self_attn.gate_proj.weight")            # split from q_proj by to_llama_layout
+    recurrent = {p for p in per_layer if not p.startswith("self_attn.")} | _DELTANET_PARAMS
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{p}" for i in range(config.num_layers) for p in per_layer}
+    expected |= {f"model.layers.{i}.{p}" for i in range(config.num_layers)
+                 for p in (recurrent if config.kind(i) == "deltanet" else per_layer)}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
@@ -274,9 +323,15 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        if config.arch in _NORMS_FROM_ONE and name.endswith("norm.weight"):
+        if config.arch in _NORMS_FROM_ONE and name.endswith("norm.weight") and not name.endswith(_NORMS_AS_THEY_ARE):
             w = (w.float() + 1.0).to(w.dtype)      # x * (1 + w) -> x * w', as the reference adds in fp32
         m = _LAYER_RE.fullmatch(name)
+        if m and config.attn_output_gate and m.group(2) == "self_attn.q_proj.weight":
+            # qwen35: each head's q rows then its gate rows, (H, 2 D, hidden) -> q_proj and gate_proj
+            per_head = w.reshape(H, 2 * d, -1)
+            out[name] = per_head[:, :d].reshape(H * d, -1).contiguous()
+            out[name[: -len(m.group(2))] + "self_attn.gate_proj.weight"] = per_head[:, d:].reshape(H * d, -1).contiguous()
+            continue
         if m and config.num_experts and _moe_layout(out, name[: -len(m.group(2))], m.group(2), w, config):
             continue
         fused = _FUSED.get(m.group(2)) if m else None

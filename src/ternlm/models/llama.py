@@ -45,6 +45,7 @@ from ..invariants import check
 from ..kernels.build import Kernels
 from .moe import ExpertStore, MoE, SharedExpert
 from .qlinear import projection
+from .deltanet import DeltaNet
 from .qweight import QWeight, to_int8, to_lanes
 
 if TYPE_CHECKING:
@@ -168,6 +169,10 @@ class Segment:
     k_cache: torch.Tensor     # (layers, kv_heads, capacity, head_dim), capacity >= start + length
     v_cache: torch.Tensor
     logits: str = "last"
+    # hybrid models (deltanet.py): the sequence's kv/recurrent.RecurrentState at `start`, advanced by the
+    # forward; captures: {position: (conv, ssm)} tensors shaped as the state's, filled with the state there
+    state: object = None
+    captures: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,8 @@ class _Part:
     bias: torch.Tensor | None  # (T, S) from causal_bias; None with the native attention
     k_cache: torch.Tensor     # (kv_heads, capacity, head_dim)
     v_cache: torch.Tensor
+    state: object = None      # Segment.state, Segment.captures (recurrent layers)
+    captures: dict | None = None
 
 
 class Layer(nn.Module):
@@ -210,17 +217,23 @@ class Layer(nn.Module):
             return build([w[n] for n in names], bias)
 
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
+        self.mixer: DeltaNet | None = None
+        if cfg.kind(index) == "deltanet":     # a recurrent token mixer in place of attention (deltanet.py)
+            self.mixer = DeltaNet(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
         # post_norm: the MLP's input norm (llama's post_attention_layernorm; Gemma's
         # pre_feedforward_layernorm, whose post_attention_layernorm normalises the attention output)
         self.attn_out_norm = w["post_attention_layernorm.weight"] if cfg.post_norms else None   # (hidden,)
         self.mlp_out_norm = w["post_feedforward_layernorm.weight"] if cfg.post_norms else None
         self.post_norm = w["pre_feedforward_layernorm.weight" if cfg.post_norms else
                            "post_attention_layernorm.weight"]                  # (hidden,)
-        self.qkv = proj([f"self_attn.{n}_proj.weight" for n in "qkv"],         # (q + 2 kv, hidden)
-                        torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.qkv_bias else None)
-        self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm else None   # (head_dim,)
-        self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm else None
-        self.o = proj(["self_attn.o_proj.weight"])                            # (hidden, q)
+        attn = self.mixer is None
+        # q | k | v (| qwen35's output gate, q's size): (q + 2 kv (+ q), hidden)
+        names = [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "gate")[:4 if cfg.attn_output_gate else 3]]
+        self.qkv = proj(names, torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"])
+                        if cfg.qkv_bias and not cfg.attn_output_gate else None) if attn else None
+        self.q_norm = w["self_attn.q_norm.weight"] if cfg.qk_norm and attn else None   # (head_dim,)
+        self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm and attn else None
+        self.o = proj(["self_attn.o_proj.weight"]) if attn else None          # (hidden, q)
         self.moe: MoE | None = None
         if cfg.num_experts:             # the MLP kind: experts behind a router (moe.py), no dense MLP
             self.gate_up = self.down = None
@@ -254,13 +267,16 @@ class Layer(nn.Module):
         (torch) or for all parts in one native call (each row computed exactly as alone)."""
         cfg, M = self.cfg, x.shape[0]
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv)
+        if self.mixer is not None:      # a recurrent layer: each part's state instead of its KV
+            x = x + self.mixer(rms_norm(x, self.input_norm, eps), parts)
+            return x + self._mlp(x)
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv (+ q))
         if cfg.qk_norm_full:            # olmoe: one RMSNorm over all of q, one over all of k, before the heads split
             qs, ks = self.q_size, self.kv_size
             qkv = torch.cat([rms_norm(qkv[:, :qs], self.q_norm, eps), rms_norm(qkv[:, qs:qs + ks], self.k_norm, eps),
                              qkv[:, qs + ks:]], dim=1)
         qk = qkv[:, : self.q_size + self.kv_size].view(M, H + KV, d).transpose(0, 1)  # (H + KV, M, D)
-        v = qkv[:, self.q_size + self.kv_size:].view(M, KV, d).transpose(0, 1)        # (KV, M, D)
+        v = qkv[:, self.q_size + self.kv_size:self.q_size + 2 * self.kv_size].view(M, KV, d).transpose(0, 1)  # (KV, M, D)
         if self.q_norm is not None and not cfg.qk_norm_full:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
         qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
@@ -272,14 +288,27 @@ class Layer(nn.Module):
         else:
             outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)              # (M, q)
-        a = self.o(attn.to(x.dtype))
+        attn = attn.to(x.dtype)
+        if cfg.attn_output_gate:        # qwen35: each output times sigmoid of its gate row [ROW-EXACT]
+            attn = attn * self.kernels.pointwise("sigmoid", qkv[:, self.q_size + 2 * self.kv_size:])
+        a = self.o(attn)
         x = x + (a if self.attn_out_norm is None else rms_norm(a, self.attn_out_norm, eps))
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half's output (before the residual add): experts or the gated MLP."""
+        eps = self.cfg.rms_norm_eps
         if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
-            return x + self.moe(rms_norm(x, self.post_norm, eps))
+            return self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
-        act = F.silu(g) if cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh")
-        y = self.down(act * u)
-        return x + (y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps))
+        if self.cfg.layer_kinds and x.dtype == torch.float32:
+            # [ROW-EXACT] hybrid models: a recurrent state keeps any bit a row's neighbours changed, and
+            # torch's SiLU gives a buffer's tail other bits (deltanet.py); recurrent.c's is per element
+            y = self.down(self.kernels.pointwise("silu_mul", g, u))
+        else:
+            act = F.silu(g) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh")
+            y = self.down(act * u)
+        return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps)
 
     def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32.
@@ -438,14 +467,15 @@ class Transformer(nn.Module):
         return torch.stack([kept[t] for t in keys])
 
     def forward(self, x: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, state=None) -> torch.Tensor:
         """x: (T, hidden) input embeddings of positions [start, start + T).
         k_cache/v_cache: (layers, kv_heads, capacity >= start + T, head_dim).
         Returns fp32 logits (T, vocab) when all_logits, else (1, vocab) for the last position only
         (a 1024-token prefill would otherwise spend more on the LM head than on attention).
         Side effect: writes K/V of positions [start, start + T) into the caches; nothing else.
-        A batch of one: the same code path as `forward_batch`."""
-        seg = Segment(start, x.shape[0], k_cache, v_cache, "all" if all_logits else "last")
+        A batch of one: the same code path as `forward_batch`. state: a hybrid model's recurrent state at
+        `start` (kv/recurrent.RecurrentState; advanced here, its `pos` left to the caller)."""
+        seg = Segment(start, x.shape[0], k_cache, v_cache, "all" if all_logits else "last", state)
         return self.forward_batch(x, [seg])[0]
 
     def forward_batch(self, x: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor | None]:
@@ -471,9 +501,12 @@ class Transformer(nn.Module):
             # the torch attention's masks, one per window; the native one reads each row's keys itself
             bias = {w: causal_bias(s.start, s.length, s.k_cache.shape[2], w) if self.kernels is None else None
                     for w in windows}
+            if self.cfg.recurrent_layers and (s.state is None or s.state.pos != s.start):
+                raise ValueError(f"a hybrid model's segment at {s.start} needs its recurrent state there "
+                                 f"(state at {getattr(s.state, 'pos', None)})")
             for i, layer_parts in enumerate(parts):
                 layer_parts.append(_Part(r0, r0 + s.length, s.start, bias[self.layers[i].window],
-                                         s.k_cache[i], s.v_cache[i]))
+                                         s.k_cache[i], s.v_cache[i], s.state, s.captures))
             r0 += s.length
         table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place

@@ -1,0 +1,83 @@
+/* The gated delta rule (Qwen3.5 / Qwen3-Next's linear-attention layers), one token at a time, in prefill and
+ * in decode alike (models/deltanet.py).
+ *
+ * Why one token at a time: a recurrent layer's state cannot be cut back to a prefix, so reuse resumes it
+ * from a snapshot (kv/recurrent.py). The chunked scan (transformers' torch_chunk_gated_delta_rule) and the
+ * one-step update compute the same state with different roundings, so a state reached by a decode, a
+ * prefill in chunks or a cold run would differ in its bits. Here every path takes the same per-token
+ * steps: the state after position p has the same bits however p was reached (cold, resumed, chunked,
+ * batched, decoded), which is what makes a snapshot at any position exact [RESUME-EXACT].
+ *
+ * Per value head h (key head h / (Hv / Hk)), per token t, with S (dk, dv) the head's state:
+ *   S *= exp(g[t, h])                                  (each element: one product)
+ *   m[j] = sum_i S[i][j] k[i]                          (i ascending: each j its own chain)
+ *   d[j] = (v[j] - m[j]) * beta[t, h]
+ *   S[i][j] += k[i] d[j]                               (one fma each)
+ *   o[j] = sum_i S[i][j] q[i]                          (i ascending)
+ * Every lane j runs its own chains in the order of i, so the vector width cannot change a bit; heads are
+ * independent (threads split them). q, k arrive L2-normalised and q scaled (deltanet.py, in torch).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* q, k: (T, Hk, dk) fp32; v: (T, Hv, dv); g, beta: (T, Hv); state: (Hv, dk, dv), updated in place; out: (T, Hv,
+ * dv). Hv a multiple of Hk, dv <= 512. Side effects: state, out. 0, or -1 on a shape it does not take. */
+int tq_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, int64_t T,
+                  int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, float *state, float *out, int nthreads) {
+    if (T < 0 || Hk <= 0 || Hv % Hk || dk <= 0 || dv <= 0 || dv > 512) return -1;
+    const int64_t rep = Hv / Hk;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (Hv > 1 && T * dk * dv > 32768)
+    for (int64_t h = 0; h < Hv; h++) {
+        float *S = state + h * dk * dv;
+        float m[512], d[512];
+        for (int64_t t = 0; t < T; t++) {
+            const float *qt = q + (t * Hk + h / rep) * dk, *kt = k + (t * Hk + h / rep) * dk;
+            const float *vt = v + (t * Hv + h) * dv;
+            const float e = expf(g[t * Hv + h]), b = beta[t * Hv + h];
+            for (int64_t j = 0; j < dv; j++) m[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {
+                float *row = S + i * dv;
+                const float ki = kt[i];
+                for (int64_t j = 0; j < dv; j++) {
+                    row[j] *= e;
+                    m[j] = fmaf(row[j], ki, m[j]);
+                }
+            }
+            for (int64_t j = 0; j < dv; j++) d[j] = (vt[j] - m[j]) * b;
+            float *o = out + (t * Hv + h) * dv;
+            for (int64_t j = 0; j < dv; j++) o[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {
+                float *row = S + i * dv;
+                const float ki = kt[i], qi = qt[i];
+                for (int64_t j = 0; j < dv; j++) {
+                    row[j] = fmaf(ki, d[j], row[j]);
+                    o[j] = fmaf(row[j], qi, o[j]);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- pointwise functions, the same bits for every element wherever it lies --------------------------
+ * Why: torch's CPU sigmoid / SiLU take a vector formula for most elements and another for a buffer's tail
+ * (and for each thread's chunk tail), so an element's bits depended on how many rows were computed with it
+ * (measured: a 7-row chunk's SiLU differed from the same rows inside 80). A recurrent state carries such a
+ * difference forever, so the hybrid layers take these: one scalar formula per element (libm expf / log1pf,
+ * no contraction), any split across threads. op: 0 sigmoid(x), 1 silu(x) = x * sigmoid(x), 2 softplus(x)
+ * (x above 20: x, as torch's threshold), 3 silu(x) * u. y may be x. */
+void tq_pointwise(int op, const float *x, const float *u, float *y, int64_t n, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        float r;
+        switch (op) {
+        case 0: r = 1.0f / (1.0f + expf(-v)); break;
+        case 1: r = v / (1.0f + expf(-v)); break;
+        case 2: r = v > 20.0f ? v : log1pf(expf(v)); break;
+        default: r = (v / (1.0f + expf(-v))) * u[i]; break;
+        }
+        y[i] = r;
+    }
+}

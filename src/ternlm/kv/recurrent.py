@@ -1,0 +1,109 @@
+"""A slot's recurrent state (hybrid models' gated-DeltaNet layers) and its snapshots.
+
+Why snapshots: attention KV can be cut back to any prefix, a recurrent layer's state cannot (it folds every
+token in). So the slot keeps the state at the end of its record (`pos`) and copies of it at earlier
+positions: every `interval` absolute positions (the grid) and at the end of each prefill. Reuse resumes
+from the latest of those at or before the divergence ([RESUME-AT-SNAPSHOT]); at most the grid's interval of
+tokens (plus what was decoded since the last snapshot) is prefilled again. The scan takes the same per-token
+steps on every path (kernels/recurrent.c [RESUME-EXACT]), so a resumed state has the cold run's bits.
+
+Invariant: `pos == len(record)` whenever the slot is idle, and the state (and every snapshot at s) describes
+record.fed[0:pos] (resp. [0:s]): the runner advances `pos` where it appends the record [RECORD-WHERE-FED],
+truncation restores a snapshot before cutting the record, and a failed step invalidates the state (the
+record is then cleared by the runner: any doubt, recompute).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    layers: int          # recurrent layers (the model's gated-DeltaNet layers, in order)
+    conv_dim: int        # channels of the short causal convolution (q | k | v before it)
+    conv_keep: int       # inputs the convolution keeps: kernel - 1
+    heads: int           # value heads Hv
+    key_dim: int         # dk
+    value_dim: int       # dv
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one state (every recurrent layer's conv inputs and delta-rule state, fp32)."""
+        return 4 * self.layers * (self.conv_dim * self.conv_keep + self.heads * self.key_dim * self.value_dim)
+
+
+def recurrent_shape(cfg) -> RecurrentShape | None:
+    """What a slot's recurrent state holds for a model (config.ModelConfig), None when no layer is recurrent."""
+    if not cfg.recurrent_layers:
+        return None
+    conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+    return RecurrentShape(len(cfg.recurrent_layers), conv_dim, cfg.linear_conv_kernel - 1,
+                          cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)
+
+
+class RecurrentState:
+    """One slot's recurrent state. Not thread-safe: the slot's holder is its only user."""
+
+    def __init__(self, shape: RecurrentShape, interval: int = 64, max_snapshots: int = 64):
+        if interval < 1 or max_snapshots < 1:
+            raise ValueError("state interval and max snapshots must be >= 1")
+        self.shape, self.interval, self.max_snapshots = shape, interval, max_snapshots
+        s = shape
+        self.conv = torch.zeros(s.layers, s.conv_dim, s.conv_keep)            # (R, conv_dim, K - 1), oldest first
+        self.ssm = torch.zeros(s.layers, s.heads, s.key_dim, s.value_dim)     # (R, Hv, dk, dv)
+        self.pos = 0                 # the state describes positions [0, pos); -1: invalid (a failed step)
+        self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # position -> (conv, ssm) copies
+
+    def reset(self) -> None:
+        """The state before position 0 (zeros), no snapshots."""
+        self.conv.zero_()
+        self.ssm.zero_()
+        self.pos = 0
+        self.snaps.clear()
+
+    def invalidate(self) -> None:
+        """A step failed with the state half-advanced: nothing describes it (the snapshots still do their
+        positions)."""
+        self.pos = -1
+
+    def resumable(self, k: int) -> int:
+        """The latest position <= k this state can resume from: `pos` itself, a snapshot, or 0. Pure."""
+        if 0 <= self.pos <= k:
+            return self.pos
+        return max((s for s in self.snaps if s <= k), default=0)
+
+    def restore(self, k: int) -> None:
+        """Make the state describe [0, k): k must be `resumable(k)`. Drops the snapshots past k (their
+        positions are about to be rewritten). Side effects: conv, ssm, pos, snaps."""
+        if k != self.resumable(k):
+            raise ValueError(f"no recurrent snapshot at {k} (latest at or before it: {self.resumable(k)})")
+        if k == 0:
+            self.reset()
+            return
+        if k != self.pos:
+            conv, ssm = self.snaps[k]
+            self.conv.copy_(conv)
+            self.ssm.copy_(ssm)
+            self.pos = k
+        for s in [s for s in self.snaps if s > k]:
+            del self.snaps[s]
+
+    def wants(self, start: int, end: int, prefill_end: bool) -> list[int]:
+        """Positions in (start, end] whose state a step over [start, end) should copy: the grid's multiples,
+        and `end` itself at the end of a prefill. Pure."""
+        grid = list(range((start // self.interval + 1) * self.interval, end + 1, self.interval))
+        return grid + ([end] if prefill_end and end not in grid and end > start else [])
+
+    def keep(self, pos: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """A snapshot at `pos` (copies made by the caller). Over max_snapshots, the oldest other than the
+        newest few goes first: later positions serve the usual next turn (an append or a trimmed answer)."""
+        self.snaps[pos] = (conv, ssm)
+        while len(self.snaps) > self.max_snapshots:
+            del self.snaps[min(self.snaps)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the live state and every snapshot."""
+        return self.shape.nbytes * (1 + len(self.snaps))

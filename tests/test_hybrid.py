@@ -1,0 +1,157 @@
+"""Hybrid models (issue 47): Qwen3.5's gated DeltaNet layers beside gated attention, and reuse with a recurrent
+state (kv/recurrent.py snapshots, kernels/recurrent.c's one-token-at-a-time scan).
+
+Oracles: transformers' Qwen3_5ForCausalLM (its pure-torch chunked scan and conv, not fla) on a tiny random
+model saved with save_pretrained; our own cold run (`--no-prefix-kv`, a fresh slot, one full pass) for every
+reuse: a resumed state must give the cold run's logits bit for bit, at every divergence point.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ternlm.engine import Engine
+from ternlm.kv.record import lcp
+from ternlm.kv.recurrent import RecurrentShape, RecurrentState
+from ternlm.models.hf import load_hf_folder
+from test_batching import alone, together
+from test_loaders import _save_tokenizer
+from test_moe import ids_of
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=1024,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_qwen35(seed: int = 0, **kw):
+    import transformers as tf
+    cfg = tf.Qwen3_5TextConfig(**{**TINY, **kw})
+    torch.manual_seed(seed)
+    model = tf.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():             # norms away from their zero init (x * (1 + w)): the +1 at load matters
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") and "linear_attn" not in n:
+                p.normal_(0, 0.3)
+            elif n.endswith("linear_attn.norm.weight"):
+                p.normal_(1, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    hf = hf_qwen35(seed=3)
+    folder = tmp_path_factory.mktemp("qwen35")
+    hf.save_pretrained(folder)
+    _save_tokenizer(folder)
+    return hf, folder
+
+
+def _engine(folder, **kw) -> Engine:
+    return Engine(load_hf_folder(folder, torch.float32), dtype="float32", min_reuse=1, **kw)
+
+
+def test_config_and_layers_from_the_folder(qwen35):
+    _, folder = qwen35
+    cfg = load_hf_folder(folder, torch.float32).config
+    assert cfg.arch == "qwen35" and cfg.layer_kinds == ("deltanet",) * 3 + ("attention",)
+    assert cfg.attn_output_gate and cfg.rope_spec.rotary_dim == 4 and cfg.recurrent_layers == (0, 1, 2)
+
+
+def test_logits_and_greedy_text_match_transformers(qwen35):
+    """Logits within fp32 rounding of transformers' (its chunked scan, ours one token at a time), and greedy
+    decoding gives the same tokens."""
+    hf, folder = qwen35
+    engine = _engine(folder)
+    ids = ids_of(150, seed=2)
+    ours = engine.logits(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() <= 2e-5 * ref.abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    out = engine.generate(ids[:40], max_tokens=24, ignore_eos=True)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids[:40]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 40:]
+    assert out.token_ids == want.tolist()
+
+
+def test_chunks_and_decode_give_one_pass_bits(qwen35):
+    """[RESUME-EXACT] the scan takes the same per-token steps on every path: a prompt in chunks of 7, then
+    decoded token by token, gives the bits of one pass over all of it."""
+    _, folder = qwen35
+    engine = _engine(folder)
+    ids = ids_of(90, seed=5)
+    whole = engine.logits(ids)
+    engine.runner.chunk_size = 7
+    slot = engine.slots[0]
+    last = engine.runner.prefill(slot, ids[:-10])
+    assert torch.equal(last, whole[-11])
+    for i, t in enumerate(ids[-10:]):
+        assert torch.equal(engine.runner.decode(slot, t), whole[len(ids) - 10 + i]), i
+    assert slot.state.pos == len(slot.record) == len(ids)
+
+
+def test_reuse_at_every_divergence_gives_the_cold_bits(qwen35):
+    """A 300-token conversation, then a prompt that leaves it at every point d in 0..300: the reused run
+    (resumed at the latest snapshot <= d, kept KV, the rest prefilled) gives the cold run's logits bit for
+    bit, its first token's and the decoded ones'; it reuses exactly that snapshot."""
+    _, folder = qwen35
+    warm, cold = _engine(folder, state_interval=32), _engine(folder, prefix_reuse=False)
+    base = ids_of(300, seed=7)
+    other = ids_of(300, seed=8)
+    for d in range(0, 301):
+        warm.generate(base, max_tokens=1, ignore_eos=True, slot=0)      # the slot holds base (+ snapshots)
+        snaps = set(warm.slots[0].state.snaps) | {warm.slots[0].state.pos}
+        prompt = base[:d] + other[d:] if d < 300 else base + other[:20]
+        k = min(lcp(warm.slots[0].record.fed, prompt), len(prompt) - 1)      # what attention alone would keep
+        expect = max([s for s in snaps if s <= k], default=0)
+        got = warm.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True, slot=0)
+        assert got.cached_tokens == (expect if expect >= 1 else 0), d
+        ref = cold.logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
+        assert torch.equal(got.logits, ref), d
+
+
+def test_batched_equals_alone(qwen35):
+    """Four requests joining a batch at different steps (prefill chunks beside decodes, each slot its own
+    recurrent state) give each one's tokens and logits alone, bit for bit."""
+    _, folder = qwen35
+    engine = _engine(folder, slots=5, chunk_size=16)
+    reqs = [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)]
+    solo = [alone(engine, p, m)[0] for p, m in reqs]
+    batched = together(engine, reqs, [0, 0, 2, 3], budget=40)
+    for i, (b, a) in enumerate(zip(batched, solo)):
+        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+
+
+def test_threads_do_not_change_the_bits(qwen35):
+    _, folder = qwen35
+    engine = _engine(folder)
+    ids = ids_of(70, seed=9)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(engine.logits(ids))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_state_snapshots_grid_and_restore():
+    """The snapshot bookkeeping alone: the grid's positions and a prefill's end are wanted; resumable is
+    pos itself or the latest snapshot at or before k; restoring drops what lies past; the oldest snapshot
+    goes first over the limit."""
+    st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=3)
+    assert st.wants(0, 200, prefill_end=True) == [64, 128, 192, 200]
+    assert st.wants(64, 65, prefill_end=False) == [] and st.wants(127, 128, prefill_end=False) == [128]
+    for p in (64, 128, 192):
+        st.keep(p, torch.full_like(st.conv, p), torch.full_like(st.ssm, p))
+    st.pos = 200
+    assert st.resumable(250) == 200 and st.resumable(199) == 192 and st.resumable(63) == 0
+    st.keep(200, st.conv.clone(), st.ssm.clone())
+    assert sorted(st.snaps) == [128, 192, 200]                  # 64 went first
+    st.restore(128)
+    assert st.pos == 128 and sorted(st.snaps) == [128] and torch.equal(st.ssm, torch.full_like(st.ssm, 128))
+    with pytest.raises(ValueError):
+        st.restore(100)
