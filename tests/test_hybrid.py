@@ -47,8 +47,8 @@ def qwen35(tmp_path_factory):
     return hf, folder
 
 
-def _engine(folder, **kw) -> Engine:
-    return Engine(load_hf_folder(folder, torch.float32), dtype="float32", min_reuse=1, **kw)
+def _engine(folder, dtype: str = "float32", **kw) -> Engine:
+    return Engine(load_hf_folder(folder, torch.float32), dtype=dtype, min_reuse=1, **kw)
 
 
 def test_config_and_layers_from_the_folder(qwen35):
@@ -75,11 +75,12 @@ def test_logits_and_greedy_text_match_transformers(qwen35):
     assert out.token_ids == want.tolist()
 
 
-def test_chunks_and_decode_give_one_pass_bits(qwen35):
+@pytest.mark.parametrize("dtype", ["float32", "auto"])        # auto: bfloat16 where the CPU has it
+def test_chunks_and_decode_give_one_pass_bits(qwen35, dtype):
     """[RESUME-EXACT] the scan takes the same per-token steps on every path: a prompt in chunks of 7, then
-    decoded token by token, gives the bits of one pass over all of it."""
+    decoded token by token, gives the bits of one pass over all of it (fp32, and the CPU's own dtype)."""
     _, folder = qwen35
-    engine = _engine(folder)
+    engine = _engine(folder, dtype)
     ids = ids_of(90, seed=5)
     whole = engine.logits(ids)
     engine.runner.chunk_size = 7

@@ -290,7 +290,7 @@ class Layer(nn.Module):
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)              # (M, q)
         attn = attn.to(x.dtype)
         if cfg.attn_output_gate:        # qwen35: each output times sigmoid of its gate row [ROW-EXACT]
-            attn = attn * self.kernels.pointwise("sigmoid", qkv[:, self.q_size + 2 * self.kv_size:])
+            attn = attn * self.kernels.pointwise("sigmoid", qkv[:, self.q_size + 2 * self.kv_size:]).to(attn.dtype)
         a = self.o(attn)
         x = x + (a if self.attn_out_norm is None else rms_norm(a, self.attn_out_norm, eps))
         return x + self._mlp(x)
@@ -301,10 +301,10 @@ class Layer(nn.Module):
         if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
             return self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
-        if self.cfg.layer_kinds and x.dtype == torch.float32:
+        if self.cfg.layer_kinds:
             # [ROW-EXACT] hybrid models: a recurrent state keeps any bit a row's neighbours changed, and
-            # torch's SiLU gives a buffer's tail other bits (deltanet.py); recurrent.c's is per element
-            y = self.down(self.kernels.pointwise("silu_mul", g, u))
+            # torch's SiLU gives a buffer's tail other bits (deltanet.py); recurrent.c's is per element (fp32)
+            y = self.down(self.kernels.pointwise("silu_mul", g, u).to(x.dtype))
         else:
             act = F.silu(g) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh")
             y = self.down(act * u)
