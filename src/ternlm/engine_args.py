@@ -33,6 +33,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk size in tokens (256: best measured)")
+    p.add_argument("--state-interval", type=int, default=64,
+                   help="hybrid models (qwen35): snapshot each slot's recurrent state every N positions (and at "
+                        "each prefill's end); reuse resumes at the latest one before a divergence (default 64)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--chat-template", type=template_file, default=None, metavar="FILE",
                    help="a jinja chat template (Hugging Face semantics) replacing the model's own")
@@ -67,6 +70,7 @@ def load_engine(args, slots: int = 1):
                          activations=getattr(args, "activations", "auto"),
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
+                         state_interval=getattr(args, "state_interval", 64),
                          chat_template=args.chat_template, expert_cache=args.expert_cache)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine
