@@ -2,15 +2,22 @@
 state (kv/recurrent.py snapshots, kernels/recurrent.c's one-token-at-a-time scan).
 
 Oracles: transformers' Qwen3_5ForCausalLM (its pure-torch chunked scan and conv, not fla) on a tiny random
-model saved with save_pretrained; our own cold run (`--no-prefix-kv`, a fresh slot, one full pass) for every
-reuse: a resumed state must give the cold run's logits bit for bit, at every divergence point.
+model, saved with save_pretrained and written as llama.cpp's converter writes it (tests/hybrid_to_gguf.py:
+f32, Q8_0, Q4_K; the key heads fewer than the value heads, so the converter's tiled V order is exercised); our
+own cold run (`--no-prefix-kv`, a fresh slot, one full pass) for every reuse: a resumed state must give the
+cold run's logits bit for bit, at every divergence point.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gguf import GGMLQuantizationType as QT
+
 from ternlm.engine import Engine
+from ternlm.models.gguf import load_gguf
+from ternlm.weights import choose_weights
+from hybrid_to_gguf import write_qwen35_gguf
 from ternlm.kv.record import lcp
 from ternlm.kv.recurrent import RecurrentShape, RecurrentState
 from ternlm.models.hf import load_hf_folder
@@ -156,3 +163,67 @@ def test_state_snapshots_grid_and_restore():
     assert st.pos == 128 and sorted(st.snaps) == [128] and torch.equal(st.ssm, torch.full_like(st.ssm, 128))
     with pytest.raises(ValueError):
         st.restore(100)
+
+
+# Q4_K needs 256-wide inputs: the same model, wider
+WIDE = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_value_head_dim=64, linear_key_head_dim=64)
+
+
+def _gguf(tmp_path, quant, act: str | None, seed: int = 3):
+    """(transformers model holding the file's numbers, our engine on the file) for quant None (f32) / Q8_0 /
+    Q4_K and activations fp32 | int8 (the GGUF's blocks kept: --weights gguf)."""
+    hf = hf_qwen35(seed=seed, **(WIDE if quant == QT.Q4_K else {}))
+    path = tmp_path / f"qwen35-{getattr(quant, 'name', 'f32')}.gguf"
+    write_qwen35_gguf(hf, path, quant)
+    keep = quant is not None
+    loaded = load_gguf(path, torch.float32, keep_quantized=keep, lanes=keep)
+    assert loaded.config.linear_v_tiled and loaded.config.layer_kinds == ("deltanet",) * 3 + ("attention",)
+    weights = choose_weights("gguf", "auto", True, activations=act) if keep else None
+    engine = Engine(loaded, dtype="float32", weights=weights, kv_dtype="float32", min_reuse=1)
+    assert engine.model.activations == (act or "fp32")
+    return hf, engine
+
+
+@pytest.mark.parametrize("quant", [None, QT.Q8_0, QT.Q4_K], ids=["f32", "q8_0", "q4_k"])
+def test_gguf_matches_transformers(quant, tmp_path):
+    """A converter-laid GGUF through our loader and kernels (fp32 activations) against transformers on the
+    file's numbers: logits within fp32 rounding (Q4_K's random blocks make wider weights: 5e-5 of the
+    scale), greedy tokens equal at every position."""
+    hf, engine = _gguf(tmp_path, quant, "fp32" if quant is not None else None)
+    ids = ids_of(120, seed=2)
+    ours = engine.logits(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() <= (5e-5 if quant == QT.Q4_K else 2e-5) * ref.abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("quant", [QT.Q8_0, QT.Q4_K], ids=["q8_0", "q4_k"])
+def test_gguf_int8_is_exact_on_every_path(quant, tmp_path):
+    """int8 activations (the default for quantized files) on a hybrid model: still the model (top-1 agreement
+    with transformers >= 90%), and chunks + decode == one pass, batched == alone, reuse at divergence points
+    == the cold run, bit for bit."""
+    hf, engine = _gguf(tmp_path, quant, "int8")
+    ids = ids_of(100, seed=4)
+    whole = engine.logits(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert int((whole.argmax(-1) == ref.argmax(-1)).sum()) >= 90
+    engine.runner.chunk_size = 9
+    slot = engine.slots[0]
+    assert torch.equal(engine.runner.prefill(slot, ids[:-5]), whole[-6])
+    for i, t in enumerate(ids[-5:]):
+        assert torch.equal(engine.runner.decode(slot, t), whole[len(ids) - 5 + i])
+    base, other = ids_of(130, seed=5), ids_of(130, seed=6)
+    for d in range(0, 131, 13):
+        engine.generate(base, max_tokens=1, ignore_eos=True, slot=0)
+        prompt = base[:d] + other[d:]
+        got = engine.generate(prompt, max_tokens=2, ignore_eos=True, keep_logits=True, slot=0)
+        cold = engine.runner.full_logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
+        assert torch.equal(got.logits, cold), d
+    engine2 = Engine(load_gguf(tmp_path / f"qwen35-{quant.name}.gguf", torch.float32, keep_quantized=True, lanes=True),
+                     dtype="float32", weights=engine.weights_choice, kv_dtype="float32", slots=4, chunk_size=16)
+    reqs = [(ids_of(n, seed=n), 4) for n in (30, 70, 11)]
+    solo = [alone(engine2, p, m)[0] for p, m in reqs]
+    for i, (b, a) in enumerate(zip(together(engine2, reqs, [0, 1, 2], budget=32), solo)):
+        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i

@@ -74,6 +74,9 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
+    # value head h reads key head h % linear_key_heads (llama.cpp's converter's "tiled" order) instead of
+    # h // (value heads / key heads) (transformers' grouped order): a GGUF's V heads, reordered by its converter
+    linear_v_tiled: bool = False
 
     def kind(self, layer: int) -> str:
         """Layer `layer`'s kind: "attention" | "deltanet"."""

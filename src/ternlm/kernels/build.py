@@ -259,7 +259,7 @@ def load() -> Kernels | Unavailable:
     lib.tq_int8_path.restype = ctypes.c_char_p
     lib.tq_int8_quant.argtypes = [p, i, i, p, p, p]
     lib.tq_int8_quant.restype = None
-    lib.tq_delta_rule.argtypes = [p, p, p, p, p, i, i, i, i, i, p, p, ctypes.c_int]
+    lib.tq_delta_rule.argtypes = [p, p, p, p, p, i, i, i, i, i, i, p, p, ctypes.c_int]
     lib.tq_delta_rule.restype = ctypes.c_int
     lib.tq_pointwise.argtypes = [ctypes.c_int, p, p, p, i, ctypes.c_int]
     lib.tq_pointwise.restype = None

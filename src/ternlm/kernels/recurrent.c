@@ -8,7 +8,7 @@
  * steps: the state after position p has the same bits however p was reached (cold, resumed, chunked,
  * batched, decoded), which is what makes a snapshot at any position exact [RESUME-EXACT].
  *
- * Per value head h (key head h / (Hv / Hk)), per token t, with S (dk, dv) the head's state:
+ * Per value head h (key head h / (Hv / Hk), or h % Hk in a GGUF's tiled order), per token t, with S (dk, dv) the head's state:
  *   S *= exp(g[t, h])                                  (each element: one product)
  *   m[j] = sum_i S[i][j] k[i]                          (i ascending: each j its own chain)
  *   d[j] = (v[j] - m[j]) * beta[t, h]
@@ -22,17 +22,20 @@
 #include <string.h>
 
 /* q, k: (T, Hk, dk) fp32; v: (T, Hv, dv); g, beta: (T, Hv); state: (Hv, dk, dv), updated in place; out: (T, Hv,
- * dv). Hv a multiple of Hk, dv <= 512. Side effects: state, out. 0, or -1 on a shape it does not take. */
+ * dv). Hv a multiple of Hk, dv <= 512; value head h reads key head h % Hk when `tiled` (a GGUF's order), else
+ * h / (Hv / Hk) (transformers'). Side effects: state, out. 0, or -1 on a shape it does not take. */
 int tq_delta_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, int64_t T,
-                  int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, float *state, float *out, int nthreads) {
+                  int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t tiled, float *state, float *out,
+                  int nthreads) {
     if (T < 0 || Hk <= 0 || Hv % Hk || dk <= 0 || dv <= 0 || dv > 512) return -1;
     const int64_t rep = Hv / Hk;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (Hv > 1 && T * dk * dv > 32768)
     for (int64_t h = 0; h < Hv; h++) {
         float *S = state + h * dk * dv;
         float m[512], d[512];
+        const int64_t kh = tiled ? h % Hk : h / rep;
         for (int64_t t = 0; t < T; t++) {
-            const float *qt = q + (t * Hk + h / rep) * dk, *kt = k + (t * Hk + h / rep) * dk;
+            const float *qt = q + (t * Hk + kh) * dk, *kt = k + (t * Hk + kh) * dk;
             const float *vt = v + (t * Hv + h) * dv;
             const float e = expf(g[t * Hv + h]), b = beta[t * Hv + h];
             for (int64_t j = 0; j < dv; j++) m[j] = 0.0f;

@@ -37,7 +37,7 @@ class DeltaNet:
         self.out = build([w["linear_attn.out_proj.weight"]])                   # (hidden, Hv dv)
         K = cfg.linear_conv_kernel
         self.conv_w = w["linear_attn.conv1d.weight"].float().reshape(self.conv_dim, K).T.contiguous()  # (K, C)
-        self.neg_a = -w["linear_attn.A_log"].float().exp()                      # (Hv,)
+        self.neg_a = w["linear_attn.A"].float()                                 # (Hv,) -exp(A_log), as loaded
         self.dt_bias = w["linear_attn.dt_bias"].float()                         # (Hv,)
         self.norm = w["linear_attn.norm.weight"].float()                        # (dv,)
 
@@ -98,7 +98,8 @@ class DeltaNet:
         cfg = self.cfg
         rc = self.kernels.lib.tq_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                             q.shape[0], cfg.linear_key_heads, cfg.linear_value_heads,
-                                            cfg.linear_key_dim, cfg.linear_value_dim, ssm.data_ptr(),
+                                            cfg.linear_key_dim, cfg.linear_value_dim, int(cfg.linear_v_tiled),
+                                            ssm.data_ptr(),
                                             out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise ValueError("gated delta rule: a shape the kernel does not take")

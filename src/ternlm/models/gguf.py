@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -291,6 +291,18 @@ _LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _POST_NORM_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
+# qwen35's gated DeltaNet layers (llama.cpp's converter: A stored as -exp(A_log), dt_bias as ssm_dt.bias, the
+# conv kernel squeezed to (channels, K), norms but ssm_norm stored as 1 + w, V heads in its tiled order)
+_DELTANET_NAMES = {
+    "ssm_a": "linear_attn.A", "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+# qwen35: post_attention_norm is the MLP's input norm (llama's post_attention_layernorm), no ffn_norm
+_QWEN35_PER_LAYER = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                     "ffn_down.weight")
+_QWEN35_ATTN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Not weights: RoPE frequency factors, read into the config (_rope_from_gguf).
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -311,6 +323,9 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m and config is not None and config.kind(int(m.group(1))) == "deltanet":
+        name = _DELTANET_NAMES.get(m.group(2)) or (_LAYER_NAMES.get(m.group(2)) if m.group(2) in _QWEN35_PER_LAYER else None)
+        return None if name is None else f"model.layers.{m.group(1)}.{name}"
     if m and config is not None and config.post_norms and m.group(2) in _POST_NORM_NAMES:
         return f"model.layers.{m.group(1)}.{_POST_NORM_NAMES[m.group(2)]}"
     if m and m.group(2) in _LAYER_NAMES:
@@ -397,6 +412,9 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     window = _field(reader, f"{arch}.attention.sliding_window", None)
     layers = int(_field(reader, f"{arch}.block_count"))
     kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
+    if arch == "qwen35":
+        kinds = _hybrid_from_gguf(reader, arch, layers)
+    first = f"blk.{kinds['layer_kinds'].index('attention')}." if "attention" in kinds.get("layer_kinds", ()) else "blk.0."
     if not kinds and window is not None and 0 < int(window) < context:
         # Phi-3-mini-4k's 2,047-token window on every layer: within it attention is full, so the
         # model runs exactly up to the window; past it would need windowed attention (issue 37).
@@ -415,13 +433,33 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qkv_bias=first + "attn_q.bias" in names,
+        qk_norm=first + "attn_q_norm.weight" in names,
         qk_norm_full=arch == "olmoe" and "blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
         **_moe_from_gguf(reader, arch, names),
         **kinds,
     )
+
+
+def _hybrid_from_gguf(reader: GGUFReader, arch: str, layers: int) -> dict:
+    """qwen35's per-layer kinds and DeltaNet sizes: attention.recurrent_layers (or every
+    full_attention_interval-th layer attention), ssm.{conv_kernel, state_size (dk), group_count (key heads),
+    time_step_rank (value heads), inner_size (value heads x dv)}; the converter's V heads are tiled."""
+    field = reader.get_field(f"{arch}.attention.recurrent_layers")
+    if field is not None:
+        recurrent = [bool(x) for x in field.contents()]
+    else:
+        every = int(_field(reader, f"{arch}.full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    if len(recurrent) != layers:
+        raise UnsupportedModelError(f"{arch}.attention.recurrent_layers has {len(recurrent)} entries, not {layers}")
+    hv = int(_field(reader, f"{arch}.ssm.time_step_rank"))
+    hk = int(_field(reader, f"{arch}.ssm.group_count"))
+    return dict(layer_kinds=tuple("deltanet" if r else "attention" for r in recurrent), attn_output_gate=True,
+                linear_key_heads=hk, linear_value_heads=hv, linear_key_dim=int(_field(reader, f"{arch}.ssm.state_size")),
+                linear_value_dim=int(_field(reader, f"{arch}.ssm.inner_size")) // hv,
+                linear_conv_kernel=int(_field(reader, f"{arch}.ssm.conv_kernel")), linear_v_tiled=hk != hv)
 
 
 GEMMA3_SWA_PATTERN = 6      # llama.cpp's set_swa_pattern(6): layers 5, 11, ... global, the rest windowed
@@ -512,6 +550,15 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")
     required = ["token_embd.weight", "output_norm.weight"]
+    if config.layer_kinds:         # a hybrid file: each layer's own set
+        for i in range(config.num_layers):
+            kind = _DELTANET_NAMES if config.kind(i) == "deltanet" else _QWEN35_ATTN + (
+                ("attn_q_norm.weight", "attn_k_norm.weight") if config.qk_norm else ())
+            required += [f"blk.{i}.{n}" for n in (*_QWEN35_PER_LAYER, *kind)]
+        missing = [n for n in required if n not in names]
+        if missing:
+            raise UnsupportedModelError(f"GGUF lacks tensors: {', '.join(missing[:8])}")
+        return
     per_layer = list(_REQUIRED_PER_LAYER)
     if config.arch == "phi3":      # fused q/k/v; ffn_up holds gate and up
         per_layer = [n for n in per_layer if n not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
@@ -601,6 +648,13 @@ def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, 
     if config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
         base, inter = name.removesuffix("up_proj.weight"), rows // 2
         return [(base + "gate_proj.weight", torch.arange(inter)), (base + "up_proj.weight", torch.arange(inter, rows))]
+    if config.attn_output_gate and name.endswith("self_attn.q_proj.weight"):
+        # qwen35: each head's q rows then its gate rows (H, 2 D): q (in the kernels' RoPE order) and gate_proj
+        per_head = torch.arange(rows).reshape(H, 2, d)
+        oq = qk_order(H, H * d)
+        q = per_head[:, 0].reshape(-1)
+        return [(name, q if oq is None else q[oq]),
+                (name.removesuffix("q_proj.weight") + "gate_proj.weight", per_head[:, 1].reshape(-1))]
     if ".self_attn.q_" in name or ".self_attn.k_" in name:
         heads = H if ".self_attn.q_" in name else KV
         return [(name, qk_order(heads, rows))]
@@ -626,7 +680,8 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
     tensors stay dense."""
     from .qweight import QUANTIZED_TYPES
     return (t.tensor_type in QUANTIZED_TYPES and (len(t.shape) == 2 or ".experts.*." in name)
-            and (name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")))
+            and (name.endswith("_proj.weight") or ".linear_attn.in_proj_" in name
+                 or name in ("lm_head.weight", "model.embed_tokens.weight")))
 
 
 def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quantized: bool,
@@ -785,7 +840,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
         quantized: list[ReaderTensor] = []
         dense: dict[str, torch.Tensor] = {}
         for t in tensors:  # checks every type before any work starts
-            if keep_quantized and _keeps_quantized(t, hf_name(t.name)):
+            if keep_quantized and _keeps_quantized(t, hf_name(t.name, config) or ""):
                 quantized.append(t)
                 continue
             dense[t.name], jobs = _start_tensor(t, dtype)
@@ -795,7 +850,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
             if t.name in dense:     # read once, into copies
                 reader.drop_pages(int(t.data_offset), int(t.n_bytes))
         for gname, w in dense.items():
-            experts = expert_parts(hf_name(gname), config.num_experts)
+            experts = expert_parts(hf_name(gname, config) or "", config.num_experts)
             if experts is not None:                 # (E, rows, in): expert e is the view w[e]
                 weights.update((name, w[e]) for name, e in experts)
                 continue
@@ -807,7 +862,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
             from .qconvert import lanes_from_gguf
             from .qweight import from_gguf, to_lanes
             for t in _each_then_dropped(reader, quantized):     # one at a time, each read once
-                experts = expert_parts(hf_name(t.name), config.num_experts)
+                experts = expert_parts(hf_name(t.name, config) or "", config.num_experts)
                 if experts is not None:             # quantization blocks run along the input: an
                     k, n, E = (int(d) for d in t.shape.tolist())     # expert is a contiguous slab of whole rows
                     raw = _tensor_bytes(t)

@@ -37,7 +37,7 @@ _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "
 _NORMS_FROM_ONE = ("gemma3", "qwen35")
 _NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's gated RMSNorm: x * w (transformers' own)
 # qwen35's gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
-_DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A_log", "conv1d.weight", "norm.weight", "out_proj.weight",
+_DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A", "conv1d.weight", "norm.weight", "out_proj.weight",
                                                    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                                    "in_proj_a.weight")}
 _HF_KINDS = {"linear_attention": "deltanet", "full_attention": "attention"}
@@ -326,6 +326,9 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
         if config.arch in _NORMS_FROM_ONE and name.endswith("norm.weight") and not name.endswith(_NORMS_AS_THEY_ARE):
             w = (w.float() + 1.0).to(w.dtype)      # x * (1 + w) -> x * w', as the reference adds in fp32
         m = _LAYER_RE.fullmatch(name)
+        if m and m.group(2) == "linear_attn.A_log":   # the decay rate -exp(A_log), as llama.cpp's converter stores it
+            out[name.removesuffix("_log")] = -w.float().exp()
+            continue
         if m and config.attn_output_gate and m.group(2) == "self_attn.q_proj.weight":
             # qwen35: each head's q rows then its gate rows, (H, 2 D, hidden) -> q_proj and gate_proj
             per_head = w.reshape(H, 2 * d, -1)
