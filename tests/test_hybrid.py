@@ -9,6 +9,8 @@ cold run's logits bit for bit, at every divergence point.
 """
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from ternlm.engine import Engine
 from ternlm.models.gguf import load_gguf
 from ternlm.weights import choose_weights
 from hybrid_to_gguf import write_qwen35_gguf
+from lesser_isa import LESSER, run_built_for
 from ternlm.kv.record import lcp
 from ternlm.kv.recurrent import RecurrentShape, RecurrentState
 from ternlm.models.hf import load_hf_folder
@@ -227,3 +230,39 @@ def test_gguf_int8_is_exact_on_every_path(quant, tmp_path):
     solo = [alone(engine2, p, m)[0] for p, m in reqs]
     for i, (b, a) in enumerate(zip(together(engine2, reqs, [0, 1, 2], budget=32), solo)):
         assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+
+
+_ISA_SCRIPT = textwrap.dedent("""
+    import os, tempfile, torch
+    from gguf import GGMLQuantizationType as QT
+    from ternlm.engine import Engine
+    from ternlm.models.gguf import load_gguf
+    from ternlm.weights import choose_weights
+    from hybrid_to_gguf import write_qwen35_gguf
+    from test_hybrid import hf_qwen35
+    from test_moe import ids_of
+    hf = hf_qwen35(seed=3)
+    path = os.path.join(tempfile.mkdtemp(), "m.gguf")
+    write_qwen35_gguf(hf, path, QT.Q8_0)
+    ids = ids_of(60, seed=2)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for act in ("fp32", "int8"):
+        e = Engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), dtype="float32",
+                   weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32")
+        whole = e.logits(ids)
+        if act == "fp32":
+            assert (whole - ref).abs().max() <= 2e-5 * ref.abs().max()
+        e.runner.chunk_size = 7
+        assert torch.equal(e.runner.prefill(e.slots[0], ids[:-1]), whole[-2])
+        assert torch.equal(e.runner.decode(e.slots[0], ids[-1]), whole[-1])
+    print(e.model.kernels.isa, "ok")
+""")
+
+
+@LESSER
+def test_lesser_isa_builds(march, isa, tmp_path):
+    """The hybrid layers as an AVX2-only (or baseline x86-64) CPU builds them (recurrent.c's scan and
+    pointwise functions, VN 8 or 4 lanes): transformers' logits (fp32 activations), chunks and decode ==
+    one pass (fp32 and int8)."""
+    assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec.h"
+
 /* q, k: (T, Hk, dk) fp32; v: (T, Hv, dv); g, beta: (T, Hv); state: (Hv, dk, dv), updated in place; out: (T, Hv,
  * dv). Hv a multiple of Hk, dv <= 512; value head h reads key head h % Hk when `tiled` (a GGUF's order), else
  * h / (Hv / Hk) (transformers'). Side effects: state, out. 0, or -1 on a shape it does not take. */
@@ -67,20 +69,34 @@ int tq_delta_rule(const float *q, const float *k, const float *v, const float *g
  * Why: torch's CPU sigmoid / SiLU take a vector formula for most elements and another for a buffer's tail
  * (and for each thread's chunk tail), so an element's bits depended on how many rows were computed with it
  * (measured: a 7-row chunk's SiLU differed from the same rows inside 80). A recurrent state carries such a
- * difference forever, so the hybrid layers take these: one scalar formula per element (libm expf / log1pf,
- * no contraction), any split across threads. op: 0 sigmoid(x), 1 silu(x) = x * sigmoid(x), 2 softplus(x)
- * (x above 20: x, as torch's threshold), 3 silu(x) * u. y may be x. */
+ * difference forever, so the hybrid layers take these: one formula per element, VN lanes at a time, a tail
+ * padded into a full vector (vec.h's expn: IEEE operations per lane, nothing across lanes), any split across
+ * threads. op: 0 sigmoid(x) = 1 / (1 + e^-x), 1 silu(x) = x / (1 + e^-x), 2 softplus(x) (libm log1pf(expf(x)),
+ * x above 20: x, torch's threshold; a few values a row), 3 silu(x) * u. e^-x with -x capped at 88 (finite). */
+static inline vf pointwise_n(int op, vf x, vf u) {
+    const vf t = expn(selectn(-x < splatn(88.0f), -x, splatn(88.0f)));
+    const vf one = splatn(1.0f);
+    switch (op) {
+    case 0: return one / (one + t);
+    case 1: return x / (one + t);
+    default: return (x / (one + t)) * u;
+    }
+}
+
 void tq_pointwise(int op, const float *x, const float *u, float *y, int64_t n, int nthreads) {
+    if (op == 2) {
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] > 20.0f ? x[i] : log1pf(expf(x[i]));
+        return;
+    }
+    const int64_t full = n / VN;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i];
-        float r;
-        switch (op) {
-        case 0: r = 1.0f / (1.0f + expf(-v)); break;
-        case 1: r = v / (1.0f + expf(-v)); break;
-        case 2: r = v > 20.0f ? v : log1pf(expf(v)); break;
-        default: r = (v / (1.0f + expf(-v))) * u[i]; break;
-        }
-        y[i] = r;
+    for (int64_t c = 0; c <= full; c++) {
+        const int64_t i = c * VN, m = n - i < VN ? n - i : VN;
+        if (m <= 0) continue;
+        float xb[VN] = {0}, ub[VN] = {0}, yb[VN];
+        memcpy(xb, x + i, (size_t)m * sizeof(float));
+        if (op == 3) memcpy(ub, u + i, (size_t)m * sizeof(float));
+        storen(yb, pointwise_n(op, loadn(xb), loadn(ub)));
+        memcpy(y + i, yb, (size_t)m * sizeof(float));
     }
 }
