@@ -266,3 +266,26 @@ def test_lesser_isa_builds(march, isa, tmp_path):
     pointwise functions, VN 8 or 4 lanes): transformers' logits (fp32 activations), chunks and decode ==
     one pass (fp32 and int8)."""
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
+
+
+def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
+    """The memory fit counts each slot's recurrent state with as many snapshots as it may keep, and its KV at
+    fp32 (hybrid layers run in torch); `ternlm info -m` reports a snapshot's bytes and a token's share; a
+    suggested --slots / --ctx fits with the state counted."""
+    from ternlm.fit import Available, budget_for, check
+    from ternlm.info_cli import recurrent_info
+    from ternlm.kv.recurrent import recurrent_shape
+    hf = hf_qwen35(seed=1)
+    path = tmp_path / "m.gguf"
+    write_qwen35_gguf(hf, path, QT.Q8_0)
+    shape = recurrent_shape(load_gguf(path, torch.float32).config)
+    b = budget_for(str(path), slots=3, ctx=512)
+    assert b.state_per_slot == shape.nbytes * (1 + RecurrentState.snapshots_for(shape)) > 0
+    assert b.kv_per_token == 4 * 2 * 4 * 2 * 16                      # 4 layers' K and V, 2 heads of 16, fp32
+    info = recurrent_info(str(path), 64)
+    assert info["snapshot_bytes"] == shape.nbytes and info["recurrent_layers"] == 3
+    tight = b.model + b.overhead + b.kv + b.state_per_slot * 2         # room for 2 of the 3 slots
+    fit = check(b, Available(tight, "test"), slots_flag=True)
+    assert not fit.ok and "--slots 2" in fit.line
+    import dataclasses
+    assert check(dataclasses.replace(b, slots=2), Available(tight, "test")).ok

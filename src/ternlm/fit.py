@@ -58,6 +58,7 @@ class Budget:
     slots: int
     ram_tier: int = 0        # serve's --cache-ram budget; 0 where there is no RAM tier
     dense: bool = False      # dense weights: --weights gguf is a smaller choice to suggest (GGUF models)
+    state_per_slot: int = 0  # a hybrid model's recurrent state and its snapshots, at most, per slot (kv/recurrent.py)
 
     def __post_init__(self) -> None:
         if min(self.model, self.kv_per_token, self.ctx, self.slots) < 1 or self.ram_tier < 0:
@@ -73,7 +74,7 @@ class Budget:
 
     @property
     def total(self) -> int:
-        return self.model + self.kv + self.ram_tier + self.overhead
+        return self.model + self.kv + self.state_per_slot * self.slots + self.ram_tier + self.overhead
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def check(budget: Budget, available: Available, slots_flag: bool = False) -> Fit
     difference; else that the model alone is too large."""
     b = budget
     parts = f"model {_gib(b.model)} + KV {_gib(b.kv)} for {_n(b.slots, 'slot')} x {b.ctx} tokens"
+    if b.state_per_slot:
+        parts += f" + recurrent state {_gib(b.state_per_slot * b.slots)}"
     if b.ram_tier:
         parts += f" + RAM tier {_gib(b.ram_tier)}"
     parts += f" + {_gib(b.overhead)} overhead"
@@ -127,7 +130,7 @@ def check(budget: Budget, available: Available, slots_flag: bool = False) -> Fit
 def _suggest(b: Budget, available: int, slots_flag: bool) -> str:
     """`try A or B (...)`: each option alone makes the budget fit (tests/test_fit.py checks it)."""
     tries = _kv_tries(b, available - b.model - b.overhead - b.ram_tier, slots_flag)   # the tier as set
-    tier_room = available - b.model - b.overhead - b.kv                               # KV as set
+    tier_room = available - b.model - b.overhead - b.kv - b.state_per_slot * b.slots   # KV as set
     if b.ram_tier and tier_room >= 0:
         tries.append(f"--cache-ram {tier_room // (256 << 20) * 256}MiB")
     if not tries and b.ram_tier:   # neither alone: a smaller KV with no tier at all
@@ -139,14 +142,15 @@ def _suggest(b: Budget, available: int, slots_flag: bool) -> str:
 
 
 def _kv_tries(b: Budget, kv_room: int, slots_flag: bool) -> list[str]:
-    """The largest --ctx (for b.slots) and --slots (for b.ctx) whose KV fits in kv_room bytes; where
-    neither does, one slot with the largest --ctx."""
+    """The largest --ctx (for b.slots) and --slots (for b.ctx) whose KV (and each slot's recurrent state)
+    fits in kv_room bytes; where neither does, one slot with the largest --ctx."""
     tries = []
-    if (ctx := _round_ctx(kv_room // (b.kv_per_token * b.slots))) > 0:
+    state = b.state_per_slot
+    if (ctx := _round_ctx((kv_room - state * b.slots) // (b.kv_per_token * b.slots))) > 0:
         tries.append(f"--ctx {ctx}")
-    if slots_flag and (slots := kv_room // (b.kv_per_token * b.ctx)) >= 1:
+    if slots_flag and (slots := kv_room // (b.kv_per_token * b.ctx + state)) >= 1:
         tries.append(f"--slots {slots}")
-    if not tries and slots_flag and b.slots > 1 and (ctx := _round_ctx(kv_room // b.kv_per_token)) > 0:
+    if not tries and slots_flag and b.slots > 1 and (ctx := _round_ctx((kv_room - state) // b.kv_per_token)) > 0:
         tries.append(f"--slots 1 --ctx {ctx}")    # neither alone: one slot, shorter
     return tries
 
@@ -278,7 +282,7 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     dense = wchoice.mode != "gguf"
     elem = WEIGHT_BYTES[choose_dtype(wchoice.dtype, probe()).dtype]
     shape = _gguf_shape(path) if kind == "gguf" else _hf_shape(path)
-    layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes = shape
+    layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes, recurrent = shape
     model_bytes = (params + tied_embed) * elem if dense else path.stat().st_size
     if expert_bytes and expert_cache != "resident":
         from .sizes import parse_size
@@ -286,15 +290,24 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
         model_bytes = max(model_bytes - expert_bytes, 0) + kept
     # Transformer._choose_kv_dtype: auto is fp16 where every layer runs fused in C (--weights gguf);
     # a model whose layers stay in torch gets fp32, twice this: rare, and the load logs why.
-    kv = kv_dtype if kv_dtype != "auto" else ("float32" if dense else "float16")
+    kv = kv_dtype if kv_dtype != "auto" else ("float32" if dense or recurrent else "float16")
     tokens = slot_tokens(min(ctx or max_ctx, max_ctx))          # Engine: min(ctx or the model's, the model's)
     return Budget(model_bytes, kv_bytes_per_token(layers, kv_heads, head_dim, kv), tokens, slots, ram_tier,
-                  dense=dense and kind == "gguf")
+                  dense=dense and kind == "gguf", state_per_slot=recurrent)
 
 
-def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int]:
+def _state_bytes(cfg) -> int:
+    """A slot's recurrent state with as many snapshots as it may keep (kv/recurrent.py); 0 without."""
+    from .kv.recurrent import RecurrentState, recurrent_shape
+    shape = recurrent_shape(cfg)
+    if shape is None:
+        return 0
+    return shape.nbytes * (1 + RecurrentState.snapshots_for(shape))
+
+
+def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int]:
     """(layers, kv_heads, head_dim, context, parameters, tied embedding's parameters or 0, bytes of
-    expert tensors) from the GGUF header (FastGGUFReader maps the file; reads no tensor data)."""
+    expert tensors, a slot's recurrent state bytes) from the GGUF header (FastGGUFReader maps the file; reads no tensor data)."""
     from .models.gguf import FastGGUFReader, config_from_gguf
     reader = FastGGUFReader(path)
     cfg = config_from_gguf(reader)
@@ -302,10 +315,10 @@ def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int]:
     tied = sizes.get("token_embd.weight", 0) if cfg.tie_word_embeddings else 0
     experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
     return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied,
-            experts)
+            experts, _state_bytes(cfg))
 
 
-def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int]:
+def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int]:
     """The same from config.json and the safetensors files' JSON headers (no tensor is read)."""
     from .models.hf import config_from_hf
     sizes: dict[str, int] = {}
@@ -313,7 +326,8 @@ def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int]:
         sizes |= _safetensors_sizes(file)
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()), set(sizes))
     tied = sizes.get("model.embed_tokens.weight", 0) if cfg.tie_word_embeddings else 0
-    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied, 0
+    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied, 0,
+            _state_bytes(cfg))
 
 
 def _safetensors_sizes(file: Path) -> dict[str, int]:

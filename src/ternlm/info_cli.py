@@ -73,6 +73,24 @@ def experts_info(model: str, expert_cache: str = "auto", ctx: int | None = None,
             "streamed": budget is not None, "budget": budget, "reason": plans[0].reason}
 
 
+def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float32") -> dict:
+    """A hybrid GGUF's recurrent state (kv/recurrent.py): bytes a snapshot holds, and a token's share of them at
+    one snapshot every `state_interval` positions, beside the KV bytes a token takes. Reads the header only.
+    {} for a model with no recurrent layer."""
+    from .fit import kv_bytes_per_token
+    from .kv.recurrent import recurrent_shape
+    from .models.gguf import FastGGUFReader, config_from_gguf
+    cfg = config_from_gguf(FastGGUFReader(model))
+    shape = recurrent_shape(cfg)
+    if shape is None:
+        return {}
+    from .kv.recurrent import SNAPSHOT_BUDGET
+    return {"arch": cfg.arch, "layers": cfg.num_layers, "recurrent_layers": shape.layers,
+            "snapshot_bytes": shape.nbytes, "state_interval": state_interval, "snapshot_budget": SNAPSHOT_BUDGET,
+            "snapshot_bytes_per_token": shape.nbytes / state_interval,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)}
+
+
 def _print(info: dict, out) -> None:
     c, t = info["cpu"], info["torch"]
     lines = [
@@ -111,6 +129,14 @@ def _print(info: dict, out) -> None:
         lines.append(f"          expert cache: {e['reason']}")
     elif "experts" in info:
         lines.append("experts   none (a dense model)")
+    if r := info.get("recurrent"):
+        from .sizes import format_size
+        lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers gated DeltaNet · "
+                     f"{format_size(r['snapshot_bytes'])} a state snapshot, one every {r['state_interval']} positions "
+                     f"and at each prefill's end: {format_size(int(r['snapshot_bytes_per_token']))} a token, up to "
+                     f"{format_size(r['snapshot_budget'])} a slot (the newest kept) · KV "
+                     f"{format_size(r['kv_bytes_per_token'])} a token (every layer's cache is allocated, the "
+                     f"recurrent layers' unused)")
     print("\n".join(lines), file=out)
 
 
@@ -118,6 +144,7 @@ def cmd_info(args) -> int:
     info = gather()
     if args.model:
         info["experts"] = experts_info(args.model, args.expert_cache, args.ctx, args.slots)
+        info["recurrent"] = recurrent_info(args.model, args.state_interval)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -130,9 +157,11 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("info", help="CPU, torch, dtype choices, threads, cache dirs (for bug reports)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("-m", "--model", default=None, metavar="FILE.gguf",
-                   help="a mixture-of-experts GGUF: the expert cache it would get (reads the header only)")
+                   help="a GGUF: the expert cache a mixture of experts would get, a hybrid model's recurrent state "
+                        "bytes (reads the header only)")
     p.add_argument("--expert-cache", default="auto", metavar="SIZE", help="as serve's (auto | resident | a size)")
     p.add_argument("--ctx", type=int, default=None, help="as serve's: sizes the KV budget beside the experts")
     p.add_argument("--slots", type=int, default=1, help="as serve's: sizes the KV budget beside the experts")
+    p.add_argument("--state-interval", type=int, default=64, help="as serve's: a hybrid model's snapshot grid")
     p.set_defaults(func=cmd_info)
     return p

@@ -43,10 +43,19 @@ def recurrent_shape(cfg) -> RecurrentShape | None:
                           cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)
 
 
+# Snapshots a slot keeps, in bytes: a Qwen3.5-like 24 x 1024 model's state is 19.3 MiB, so at one every 64
+# positions snapshots outweigh its KV ~3x; the newest are kept (an appended turn resumes at the last prefill's
+# end, an edit a few turns back at a grid point near it), the oldest dropped first.
+SNAPSHOT_BUDGET = 256 << 20
+
+
 class RecurrentState:
     """One slot's recurrent state. Not thread-safe: the slot's holder is its only user."""
 
-    def __init__(self, shape: RecurrentShape, interval: int = 64, max_snapshots: int = 64):
+    def __init__(self, shape: RecurrentShape, interval: int = 64, max_snapshots: int | None = None):
+        """max_snapshots: None = as many as SNAPSHOT_BUDGET holds (at least 2, at most 4096)."""
+        if max_snapshots is None:
+            max_snapshots = self.snapshots_for(shape)
         if interval < 1 or max_snapshots < 1:
             raise ValueError("state interval and max snapshots must be >= 1")
         self.shape, self.interval, self.max_snapshots = shape, interval, max_snapshots
@@ -55,6 +64,11 @@ class RecurrentState:
         self.ssm = torch.zeros(s.layers, s.heads, s.key_dim, s.value_dim)     # (R, Hv, dk, dv)
         self.pos = 0                 # the state describes positions [0, pos); -1: invalid (a failed step)
         self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # position -> (conv, ssm) copies
+
+    @staticmethod
+    def snapshots_for(shape: RecurrentShape) -> int:
+        """How many snapshots SNAPSHOT_BUDGET holds for this shape (at least 2, at most 4096). Pure."""
+        return min(4096, max(2, SNAPSHOT_BUDGET // max(shape.nbytes, 1)))
 
     def reset(self) -> None:
         """The state before position 0 (zeros), no snapshots."""
