@@ -204,3 +204,23 @@ def test_int8_engine_batched_equals_alone():
         slot = e.slots[i + 1]
         assert slot.record.fed == fed
         assert torch.equal(slot.k[:, :, :n], k[:, :, :n]) and torch.equal(slot.v[:, :, :n], v[:, :, :n])
+
+
+def test_parts_in_one_call_give_each_parts_bits():
+    """tq_int8_parts (a fused q|k|v, gate|up or a DeltaNet's input projections: x quantized once, every
+    part's blocks in one parallel region) gives each part's own product bits, whatever the layouts mixed,
+    the row count and the thread count; a padded last block (40 rows) included."""
+    mixed = [(ALL[0], 64), (K_LAYOUTS[-1], 40), (ALL[2], 96)]
+    parts = [to_int8(to_lanes(_weights(layout, out, 512))) for layout, out in mixed]
+    fused = QLinear(parts, None, int8_kernels())
+    assert fused._fused is not None
+    alone = [QLinear([p], None, int8_kernels()) for p in parts]
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 7, 70):
+                assert torch.equal(fused(x[:m]), torch.cat([q(x[:m]) for q in alone], dim=1)), (threads, m)
+    finally:
+        torch.set_num_threads(before)

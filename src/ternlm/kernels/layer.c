@@ -40,6 +40,8 @@ int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int6
                    int64_t b0, int64_t b1, float *y, int64_t ldy);
 void tq_int8_prepare(const float *x, int64_t K, int64_t m0, int64_t m1, int8_t *q, float *d, int32_t *s16,
                      float *ds);
+int tq_int8_parts(const float *x, int64_t M, int64_t K, const void *parts, int64_t nparts, float *y, int64_t ldy,
+                  int nthreads);
 int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d, const int32_t *s16,
                   const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
                   const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
@@ -101,10 +103,14 @@ typedef struct {
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* kernels/layer.py ACT_CODE */
 
-/* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices. */
+/* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices; parts all in int layouts: in one
+ * call (qint8.c's tq_int8_parts: x quantized once, one parallel region for every part). */
 static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float *y, int nthreads) {
-    int64_t off = 0;
-    for (int64_t i = 0; i < p->nparts; i++) {
+    int64_t off = 0, ints = 0;
+    for (int64_t i = 0; i < p->nparts; i++) ints += p->parts[i].layout >= 8;
+    const int fused = p->nparts > 1 && ints == p->nparts
+                      && tq_int8_parts(x, M, K, p->parts, p->nparts, y, p->n_out, nthreads) == 0;
+    for (int64_t i = 0; !fused && i < p->nparts; i++) {
         const TqPart *t = &p->parts[i];
         MM[t->layout][t->mode](x, M, K, t->codes, t->high, t->scale, t->bias, t->sup, t->n, y + off, p->n_out,
                                nthreads);

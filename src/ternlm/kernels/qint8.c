@@ -507,6 +507,66 @@ static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w,
     }
 }
 
+/* One projection's parts (int layouts, stacked along the outputs, as layer.c's TqPart: every field 8 bytes). */
+typedef struct {
+    int64_t layout, mode, n;
+    const uint8_t *codes, *high;
+    const void *scale, *bias;
+    const uint16_t *sup;
+} IPart;
+
+#define MAX_IPARTS 8
+
+/* y[:, off_p : off_p + n_p] = x parts[p]^T for every part p (off_p: the parts before it), x quantized once and
+ * every part's chunks of blocks in one parallel region. Why: a fused q|k|v or gate|up (or a DeltaNet's four
+ * input projections) took a parallel region and a quantization of x per part; a decode step's regions cost
+ * more than its products. The bits are each part's own int_mm's (an output's arithmetic never depends on the
+ * chunk or thread that runs it). 0, or -2 on a part it does not take (nothing written then). */
+int tq_int8_parts(const float *x, int64_t M, int64_t K, const IPart *parts, int64_t nparts, float *y, int64_t ldy,
+                  int nthreads) {
+    static const int KIND[4] = {I4, I5, I8, I6};
+    int kinds[MAX_IPARTS], modes[MAX_IPARTS];
+    int64_t first[MAX_IPARTS + 1], per[MAX_IPARTS], off[MAX_IPARTS], total_n = 0;
+    if (nparts < 1 || nparts > MAX_IPARTS || K % 32 || M <= 0) return -2;
+    first[0] = 0;
+    for (int64_t p = 0; p < nparts; p++) {
+        const IPart *t = &parts[p];
+        if (t->layout < 8 || t->layout > 11 || t->mode < 0 || t->mode > 4 || (t->layout == 11) != (t->mode == 3)
+            || (t->layout == 10 && t->mode == 2) || t->n <= 0)
+            return -2;
+        kinds[p] = KIND[t->layout - 8];
+        modes[p] = resolve_mode(kinds[p], (int)t->mode, t->bias);
+        const int64_t nb = (t->n + IBLK - 1) / IBLK;
+        per[p] = (nb + (int64_t)nthreads * 8 - 1) / ((int64_t)nthreads * 8);
+        first[p + 1] = first[p] + (nb + per[p] - 1) / per[p];
+        off[p] = total_n;
+        total_n += t->n;
+    }
+    const int64_t G = K / 32;
+    const size_t nq = round64((size_t)(M * K)), nd = round64((size_t)(M * G) * sizeof(float));
+    char *buf = scratch_get(nq + 2 * nd + round64((size_t)(M * 2 * G) * sizeof(int32_t)));
+    int8_t *xq = (int8_t *)buf;
+    float *dx = (float *)(buf + nq), *ds = (float *)(buf + nq + nd);
+    int32_t *s16 = (int32_t *)(buf + nq + 2 * nd);
+    const IAct act = {xq, dx, s16, ds};
+#pragma omp parallel num_threads(nthreads) if (M * K * total_n > (1 << 18))
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) prepare_row(x, K, m, xq, dx, s16, ds);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < first[nparts]; c++) {
+            int64_t p = 0;
+            while (c >= first[p + 1]) p++;
+            const IPart *t = &parts[p];
+            const IMat w = {t->codes, t->high, t->scale, t->bias, t->sup, K};
+            const int64_t nb = (t->n + IBLK - 1) / IBLK, b0 = (c - first[p]) * per[p];
+            const int64_t b1 = b0 + per[p] < nb ? b0 + per[p] : nb;
+            blocks(kinds[p], modes[p], &w, t->n, M, &act, b0, b1, y + off[p], ldy);
+        }
+    }
+    return 0;
+}
+
 /* ---- the entries (kernels/build.py INT8_VARIANTS; the mm_fn signature of layer.c's table) ---------- */
 
 /* The integer path this build took: part of the kernels' description (the bits do not depend on it). */

@@ -8,6 +8,8 @@ are multiplied with it or on the thread count, so no single-row trick is needed 
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ..kernels.build import Kernels
@@ -35,6 +37,8 @@ class QLinear:
         self.in_features = ins.pop()
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
+        # several int-layout parts: one qint8.c call (x quantized once, one parallel region), same bits
+        self._fused = _int8_parts(parts) if len(parts) > 1 and all(p.int8 for p in parts) else None
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +52,10 @@ class QLinear:
             raise ValueError(f"input has {K} features, the weight {self.in_features}")
         y = torch.empty(M, self.out_features)
         threads = torch.get_num_threads()
+        if self._fused is not None and self.kernels.lib.tq_int8_parts(
+                x.data_ptr(), M, K, ctypes.addressof(self._fused), len(self.parts), y.data_ptr(), self.out_features,
+                threads) == 0:
+            return y if self.bias is None else y.add_(self.bias)
         off = 0
         for p in self.parts:   # each part writes its own column slice of y (row stride out_features)
             n = p.shape[0]
@@ -60,6 +68,17 @@ class QLinear:
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _int8_parts(parts: list[QWeight]):
+    """The parts as qint8.c's IPart array (kernels/layer.py's _Part: layer.c's TqPart, the same fields); it
+    points into the parts' tensors, which the QLinear keeps."""
+    from ..kernels.layer import LAYOUT_CODE, MODE_CODE, _Part
+    arr = (_Part * len(parts))()
+    for i, w in enumerate(parts):
+        arr[i] = _Part(LAYOUT_CODE[w.fmt], MODE_CODE[w.mode], w.shape[0], w.codes.data_ptr(), _ptr(w.high),
+                       w.scale.data_ptr(), _ptr(w.bias), _ptr(w.sup))
+    return arr
 
 
 def projection(parts: list, bias: torch.Tensor | None, dtype: torch.dtype, pack: bool,
