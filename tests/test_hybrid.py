@@ -190,14 +190,19 @@ def _gguf(tmp_path, quant, act: str | None, seed: int = 3):
 @pytest.mark.parametrize("quant", [None, QT.Q8_0, QT.Q4_K], ids=["f32", "q8_0", "q4_k"])
 def test_gguf_matches_transformers(quant, tmp_path):
     """A converter-laid GGUF through our loader and kernels (fp32 activations) against transformers on the
-    file's numbers: logits within fp32 rounding (Q4_K's random blocks make wider weights: 5e-5 of the
-    scale), greedy tokens equal at every position."""
+    file's numbers: within fp32 rounding, judged against the same model in float64: our distance from it at
+    most 4x transformers' own fp32 distance (both sum the same products in other orders; Q4_K's random
+    blocks make wider weights, so no fixed fraction of the scale fits every type); greedy tokens equal."""
+    import copy
     hf, engine = _gguf(tmp_path, quant, "fp32" if quant is not None else None)
     ids = ids_of(120, seed=2)
     ours = engine.logits(ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    assert (ours - ref).abs().max() <= (5e-5 if quant == QT.Q4_K else 2e-5) * ref.abs().max()
+        ref64 = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0]
+    ours_err, hf_err = (ours.double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
+    print(f"{getattr(quant, 'name', 'f32')}: ours {ours_err:.3g}, transformers fp32 {hf_err:.3g} from float64")
+    assert ours_err <= 4 * hf_err
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 

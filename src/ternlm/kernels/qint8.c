@@ -479,20 +479,30 @@ static void *scratch_get(size_t bytes) {
 
 static size_t round64(size_t n) { return (n + 63) / 64 * 64; }
 
+/* The quantized rows of M x K activations in the calling thread's scratch: one buffer, xq (M, K) | dx (M, G) |
+ * ds (M, G) | s16 (M, 2G), each part 64-byte aligned (G = K / 32). Valid until the thread's next call. */
+static void act_scratch(int64_t M, int64_t K, int8_t **xq, float **dx, float **ds, int32_t **s16) {
+    const int64_t G = K / 32;
+    const size_t nq = round64((size_t)(M * K)), nd = round64((size_t)(M * G) * sizeof(float));
+    char *buf = scratch_get(nq + 2 * nd + round64((size_t)(M * 2 * G) * sizeof(int32_t)));
+    *xq = (int8_t *)buf;
+    *dx = (float *)(buf + nq);
+    *ds = (float *)(buf + nq + nd);
+    *s16 = (int32_t *)(buf + nq + 2 * nd);
+}
+
 /* x: (M, K) fp32 contiguous, K a multiple of 32; y: rows of stride ldy; w: a layout above, N real rows.
  * Side effects: writes y[:, :N] only, and the calling thread's scratch (the quantized rows: 1.5 K bytes a
  * row; grown, never freed before the thread exits). Threads quantize rows, then take chunks of blocks as
  * they come free (which thread does a block never changes its arithmetic). */
 static void int_mm(int kind, int mode, const float *x, int64_t M, const IMat *w, int64_t N, float *y,
                    int64_t ldy, int nthreads) {
-    const int64_t K = w->K, G = K / 32, nb = (N + IBLK - 1) / IBLK;
+    const int64_t K = w->K, nb = (N + IBLK - 1) / IBLK;
     if (M <= 0 || N <= 0) return;
-    /* one buffer: xq (M, K) | dx (M, G) | ds (M, G) | s16 (M, 2G), each part 64-byte aligned */
-    const size_t nq = round64((size_t)(M * K)), nd = round64((size_t)(M * G) * sizeof(float));
-    char *buf = scratch_get(nq + 2 * nd + round64((size_t)(M * 2 * G) * sizeof(int32_t)));
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nq), *ds = (float *)(buf + nq + nd);
-    int32_t *s16 = (int32_t *)(buf + nq + 2 * nd);
+    int8_t *xq;
+    float *dx, *ds;
+    int32_t *s16;
+    act_scratch(M, K, &xq, &dx, &ds, &s16);
     const IAct act = {xq, dx, s16, ds};
     const int64_t per = (nb + (int64_t)nthreads * 8 - 1) / ((int64_t)nthreads * 8);
 #pragma omp parallel num_threads(nthreads) if (M * K * N > (1 << 18))
@@ -542,12 +552,10 @@ int tq_int8_parts(const float *x, int64_t M, int64_t K, const IPart *parts, int6
         off[p] = total_n;
         total_n += t->n;
     }
-    const int64_t G = K / 32;
-    const size_t nq = round64((size_t)(M * K)), nd = round64((size_t)(M * G) * sizeof(float));
-    char *buf = scratch_get(nq + 2 * nd + round64((size_t)(M * 2 * G) * sizeof(int32_t)));
-    int8_t *xq = (int8_t *)buf;
-    float *dx = (float *)(buf + nq), *ds = (float *)(buf + nq + nd);
-    int32_t *s16 = (int32_t *)(buf + nq + 2 * nd);
+    int8_t *xq;
+    float *dx, *ds;
+    int32_t *s16;
+    act_scratch(M, K, &xq, &dx, &ds, &s16);
     const IAct act = {xq, dx, s16, ds};
 #pragma omp parallel num_threads(nthreads) if (M * K * total_n > (1 << 18))
     {

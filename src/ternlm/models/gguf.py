@@ -412,7 +412,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     window = _field(reader, f"{arch}.attention.sliding_window", None)
     layers = int(_field(reader, f"{arch}.block_count"))
     kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
-    if arch == "qwen35":
+    if reader.get_field(f"{arch}.ssm.conv_kernel") is not None:     # recurrent layers: a hybrid file
         kinds = _hybrid_from_gguf(reader, arch, layers)
     first = f"blk.{kinds['layer_kinds'].index('attention')}." if "attention" in kinds.get("layer_kinds", ()) else "blk.0."
     if not kinds and window is not None and 0 < int(window) < context:
