@@ -138,6 +138,18 @@ class Kernels:
         return self.lib.tq_convert_finite(qtype, src, nblocks)
 
 
+LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7,
+               "i4x16": 8, "i5x16": 9, "i8x16": 10, "i6x16": 11}   # layer.c's MM table: [layout][mode]
+MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
+
+
+class Part(ctypes.Structure):
+    """One matrix of a projection as the C side takes it: layer.c's TqPart, qint8.c's IPart (every field 8 bytes)."""
+    _fields_ = [("layout", ctypes.c_int64), ("mode", ctypes.c_int64), ("n", ctypes.c_int64),
+                ("codes", ctypes.c_void_p), ("high", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("sup", ctypes.c_void_p)]
+
+
 @dataclass(frozen=True)
 class Unavailable:
     """Why there are no native kernels here (no compiler, failed build, ...): one line for logs."""

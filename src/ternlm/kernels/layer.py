@@ -12,19 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import MM_VARIANTS, Kernels
+from .build import LAYOUT_CODE, MM_VARIANTS, MODE_CODE, Kernels
+from .build import Part as _Part
 
-LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7,
-               "i4x16": 8, "i5x16": 9, "i8x16": 10, "i6x16": 11}   # layer.c's MM table: [layout][mode]
-MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
 ACT_CODE = {"silu": 0, "gelu_tanh": 1}          # layer.c's ACT_SILU, ACT_GELU_TANH (config.MLP_ACTS)
 MAXPARTS = 4
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [("layout", _i64), ("mode", _i64), ("n", _i64), ("codes", _ptr), ("high", _ptr),
-                ("scale", _ptr), ("bias", _ptr), ("sup", _ptr)]
 
 
 class _Proj(ctypes.Structure):

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from ..kernels.build import Kernels
+from ..kernels.build import LAYOUT_CODE, MODE_CODE, Kernels, Part
 from .qweight import QWeight, to_lanes
 
 
@@ -71,13 +71,12 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _int8_parts(parts: list[QWeight]):
-    """The parts as qint8.c's IPart array (kernels/layer.py's _Part: layer.c's TqPart, the same fields); it
-    points into the parts' tensors, which the QLinear keeps."""
-    from ..kernels.layer import LAYOUT_CODE, MODE_CODE, _Part
-    arr = (_Part * len(parts))()
+    """The parts as qint8.c's IPart array (kernels/build.Part); it points into the parts' tensors, which the
+    QLinear keeps."""
+    arr = (Part * len(parts))()
     for i, w in enumerate(parts):
-        arr[i] = _Part(LAYOUT_CODE[w.fmt], MODE_CODE[w.mode], w.shape[0], w.codes.data_ptr(), _ptr(w.high),
-                       w.scale.data_ptr(), _ptr(w.bias), _ptr(w.sup))
+        arr[i] = Part(LAYOUT_CODE[w.fmt], MODE_CODE[w.mode], w.shape[0], w.codes.data_ptr(), _ptr(w.high),
+                      w.scale.data_ptr(), _ptr(w.bias), _ptr(w.sup))
     return arr
 
 
