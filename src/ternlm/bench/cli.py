@@ -51,6 +51,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     engine_args(p)
     p.add_argument("--history-tokens", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default=None, metavar="BIN|auto",
+                   help="also llama.cpp's own llama-server on the same GGUF and turn-2 ids (one slot, its defaults); "
+                        "`auto`: the one scripts/build-llamacpp built (.peers/ of this checkout or its main worktree)")
     _common(p)
     p.set_defaults(func=lambda a: _run("reuse", a, load_engine))
 
