@@ -177,8 +177,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of every contender (default: all cores)")
     p.add_argument("--llamacpp-python", default=PEERS_PYTHON, help="python of the venv with llama-cpp-python")
     p.add_argument("--llama-server", default=None, metavar="BIN",
-                   help="a llama-server binary: the streams part's batching peer (8 parallel slots); "
-                        "llama-cpp-python's server serves one request at a time, so it is not used there")
+                   help="a llama-server binary: the streams part's batching peer (8 parallel slots; "
+                        "llama-cpp-python's server serves one request at a time, so it is not used there) and "
+                        "the reuse part's turn-2 peer beside llama-cpp-python")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="default: benchmarks/results/report/<date>-<ISA class>/")
     p.set_defaults(func=_report)
