@@ -11,7 +11,7 @@ prepare_tensors): every 2-D `.weight` in Q8_0, the embedding and LM head include
 `*_norm.weight`, ssm_conv1d.weight (always F32 there) and ssm_a (no `.weight` suffix); file type 7.
 
     python benchmarks/synth_qwen35_gguf.py -o /tmp/qwen35-24x1024.gguf                 # ~0.5 GB
-    python benchmarks/synth_qwen35_gguf.py --ftype q8_0 -o /tmp/qwen35-24x1024-q8_0.gguf  # ~0.9 GB
+    python benchmarks/synth_qwen35_gguf.py --ftype q8_0 -o /tmp/qwen35-24x1024-q8_0.gguf  # ~0.6 GB
 """
 from __future__ import annotations
 
