@@ -1,13 +1,16 @@
-"""Replay glue shared by benchmarks/reasoning_replay.py and benchmarks/swa_replay.py: llama-cpp-python's
-OpenAI server as the llama.cpp peer (started by ternlm.bench.peers, the project's one llama.cpp launcher),
-one streaming client for both engines, and the prompt arithmetic.
+"""Replay glue shared by benchmarks/reasoning_replay.py, swa_replay.py and hybrid_replay.py: the llama.cpp
+peers (started by ternlm.bench.peers, the project's one llama.cpp launcher), one streaming client for every
+engine, and the prompt arithmetic.
 
-There is no `llama-server` binary here: the peer is llama-cpp-python 0.3.36's server (`make bench-peers`,
+Two llama.cpp peers. `LlamaCpp`: llama-cpp-python 0.3.36's OpenAI server (`make bench-peers`,
 `.venv-peers/bin/python -m llama_cpp.server`). It cannot take a jinja chat template, so the replays render
 each prompt here with ternlm's own renderer (ternlm.chat.render_chat, the code `ternlm serve` runs) and
 send the text to its /v1/completions. What it did with the prompt is read from its verbose log:
 `Llama.generate: N prefix-match hit, remaining M prompt tokens to eval` (M = tokens it processed; no such
 line = it reset and processed the whole prompt) and `llama_perf_context_print: prompt eval time`.
+`LlamaServer`: llama.cpp's own `llama-server` binary (scripts/build-llamacpp), sent the same token ids as
+ternlm (a prompt of ids is evaluated as given) on /v1/completions; what it processed is in its answer's
+`timings` (`cache_n` reused, `prompt_n` evaluated, `prompt_ms`), no log reading needed.
 
 Both engines' processes get OMP_WAIT_POLICY=PASSIVE unless the caller set it: both are OpenMP builds
 (libggml links libgomp), and spinning OpenMP barriers collapse when the 2 cores are shared (measured
@@ -30,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from server_proc import ServerProc  # noqa: E402
-from ternlm.bench.peers import LlamaCppServer, llamacpp_server_argv, peers_python  # noqa: E402
+from ternlm.bench.peers import (LlamaCppServer, find_llama_server, llama_server_argv,  # noqa: E402
+                                llamacpp_server_argv, peers_python)
 
 ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 MODELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ternlm" / "models"
@@ -102,6 +106,8 @@ def collect(url: str, body: dict) -> Answer:
     if timings:
         a.processed, a.server_prefill_s = timings["prompt_n"], timings["prompt_ms"] / 1e3
         a.why = timings.get("cache_reason")
+        if a.cached is None and "cache_n" in timings:     # llama-server: its prompt cache's share
+            a.cached = timings["cache_n"]
     return a
 
 
@@ -217,6 +223,47 @@ class LlamaCpp(LlamaCppServer):
         return {"log_lines": lines, "kv_bytes_per_slot": int(total * (1 << 20)),
                 "kv_bytes_per_token": round(total * (1 << 20) / cells) if cells else None,
                 "swa_full": any("full-size SWA cache" in x for x in lines)}
+
+
+# ---- llama.cpp's own llama-server ---------------------------------------------------------------
+
+class LlamaServer(LlamaCppServer):
+    """llama.cpp's `llama-server` on `port` with one slot (`-np 1`, as `ternlm serve --slots 1`), `threads` for
+    prompt and generation, its defaults otherwise (prefix cache, context checkpoints, RAM prompt cache: what a
+    user gets), output to a temporary log removed after. A context manager (peers.LlamaCppServer): stopped on
+    the way out, pass or fail, and dies with this process. `binary`: None = the build scripts/build-llamacpp
+    made (peers.find_llama_server)."""
+
+    label = "llama-server"
+
+    def __init__(self, model_path: Path, port: int, n_ctx: int, threads: int = 2, binary: str | None = None):
+        binary = binary or find_llama_server(ROOT)
+        if not binary:
+            raise SystemExit("no llama-server: run scripts/build-llamacpp (make bench-peers) or pass its path")
+        argv = llama_server_argv(binary, model_path, threads, 1, n_ctx, port)
+        log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+        super().__init__(argv, port, log, env=dict(os.environ, **ENV))
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.log_path.unlink(missing_ok=True)
+
+    def complete(self, ids: list[int], max_tokens: int, **extra) -> Answer:
+        """Stream one greedy completion of `ids`; `processed`/`cached`/`server_prefill_s` from its timings.
+        Side effect: its slot now holds these ids and the answer."""
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        a = collect(self.base + "/v1/completions", body)
+        a.why = f"cache_n {a.cached}, prompt_n {a.processed}"
+        return a
+
+    def kv_memory(self) -> dict:
+        """Its KV and recurrent-state allocations as its startup log states them (`llama_kv_cache: size = ...`,
+        `llama_memory_recurrent: ... size = ...`)."""
+        lines = [x.strip() for x in self.log().splitlines()
+                 if ("llama_kv_cache" in x or "llama_memory_recurrent" in x) and "size" in x]
+        total = sum(float(m[1]) for x in lines if (m := re.search(r"size =\s+([\d.]+) MiB", x)))
+        return {"log_lines": lines, "kv_bytes_per_slot": int(total * (1 << 20))}
 
 
 # ---- prompts ----------------------------------------------------------------------------------

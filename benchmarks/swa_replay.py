@@ -3,13 +3,9 @@
 A 30-turn synthetic conversation (long user turns: >= 8,000 prompt tokens by the end), replayed by a
 client that sends the whole history every turn with its previous answer as it received it, so the
 template re-renders that answer (Gemma's: `<start_of_turn>model\\n{answer | trim}<end_of_turn>`).
-One variant per run:
-
-  append   the history grows by the answer and the next user message
-  trim     the client cuts the last sentence of each answer before sending it back
-  edit     from turn 3 on, the client edits (prefixes "[edited] " to) its 3rd-from-last user message,
-           i.e. the user message of turn t-2, every turn: each prompt diverges ~3 turns back, far
-           beyond the 512-token window from the end
+One variant per run (benchmarks/replay_variants.py): append, trim (the last sentence of each answer cut
+before it is sent back) or edit (the user message of turn t-2 edited every turn: each prompt diverges ~3
+turns back, far beyond the 512-token window from the end).
 
 Contenders, interleaved turn by turn (the order rotates each turn), each with its own history:
 `ternlm serve --slots 1` (reuse), `ternlm serve --no-prefix-kv` (its answers must be bit-identical to
@@ -37,19 +33,9 @@ from pathlib import Path
 
 from replay_common import (Answer, LlamaCpp, Renderer, Ternlm, command_line, expected_reuse, lcp,  # noqa: E402
                            md_table)
+from replay_variants import VARIANTS, add_answer, add_user  # noqa: E402
 
 REUSE, NO_REUSE, LLAMA = "ternlm-reuse", "ternlm-no-reuse", "llama.cpp"
-EDIT = "[edited] "
-
-
-def trim(text: str) -> str:
-    """The answer without its last sentence (up to its last '.', '!', '?' or newline before the final
-    character); with no earlier sentence end, without its last word."""
-    body = text.rstrip()
-    cut = max(body.rfind(c, 0, len(body) - 1) for c in ".!?\n")
-    if cut > 0:
-        return body[:cut + 1].rstrip()
-    return body.rsplit(None, 1)[0] if " " in body.strip() else body
 
 
 @dataclass
@@ -110,13 +96,9 @@ def replay(a) -> dict:
         for t, user in enumerate(conv.user_turns, 1):
             order = sides[(t - 1) % len(sides):] + sides[:(t - 1) % len(sides)]
             for s in order:
-                s.history.append({"role": "user", "content": user})
-                if a.variant == "edit" and t >= 3:
-                    users = [m for m in s.history if m["role"] == "user"]
-                    users[-3]["content"] = EDIT + users[-3]["content"]
+                add_user(s.history, user, a.variant, t)
                 ans, row = ask(s, r, a, adds_bos)
-                sent = trim(ans.text) if a.variant == "trim" else ans.text
-                s.history.append({"role": "assistant", "content": sent})
+                sent = add_answer(s.history, ans.text, a.variant)
                 s.rows.append({"turn": t, **row, "ttft_s": ans.ttft_s, "server_prefill_s": ans.server_prefill_s,
                                "e2e_s": ans.e2e_s, "why": ans.why, "answer": ans.text, "sent_back": sent,
                                "tokens": ans.tokens, "finish_reason": ans.finish_reason})
@@ -196,7 +178,7 @@ def markdown(res: dict, summ: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", choices=["append", "trim", "edit"], required=True)
+    ap.add_argument("--variant", choices=VARIANTS, required=True)
     ap.add_argument("-m", "--model", default="gemma3-270m", help="ternlm registry name or .gguf path")
     ap.add_argument("--template", type=Path, default=None, help="jinja file (default: the built-in gemma template)")
     ap.add_argument("--turns", type=int, default=30)

@@ -49,8 +49,8 @@ PRESETS = {
     "olmoe-small": Geometry(16, 64, 8, 1024, 512, 16, 4, 64, 50304, 4096),
 }
 
-_BLOCK = {QT.Q4_K: (256, 144), QT.Q6_K: (256, 210)}
-_F16_FIELDS = {QT.Q4_K: (0, 2), QT.Q6_K: (208,)}      # d, dmin / d: the fp16 scales kept finite and small
+_BLOCK = {QT.Q4_K: (256, 144), QT.Q6_K: (256, 210), QT.Q8_0: (32, 34)}
+_F16_FIELDS = {QT.Q4_K: (0, 2), QT.Q6_K: (208,), QT.Q8_0: (0,)}   # d, dmin / d / d: the fp16 scales kept finite and small
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

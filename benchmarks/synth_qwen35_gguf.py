@@ -6,7 +6,12 @@ choices), F32 norms, conv kernels, decay rates (ssm_a < 0) and dt biases; the by
 template of benchmarks/synth_moe_gguf.py. Meaningless text, real bytes and timings (quality and parity are
 tests/test_hybrid.py's job). Every 4th layer attention, the rest DeltaNet, as Qwen3.5.
 
-    python benchmarks/synth_qwen35_gguf.py -o /tmp/qwen35-24x1024.gguf       # ~0.5 GB
+--ftype q8_0 writes what llama.cpp's converter writes for `--outtype q8_0` (conversion/base.py,
+prepare_tensors): every 2-D `.weight` in Q8_0, the embedding and LM head included; F32 for 1-D tensors,
+`*_norm.weight`, ssm_conv1d.weight (always F32 there) and ssm_a (no `.weight` suffix); file type 7.
+
+    python benchmarks/synth_qwen35_gguf.py -o /tmp/qwen35-24x1024.gguf                 # ~0.5 GB
+    python benchmarks/synth_qwen35_gguf.py --ftype q8_0 -o /tmp/qwen35-24x1024-q8_0.gguf  # ~0.6 GB
 """
 from __future__ import annotations
 
@@ -46,8 +51,17 @@ class Geometry:
         return (i + 1) % 4 == 0
 
 
-def tensor_plan(g: Geometry) -> list[tuple[str, QT | None, tuple[int, ...]]]:
-    """(name, type or None for F32, numpy shape (rows, cols)) of every tensor, in file order."""
+FTYPES = {"q4_k_m": 15, "q8_0": 7}         # --ftype -> general.file_type (LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q8_0)
+
+
+def tensor_plan(g: Geometry, ftype: str = "q4_k_m") -> list[tuple[str, QT | None, tuple[int, ...]]]:
+    """(name, type or None for F32, numpy shape (rows, cols)) of every tensor, in file order. q8_0: every
+    quantized tensor of the Q4_K_M plan becomes Q8_0 (the F32 ones are exactly the converter's F32 set)."""
+    plan = _q4_k_m_plan(g)
+    return plan if ftype == "q4_k_m" else [(n, None if q is None else QT.Q8_0, s) for n, q, s in plan]
+
+
+def _q4_k_m_plan(g: Geometry) -> list[tuple[str, QT | None, tuple[int, ...]]]:
     kd, vd = g.key_heads * g.key_dim, g.value_heads * g.value_dim
     plan = [("token_embd.weight", QT.Q4_K, (g.vocab, g.hidden)), ("output_norm.weight", None, (g.hidden,)),
             ("output.weight", QT.Q6_K, (g.vocab, g.hidden))]
@@ -84,7 +98,7 @@ def _data(rng: np.random.Generator, name: str, qtype: QT | None, shape: tuple[in
     return np.ones(shape, dtype=np.float32)      # norms (stored as 1 + w: w = 0)
 
 
-def write(path: Path, g: Geometry, seed: int = 0, log=print) -> int:
+def write(path: Path, g: Geometry, seed: int = 0, log=print, ftype: str = "q4_k_m") -> int:
     """Writes the file; returns its size in bytes."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(path, ARCH)
@@ -108,9 +122,9 @@ def write(path: Path, g: Geometry, seed: int = 0, log=print) -> int:
     w.add_uint32(f"{ARCH}.full_attention_interval", 4)
     w.add_rope_dimension_count(g.head_dim // 4)
     w.add_array(f"{ARCH}.rope.dimension_sections", [11, 11, 10, 0])
-    w.add_file_type(15)                          # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    w.add_file_type(FTYPES[ftype])
     add_tokenizer(w, g.vocab)
-    plan = tensor_plan(g)
+    plan = tensor_plan(g, ftype)
     for name, qtype, shape in plan:
         if qtype is None:
             w.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(None, shape))
@@ -136,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     for f, v in Geometry.__dataclass_fields__.items():
         ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=v.default)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ftype", choices=sorted(FTYPES), default="q4_k_m",
+                    help="q4_k_m: llama.cpp's Q4_K_M choices; q8_0: its converter's --outtype q8_0")
     args = ap.parse_args(argv)
     g = Geometry(**{f: getattr(args, f) for f in Geometry.__dataclass_fields__})
-    write(args.output, g, args.seed)
+    write(args.output, g, args.seed, ftype=args.ftype)
     return 0
 
 

@@ -77,6 +77,9 @@ def test_the_cli_and_the_scripts_build_the_same_server_command(tmp_path, monkeyp
     replay = _script("replay_common")
     monkeypatch.setattr(replay, "ROOT", tmp_path)
     assert replay.LlamaCpp(gguf, 8100, 8192).argv == base + ["--logits_all", "False"]
+    ls = replay.LlamaServer(gguf, 8100, 8192, 2, "/bin/llama-server")          # hybrid_replay's peer
+    ls.log_path.unlink()
+    assert ls.argv == peers.llama_server_argv("/bin/llama-server", gguf, 2, 1, 8192, 8100)
 
     moe = _script("moe_capped")
     monkeypatch.setattr(moe, "ROOT", tmp_path)

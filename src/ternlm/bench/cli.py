@@ -51,6 +51,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     engine_args(p)
     p.add_argument("--history-tokens", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default=None, metavar="BIN|auto",
+                   help="also llama.cpp's own llama-server on the same GGUF and turn-2 ids (one slot, its defaults); "
+                        "`auto`: the one scripts/build-llamacpp built (.peers/ of this checkout or its main worktree)")
     _common(p)
     p.set_defaults(func=lambda a: _run("reuse", a, load_engine))
 
@@ -174,8 +177,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of every contender (default: all cores)")
     p.add_argument("--llamacpp-python", default=PEERS_PYTHON, help="python of the venv with llama-cpp-python")
     p.add_argument("--llama-server", default=None, metavar="BIN",
-                   help="a llama-server binary: the streams part's batching peer (8 parallel slots); "
-                        "llama-cpp-python's server serves one request at a time, so it is not used there")
+                   help="a llama-server binary: the streams part's batching peer (8 parallel slots; "
+                        "llama-cpp-python's server serves one request at a time, so it is not used there) and "
+                        "the reuse part's turn-2 peer beside llama-cpp-python")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="default: benchmarks/results/report/<date>-<ISA class>/")
     p.set_defaults(func=_report)

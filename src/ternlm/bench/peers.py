@@ -85,6 +85,24 @@ def llamacpp_server_argv(python: str, gguf: Path, threads: int, n_ctx: int, port
             "--n_ctx", str(n_ctx), "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
+def find_llama_server(root: Path) -> str | None:
+    """The llama-server that scripts/build-llamacpp built for the checkout at `root` (`.peers/llama.cpp-*/bin/`,
+    the newest build if several), or for its main checkout when `root` is a git worktree (`.git` is then a
+    file naming the main repository's worktrees/ entry; worktrees share the main checkout's build, which
+    takes 10-20 min). None if there is none: this never builds. Reads the filesystem only."""
+    roots = [root]
+    dotgit = root / ".git"
+    if dotgit.is_file() and (t := dotgit.read_text().strip()).startswith("gitdir:"):
+        gitdir = Path(t.split(":", 1)[1].strip())          # <main>/.git/worktrees/<name>
+        if gitdir.parent.name == "worktrees":
+            roots.append(gitdir.parent.parent.parent)
+    for r in roots:
+        found = sorted(r.glob(".peers/llama.cpp-*/bin/llama-server"), key=lambda f: f.stat().st_mtime)
+        if found:
+            return str(found[-1])
+    return None
+
+
 def llama_server_argv(binary: str, gguf: Path, threads: int, slots: int, n_ctx: int, port: int) -> list[str]:
     """llama.cpp's own C++ server (`llama-server`, built by scripts/build-llamacpp) with `slots` parallel
     sequences: the batching peer, where llama-cpp-python's server serves one request at a time. Pure."""

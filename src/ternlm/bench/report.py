@@ -10,7 +10,7 @@ Peers are optional: transformers (this venv) and llama.cpp (llama-cpp-python in 
 bench-peers`) are found and started by bench/peers.py; a missing one is a line in its table, not a failure.
 The multi-turn replay gets llama-cpp-python's server on the same GGUF as a --url contender; the streams
 benchmark gets `llama-server` only when given (--llama-server BIN): llama-cpp-python's server serves one
-request at a time, which is no batching peer. A benchmark that fails is recorded with its exit status
+request at a time, which is no batching peer; the reuse benchmark then runs it too, beside the worker. A benchmark that fails is recorded with its exit status
 and log, the others still run, and the report exits 1. summary.md/.json are rewritten after every
 benchmark, so an interrupted report (Ctrl-C, SIGTERM) leaves what it measured, the rest listed as not run.
 
@@ -55,7 +55,7 @@ class Options:
     threads: int
     transformers: Peer
     llamacpp: Peer
-    llama_server: str | None = None      # a llama-server binary: the streams part's batching peer
+    llama_server: str | None = None      # a llama-server binary: the streams part's batching peer, reuse's turn-2 peer
 
     @property
     def use_llama_server(self) -> bool:
@@ -98,7 +98,8 @@ def _engine(o: Options, m: str, out: Path) -> Step:
 def _reuse(o: Options, m: str, out: Path) -> Step:
     size = ["--history-tokens", "150", "--repeats", "1", "--ctx", "1024"] if o.quick else ["--repeats", "3"]
     py = o.llamacpp.python if o.use_llamacpp else ""      # "": no peer (bench reuse skips a missing python)
-    return Step("reuse", m, ("reuse", "-m", m, "--threads", str(o.threads), *size, "--llamacpp-python", py,
+    ls = ["--llama-server", o.llama_server] if o.use_llama_server else []
+    return Step("reuse", m, ("reuse", "-m", m, "--threads", str(o.threads), *size, "--llamacpp-python", py, *ls,
                              "--out", str(out)), out)
 
 

@@ -25,6 +25,8 @@ def reuse_figures(res: dict, where: Path, root: Path) -> dict:
             "median_ttft_s", "speedup_vs_no_reuse", "reuse_over_tail_only")
     out = {k: res[k] for k in keep}
     out["reuse_over_llamacpp_reuse"] = res.get("reuse_over_llamacpp_reuse")
+    out["reuse_over_llama_server_reuse"] = res.get("reuse_over_llama_server_reuse")   # --llama-server only
+    out["processed_tokens"] = res.get("processed_tokens")
     return out
 
 
@@ -154,6 +156,14 @@ def _reuse(rows: list[dict], peers: dict) -> list[str]:
                    f"{_ms(m['reuse'])} | {_ms(m['no-reuse'])} | {_x(f['speedup_vs_no_reuse'])} at "
                    f"{_pct(f['reuse_fraction'])} | {_ms(m['tail-only'])} | {peer[0]} | {peer[1]} | "
                    f"{_x(f['reuse_over_llamacpp_reuse'])} |")
+    for r in rows:                 # llama.cpp's own llama-server, when the report was given one
+        f = r["figures"]
+        if f and f.get("reuse_over_llama_server_reuse") is not None:
+            m, done = f["median_ttft_s"], f["processed_tokens"]
+            out += ["", f"{f['model']}, llama-server on the same turn-2 ids: reuse {_ms(m['llama-server reuse'])} "
+                        f"({done['llama-server reuse']:,} tokens processed; ternlm {done['reuse']:,}), no reuse "
+                        f"{_ms(m['llama-server no-reuse'])}; ternlm reuse ÷ llama-server reuse "
+                        f"{_x(f['reuse_over_llama_server_reuse'])} (issue 46's target: at most 1/3)"]
     return out + [""] + _failed(rows) + _commands(rows)
 
 

@@ -1,7 +1,11 @@
 """`ternlm bench reuse`: the reference experiment. A long conversation whose next turn reuses most of
 its prompt; time to first token of that turn with reuse, without (--no-prefix-kv), and the floor:
 prefilling only the tail at that offset (so the cost of the reuse path itself is visible); and the
-same conversation through llama.cpp with its own prefix reuse, when the peers venv is there.
+same conversation through llama.cpp with its own prefix reuse: llama-cpp-python's worker when the peers venv
+is there, and llama.cpp's own `llama-server` binary with --llama-server BIN (or `auto`: the one
+scripts/build-llamacpp built, peers.find_llama_server), sent the same turn-2 ids as ternlm, its processed
+tokens read from its answer's timings (llama_server.py). Issue 46's target: ternlm's turn 2 <= 1/3 of
+llama-server's.
 
 -m is a registry name or any local .gguf path (llama.cpp loads the same file; an HF folder runs
 without it); results are named after the registry name or the file's stem."""
@@ -9,12 +13,17 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from .common import bench_model, command_line, long_chat, median, synthetic_text, write_json
-from .peers import LlamaCppWorker
+from .llama_server import ServerTurn, complete_ids
+from .peers import LlamaCppServer, LlamaCppWorker, find_llama_server, free_port, llama_server_argv
+
+LS_REUSE, LS_NO_REUSE = "llama-server reuse", "llama-server no-reuse"
+TARGET_VS_LLAMA_SERVER = 1 / 3      # issue 46: ternlm's turn 2 at most a third of llama-server's
 
 
 def _turns(engine, history_tokens: int, seed: int) -> tuple[list[int], list[int]]:
@@ -49,19 +58,54 @@ def _tail_only(engine, prompt: list[int], k: int) -> float:
     return time.perf_counter() - t
 
 
+def llama_server_binary(arg: str | None) -> str | None:
+    """--llama-server's value: None (not asked), a path, or `auto` (the checkout's build; an error if none)."""
+    if arg != "auto":
+        return arg
+    found = find_llama_server(Path(__file__).resolve().parents[3])
+    if found is None:
+        raise FileNotFoundError("--llama-server auto: no .peers/llama.cpp-*/bin/llama-server here; "
+                                "run scripts/build-llamacpp (or make bench-peers) or pass its path")
+    return found
+
+
+def _llama_server_round(base: str, turn1: list[int], turn2: list[int]) -> dict[str, ServerTurn]:
+    """llama-server's two rows of one round. Side effect: its slot ends holding turn 2 (uncached)."""
+    complete_ids(base, turn1, 24)                    # the previous turn, as a client would have run it
+    return {LS_REUSE: complete_ids(base, turn2, 1),
+            LS_NO_REUSE: complete_ids(base, turn2, 1, cache_prompt=False)}
+
+
 def run(args, load_engine) -> dict:
     torch.set_num_threads(args.threads)
     m = bench_model(args.model)
     engine = load_engine(args)
     turn1, turn2 = _turns(engine, args.history_tokens, args.seed)
     _, k = _ttft(engine, turn1, turn2, True)
-    worker = None
     peers_venv = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
-    if peers_venv and m.gguf is None:
-        print(f"llama.cpp: skipped ({m.path} is a Hugging Face folder, not a GGUF file)")
-    elif peers_venv:
-        worker = LlamaCppWorker(args.llamacpp_python, m.gguf, args.threads, max(8192, len(turn2) + 64))
-    rows = {"reuse": [], "no-reuse": [], "tail-only": [], "llama.cpp reuse": [], "llama.cpp no-reuse": []}
+    binary = llama_server_binary(getattr(args, "llama_server", None))
+    n_ctx = max(8192, len(turn2) + 64)
+    with ExitStack() as stack:                 # every peer process stops on the way out, pass or fail
+        worker = server = None
+        if peers_venv and m.gguf is None:
+            print(f"llama.cpp: skipped ({m.path} is a Hugging Face folder, not a GGUF file)")
+        elif peers_venv:
+            worker = LlamaCppWorker(args.llamacpp_python, m.gguf, args.threads, n_ctx)
+            stack.callback(worker.close)
+        if binary and m.gguf is None:
+            print(f"llama-server: skipped ({m.path} is a Hugging Face folder, not a GGUF file)")
+        elif binary:
+            port = free_port()     # one slot, its defaults otherwise (prefix cache on, context checkpoints)
+            server = stack.enter_context(LlamaCppServer(
+                llama_server_argv(binary, m.gguf, args.threads, 1, n_ctx, port), port,
+                Path(args.out) / f"reuse-{m.label}-llama-server.log"))
+        return _measure(args, m, engine, turn1, turn2, k, worker, server)
+
+
+def _measure(args, m, engine, turn1, turn2, k, worker, server) -> dict:
+    rows = {"reuse": [], "no-reuse": [], "tail-only": [], "llama.cpp reuse": [], "llama.cpp no-reuse": [],
+            LS_REUSE: [], LS_NO_REUSE: []}
+    counts: dict[str, list[ServerTurn]] = {LS_REUSE: [], LS_NO_REUSE: []}
     for r in range(args.repeats + 1):          # first round is warm-up
         a, _ = _ttft(engine, turn1, turn2, True)
         b, _ = _ttft(engine, None, turn2, False)
@@ -71,13 +115,17 @@ def run(args, load_engine) -> dict:
             worker.call({"op": "ttft", "ids": turn1, "reset": True})
             got["llama.cpp reuse"] = worker.call({"op": "ttft", "ids": turn2})["s"]
             got["llama.cpp no-reuse"] = worker.call({"op": "ttft", "ids": turn2, "reset": True})["s"]
+        if server:
+            ls = _llama_server_round(server.base, turn1, turn2)
+            got |= {name: t.wall_s for name, t in ls.items()}
         if r:
             for name, v in got.items():
                 rows[name].append(v)
+            if server:
+                for name, t in ls.items():
+                    counts[name].append(t)
         print(f"  round {r}{' (warm-up)' if not r else ''}: " + "  ".join(f"{n} {v * 1e3:.0f} ms" for n, v in got.items()),
               flush=True)
-    if worker:
-        worker.close()
     med = {n: median(v) for n, v in rows.items() if v}
     n = len(turn2)
     res = {"command": command_line(), "model": m.label, "model_path": str(m.path), "dtype": args.dtype,
@@ -88,12 +136,32 @@ def run(args, load_engine) -> dict:
            "reuse_over_tail_only": med["reuse"] / med["tail-only"]}
     if "llama.cpp reuse" in med:
         res["reuse_over_llamacpp_reuse"] = med["reuse"] / med["llama.cpp reuse"]
+    # Tokens each engine evaluated for turn 2 (ternlm's are the same every round: a fresh slot each time).
+    res["processed_tokens"] = {"reuse": n - k, "no-reuse": n, "tail-only": n - k}
+    if server:
+        last = {name: ts[-1] for name, ts in counts.items()}
+        res["processed_tokens"] |= {name: t.processed for name, t in last.items()}
+        res["llama_server"] = {"binary": server.argv[0], "argv": server.argv, "log": str(server.log_path),
+                               "rounds": {name: [{"prompt": t.prompt, "cached": t.cached, "processed": t.processed,
+                                                  "wall_s": t.wall_s, "prompt_ms": t.prompt_ms} for t in ts]
+                                          for name, ts in counts.items()},
+                               "counts_consistent": all(t.consistent for ts in counts.values() for t in ts)}
+        res["reuse_over_llama_server_reuse"] = med["reuse"] / med[LS_REUSE]
+        res["llama_server_target"] = {"max_ratio": TARGET_VS_LLAMA_SERVER,
+                                      "met": res["reuse_over_llama_server_reuse"] <= TARGET_VS_LLAMA_SERVER}
     print(f"\nprompt {n} tokens, reused {k} ({100 * k / n:.1f}%), median of {args.repeats}:")
     for name, v in med.items():
-        print(f"  {name:20s} time to first token {v * 1e3:8.1f} ms")
+        done = res["processed_tokens"].get(name)
+        print(f"  {name:22s} time to first token {v * 1e3:8.1f} ms"
+              + (f"  processed {done:6d} of {n} prompt tokens" if done is not None else ""))
     print(f"  speedup vs no reuse x{res['speedup_vs_no_reuse']:.1f} at {100 * k / n:.1f}% reused; "
           f"reuse / tail-only = {res['reuse_over_tail_only']:.2f}"
           + (f"; reuse / llama.cpp reuse = {res['reuse_over_llamacpp_reuse']:.2f}" if worker else ""))
+    if server:
+        ok = res["llama_server"]["counts_consistent"]
+        print(f"  reuse / llama-server reuse = {res['reuse_over_llama_server_reuse']:.2f} (target <= 1/3: "
+              f"{'met' if res['llama_server_target']['met'] else 'MISSED'}); llama-server cache_n + prompt_n == "
+              f"prompt every round: {'yes' if ok else 'NO'}")
     path = write_json(Path(args.out), f"reuse-{m.label}-{args.dtype}.json", res)
     print(f"wrote {path}")
     return res
