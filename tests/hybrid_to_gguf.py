@@ -17,8 +17,8 @@ What the converter does that a loader must undo, reproduced from its code's beha
     ffn_up_exps and experts.down_proj as ffn_down_exps (torch (E, rows, in)), the shared expert as
     ffn_{gate,up,down}_shexp and its gate (1, hidden) as ffn_gate_inp_shexp (F32); no expert_weights_norm
     (the config has no norm_topk_prob: llama.cpp renormalises for this architecture).
-Checked by hand against that converter's own output on the same model (tensor names, shapes, bytes), the
-tokenizer aside (its pre-tokenizer table does not know this test's vocabulary); qwen35moe at f32 and Q8_0 with
+Checked against that converter's own output on the same model (tensor names, shapes, bytes, metadata:
+tests/converter_check.py, run by hand: the tests read nothing outside the repository), the tokenizer aside (its pre-tokenizer table does not know this test's vocabulary); qwen35moe at f32 and Q8_0 with
 every matrix's input a multiple of 32 (the converter keeps a Q8_0 matrix whose rows are not as F16: not written
 here).
 With `quant` the matrices are stored quantized and the transformers model's weights replaced by the

@@ -3,8 +3,9 @@ layers with a router over experts plus a sigmoid-gated shared expert on every la
 
 Oracles: transformers' Qwen3_5MoeForCausalLM (its pure-torch chunked scan and conv, its own routing) on a tiny
 random model, run again in float64 for the parity bound; the same model written as llama.cpp's converter writes
-it (tests/hybrid_to_gguf.py, checked against that converter's output tensor by tensor: f32, Q8_0; Q4_K as random
-valid blocks); our own cold run (a fresh slot, one pass) for every reuse, bit for bit.
+it (tests/hybrid_to_gguf.py, checked against that converter's output tensor by tensor by tests/converter_check.py:
+f32, Q8_0; Q4_K as random valid blocks, which the converter does not write); our own cold run (a fresh slot, one
+pass) for every reuse, bit for bit.
 
 The parity bound [FP64-BOUND]: our logits' distance from the float64 run at most 4x transformers' own fp32
 distance from it (test_hybrid.py's rule: both sum the same products in other orders, transformers' chunked scan
@@ -156,6 +157,21 @@ def test_batched_equals_alone(qwen35moe):
     batched = together(engine, reqs, [0, 0, 2, 3], budget=40)
     for i, (b, a) in enumerate(zip(batched, solo)):
         assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+
+
+def test_threads_do_not_change_the_bits(qwen35moe):
+    _, folder = qwen35moe
+    engine = _engine(folder)
+    ids = ids_of(70, seed=9)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(engine.logits(ids))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def _gguf(tmp_path, quant, act: str | None, seed: int = 3, budget: int | None = None):

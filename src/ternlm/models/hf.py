@@ -30,8 +30,9 @@ _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
                  "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+# config.json's model_type -> ours, where they differ
 _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
-                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}   # config.json's model_type -> ours, where they differ
+                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 # Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
 # runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
 _NORMS_FROM_ONE = ("gemma3", "qwen35", "qwen35moe")

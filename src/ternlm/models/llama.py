@@ -259,7 +259,7 @@ class Layer(nn.Module):
             nbytes = sum(p.nbytes if isinstance(p, QWeight) else p.numel() * p.element_size() for p in parts)
             store.put(self.index, e, build(parts[:2]), build(parts[2:]), nbytes)
         shared = None
-        if self.cfg.shared_expert_intermediate_size:     # qwen2moe, qwen35moe: dense, every row: held here, never in the store
+        if self.cfg.shared_expert_intermediate_size:     # qwen2moe, qwen35moe: dense, every row: held here, not in the store
             shared = SharedExpert(build([w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"]]),
                                   build([w["mlp.shared_expert.down_proj.weight"]]), w["mlp.shared_expert_gate.weight"])
         return MoE(w["mlp.gate.weight"], self.cfg.experts_per_token, self.cfg.norm_topk_prob, store,
