@@ -326,8 +326,8 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
     m = _LAYER_RE.fullmatch(gguf_name)
     layer = int(m.group(1)) if m else -1       # a layer past block_count (an MTP block): no kind, not ours
     if config is not None and 0 <= layer < config.num_layers and config.kind(layer) == "deltanet":
-        mlp = _QWEN35_PER_LAYER + _DENSE_MLP + _MOE_PER_LAYER + _SHARED_PER_LAYER
-        name = _DELTANET_NAMES.get(m.group(2)) or (_LAYER_NAMES.get(m.group(2)) if m.group(2) in mlp else None)
+        shared = _QWEN35_PER_LAYER + _DENSE_MLP + _MOE_PER_LAYER + _SHARED_PER_LAYER     # both kinds have these
+        name = _DELTANET_NAMES.get(m.group(2)) or (_LAYER_NAMES.get(m.group(2)) if m.group(2) in shared else None)
         return None if name is None else f"model.layers.{m.group(1)}.{name}"
     if m and config is not None and config.post_norms and m.group(2) in _POST_NORM_NAMES:
         return f"model.layers.{m.group(1)}.{_POST_NORM_NAMES[m.group(2)]}"
