@@ -1,5 +1,6 @@
-"""Writes a tiny transformers Qwen3.5 (qwen35) as a GGUF the way llama.cpp's converter lays it out (the
-llama-cpp-python 0.3.36 sdist's conversion/qwen.py: Qwen3_5TextModel), for the hybrid parity tests.
+"""Writes a tiny transformers Qwen3.5 (qwen35) or Qwen3.5-MoE (qwen35moe) as a GGUF the way llama.cpp's converter
+lays it out (the llama-cpp-python 0.3.36 sdist's conversion/qwen.py: Qwen3_5TextModel, Qwen3_5MoeTextModel, run
+with --no-mtp), for the hybrid parity tests.
 
 What the converter does that a loader must undo, reproduced from its code's behaviour:
   - every RMSNorm weight stored as 1 + w, but the DeltaNet's gated norm (ssm_norm) as it is;
@@ -9,9 +10,17 @@ What the converter does that a loader must undo, reproduced from its code's beha
   - with fewer key heads than value heads, the V heads reordered from grouped (by key head) to tiled order
     in attn_qkv's v rows, attn_gate, ssm_beta/alpha, ssm_a, ssm_dt, the conv's v channels and ssm_out's columns;
   - metadata ssm.{conv_kernel, state_size, group_count, time_step_rank, inner_size},
-    attention.recurrent_layers, full_attention_interval, rope.dimension_count (partial), rope.dimension_sections.
-Checked by hand against that converter's own output on the same model (tensor names, shapes, bytes), the
-tokenizer aside (its pre-tokenizer table does not know this test's vocabulary).
+    attention.recurrent_layers, full_attention_interval, rope.dimension_count (partial), rope.dimension_sections;
+  - qwen35moe (its Qwen2MoeModel base): no feed_forward_length (the config has no dense width); expert_count,
+    expert_used_count, expert_feed_forward_length, expert_shared_feed_forward_length; on every layer the router
+    as ffn_gate_inp (F32 whatever the type), experts.gate_up_proj split at its middle into ffn_gate_exps and
+    ffn_up_exps and experts.down_proj as ffn_down_exps (torch (E, rows, in)), the shared expert as
+    ffn_{gate,up,down}_shexp and its gate (1, hidden) as ffn_gate_inp_shexp (F32); no expert_weights_norm
+    (the config has no norm_topk_prob: llama.cpp renormalises for this architecture).
+Checked against that converter's own output on the same model (tensor names, shapes, bytes, metadata:
+tests/converter_check.py, run by hand: the tests read nothing outside the repository), the tokenizer aside (its pre-tokenizer table does not know this test's vocabulary); qwen35moe at f32 and Q8_0 with
+every matrix's input a multiple of 32 (the converter keeps a Q8_0 matrix whose rows are not as F16: not written
+here).
 With `quant` the matrices are stored quantized and the transformers model's weights replaced by the
 dequantized values, so both sides run the same numbers (K-quants, which the gguf package does not quantize:
 random valid blocks, the model's weights then those blocks' values).
@@ -39,8 +48,11 @@ def _tiled(n_k: int, per_k: int, dim: int) -> torch.Tensor:
 
 
 def write_qwen35_gguf(hf, path: Path, quant: QT | None = None) -> None:
+    """hf: a transformers Qwen3_5ForCausalLM or Qwen3_5MoeForCausalLM (fp32, random). Side effect: with `quant`,
+    hf's matrices become the dequantized values of what the file holds."""
     c = hf.config
-    arch = "qwen35"
+    moe = bool(getattr(c, "num_experts", 0))
+    arch = "qwen35moe" if moe else "qwen35"
     H, KV = c.num_attention_heads, c.num_key_value_heads
     d = c.head_dim
     Hk, Hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -50,13 +62,19 @@ def write_qwen35_gguf(hf, path: Path, quant: QT | None = None) -> None:
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    if not moe:
+        w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(H)
     w.add_head_count_kv(KV)
     w.add_key_length(d)
     w.add_value_length(d)
     w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_uint32(f"{arch}.ssm.conv_kernel", c.linear_conv_kernel_dim)
     w.add_uint32(f"{arch}.ssm.state_size", dk)
     w.add_uint32(f"{arch}.ssm.group_count", Hk)
@@ -80,7 +98,8 @@ def write_qwen35_gguf(hf, path: Path, quant: QT | None = None) -> None:
             w.add_tensor(name, stored.contiguous().numpy())
             return
         if quant in _NO_QUANTIZER:      # the gguf package cannot quantize K-quants: random valid blocks instead
-            raw = random_blocks(quant, *stored.shape, seed=len(replaced)).reshape(stored.shape[0], -1)
+            rows = stored.shape[:-1]         # (out,) or a stack of experts' (E, out)
+            raw = random_blocks(quant, rows.numel(), stored.shape[-1], seed=len(replaced)).reshape(*rows, -1)
         else:
             raw = np_quantize(stored.contiguous().numpy(), quant)
         w.add_tensor(name, raw, raw_dtype=quant)
@@ -95,8 +114,11 @@ def write_qwen35_gguf(hf, path: Path, quant: QT | None = None) -> None:
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", "", sd[p + "input_layernorm.weight"] + 1, matrix=False)
         put(b + "post_attention_norm.weight", "", sd[p + "post_attention_layernorm.weight"] + 1, matrix=False)
-        for n in ("gate", "up", "down"):
-            put(b + f"ffn_{n}.weight", p + f"mlp.{n}_proj.weight", sd[p + f"mlp.{n}_proj.weight"])
+        if moe:
+            _experts(put, sd, p, b, replaced)
+        else:
+            for n in ("gate", "up", "down"):
+                put(b + f"ffn_{n}.weight", p + f"mlp.{n}_proj.weight", sd[p + f"mlp.{n}_proj.weight"])
         if kind == "full_attention":
             a = p + "self_attn."
             for g, n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
@@ -128,3 +150,21 @@ def write_qwen35_gguf(hf, path: Path, quant: QT | None = None) -> None:
             params = dict(hf.named_parameters())
             for n, t in replaced.items():
                 params[n].copy_(t)
+
+
+def _experts(put, sd: dict, p: str, b: str, replaced: dict) -> None:
+    """Layer p's MLP as qwen35moe's converter writes it (blk prefix b): the router and the shared expert's gate
+    F32, the stacked experts and the shared expert's matrices in the file's type. gate_up_proj (E, 2 I, hidden)
+    is split at I into gate and up (each quantized alone), written back as one tensor."""
+    put(b + "ffn_gate_inp.weight", "", sd[p + "mlp.gate.weight"], matrix=False)
+    gate_up = sd[p + "mlp.experts.gate_up_proj"]
+    half = gate_up.shape[1] // 2
+    put(b + "ffn_gate_exps.weight", "gate", gate_up[:, :half])
+    put(b + "ffn_up_exps.weight", "up", gate_up[:, half:])
+    if "gate" in replaced:              # the file's numbers, back in hf's one tensor
+        replaced[p + "mlp.experts.gate_up_proj"] = torch.cat([replaced.pop("gate"), replaced.pop("up")], dim=1)
+    put(b + "ffn_down_exps.weight", p + "mlp.experts.down_proj", sd[p + "mlp.experts.down_proj"])
+    for n in ("gate", "up", "down"):
+        name = p + f"mlp.shared_expert.{n}_proj.weight"
+        put(b + f"ffn_{n}_shexp.weight", name, sd[name])
+    put(b + "ffn_gate_inp_shexp.weight", "", sd[p + "mlp.shared_expert_gate.weight"], matrix=False)

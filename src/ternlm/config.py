@@ -14,8 +14,10 @@ from .models.rope import Rope
 # gemma3 (text) is the llama layout plus per-layer kinds (the fields after norm_topk_prob below).
 # qwen35 (Qwen3.5, issue 47) is hybrid: most layers are gated DeltaNet (a recurrent state, models/deltanet.py),
 # every few a gated attention layer (qwen3's with an output gate and partial RoPE): layer_kinds below.
+# qwen35moe (Qwen3.5-MoE) is qwen35's layer kinds with qwen2moe's MLP (experts + a gated shared expert) on
+# every layer, whatever its kind: the two field groups together, no code of its own.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe", "qwen35")
+                   "qwen2moe", "olmoe", "qwen35", "qwen35moe")
 LAYER_KINDS = ("attention", "deltanet")
 MLP_ACTS = ("silu", "gelu_tanh")   # the gated MLP's activation: SwiGLU, GeGLU (gelu, tanh approximation)
 
@@ -50,7 +52,7 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    # qwen2moe: one more SwiGLU expert of this width that every row uses, added after the routed sum
+    # qwen2moe, qwen35moe: one more SwiGLU expert of this width that every row uses, added after the routed sum
     # times sigmoid(shared gate . h) (models/moe.py [SUM-ORDER]); 0: none
     shared_expert_intermediate_size: int = 0
     # Per-layer kinds (issue 37; Gemma 3, and any sliding-window layout on the same mechanism).

@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -299,9 +299,9 @@ _DELTANET_NAMES = {
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
 }
-# qwen35: post_attention_norm is the MLP's input norm (llama's post_attention_layernorm), no ffn_norm
-_QWEN35_PER_LAYER = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                     "ffn_down.weight")
+# qwen35: post_attention_norm is the MLP's input norm (llama's post_attention_layernorm), no ffn_norm; the MLP's
+# tensors are _DENSE_MLP's, or (qwen35moe) _MOE_PER_LAYER's and _SHARED_PER_LAYER's, on either layer kind
+_QWEN35_PER_LAYER = ("attn_norm.weight", "post_attention_norm.weight")
 _QWEN35_ATTN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Not weights: RoPE frequency factors, read into the config (_rope_from_gguf).
@@ -309,6 +309,7 @@ _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_
 _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                        "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                        "ffn_down.weight")
+_DENSE_MLP = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _MOE_PER_LAYER = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _SHARED_PER_LAYER = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 # llama.cpp builds these with norm_w = false whatever the file says (qwen2moe.cpp, olmoe.cpp): unnormalised
@@ -323,8 +324,10 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and config is not None and config.kind(int(m.group(1))) == "deltanet":
-        name = _DELTANET_NAMES.get(m.group(2)) or (_LAYER_NAMES.get(m.group(2)) if m.group(2) in _QWEN35_PER_LAYER else None)
+    layer = int(m.group(1)) if m else -1       # a layer past block_count (an MTP block): no kind, not ours
+    if config is not None and 0 <= layer < config.num_layers and config.kind(layer) == "deltanet":
+        shared = _QWEN35_PER_LAYER + _DENSE_MLP + _MOE_PER_LAYER + _SHARED_PER_LAYER     # both kinds have these
+        name = _DELTANET_NAMES.get(m.group(2)) or (_LAYER_NAMES.get(m.group(2)) if m.group(2) in shared else None)
         return None if name is None else f"model.layers.{m.group(1)}.{name}"
     if m and config is not None and config.post_norms and m.group(2) in _POST_NORM_NAMES:
         return f"model.layers.{m.group(1)}.{_POST_NORM_NAMES[m.group(2)]}"
@@ -346,9 +349,9 @@ def _moe_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor]
     """ModelConfig's expert fields from `{arch}.expert_*` metadata; {} for a dense model. Mixtral
     files are llama files with expert tensors (llama.expert_count) and no expert_feed_forward_length:
     their feed_forward_length is the expert's. Weights are renormalised over the top k (llama.cpp
-    does for llama and qwen3moe) unless the file says expert_weights_norm = false; qwen2moe and olmoe
-    the other way round (_TOPK_UNNORMED). A shared expert (qwen2moe) is there when its tensors are:
-    its width from ffn_gate_shexp (llama.cpp reads no expert_shared_count for qwen2moe)."""
+    does for llama, qwen3moe and qwen35moe) unless the file says expert_weights_norm = false; qwen2moe and
+    olmoe the other way round (_TOPK_UNNORMED). A shared expert (qwen2moe, qwen35moe) is there when its tensors
+    are: its width from ffn_gate_shexp (llama.cpp reads no expert_shared_count for qwen2moe)."""
     count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
     if not count:
         return {}
@@ -412,6 +415,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     window = _field(reader, f"{arch}.attention.sliding_window", None)
     layers = int(_field(reader, f"{arch}.block_count"))
     kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
+    moe = _moe_from_gguf(reader, arch, names)
     if reader.get_field(f"{arch}.ssm.conv_kernel") is not None:     # recurrent layers: a hybrid file
         kinds = _hybrid_from_gguf(reader, arch, layers)
     first = f"blk.{kinds['layer_kinds'].index('attention')}." if "attention" in kinds.get("layer_kinds", ()) else "blk.0."
@@ -424,7 +428,9 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        # qwen35moe's converter writes none (every MLP is experts): the experts' width then
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", moe["expert_intermediate_size"]) if moe
+                              else _field(reader, f"{arch}.feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -437,7 +443,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         qk_norm=first + "attn_q_norm.weight" in names,
         qk_norm_full=arch == "olmoe" and "blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
-        **_moe_from_gguf(reader, arch, names),
+        **moe,
         **kinds,
     )
 
@@ -549,34 +555,29 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     unknown = sorted(n for n in names if hf_name(n, config) is None and n not in _ROPE_TENSORS)
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")
+    mlp = list(_DENSE_MLP)
+    if config.num_experts:         # every layer's MLP is experts (a dense layer among them: not yet)
+        mlp = list(_MOE_PER_LAYER) + (list(_SHARED_PER_LAYER) if config.shared_expert_intermediate_size else [])
     required = ["token_embd.weight", "output_norm.weight"]
-    if config.layer_kinds:         # a hybrid file: each layer's own set
+    if config.layer_kinds:         # a hybrid file: each layer's own token mixer, the same MLP on every kind
         for i in range(config.num_layers):
             kind = _DELTANET_NAMES if config.kind(i) == "deltanet" else _QWEN35_ATTN + (
                 ("attn_q_norm.weight", "attn_k_norm.weight") if config.qk_norm else ())
-            required += [f"blk.{i}.{n}" for n in (*_QWEN35_PER_LAYER, *kind)]
-        missing = [n for n in required if n not in names]
-        if missing:
-            raise UnsupportedModelError(f"GGUF lacks tensors: {', '.join(missing[:8])}")
-        return
-    per_layer = list(_REQUIRED_PER_LAYER)
-    if config.arch == "phi3":      # fused q/k/v; ffn_up holds gate and up
-        per_layer = [n for n in per_layer if n not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
-                                                        "ffn_gate.weight")] + ["attn_qkv.weight"]
-    if config.qkv_bias:
-        per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
-    if config.qk_norm:
-        per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
-    if config.post_norms:
-        per_layer += ["post_attention_norm.weight", "post_ffw_norm.weight"]
-    elif stray := sorted(n for n in names if n.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))):
-        raise UnsupportedModelError(f"GGUF has post-norms ({', '.join(stray[:2])}) this architecture does not run")
-    if config.num_experts:         # every layer's MLP is experts (a dense layer among them: not yet)
-        per_layer = [n for n in per_layer if n not in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")]
-        per_layer += list(_MOE_PER_LAYER)
-        if config.shared_expert_intermediate_size:
-            per_layer += list(_SHARED_PER_LAYER)
-    required += [f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
+            required += [f"blk.{i}.{n}" for n in (*_QWEN35_PER_LAYER, *kind, *mlp)]
+    else:
+        per_layer = [n for n in _REQUIRED_PER_LAYER if n not in _DENSE_MLP] + mlp
+        if config.arch == "phi3":      # fused q/k/v; ffn_up holds gate and up
+            per_layer = [n for n in per_layer if n not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                            "ffn_gate.weight")] + ["attn_qkv.weight"]
+        if config.qkv_bias:
+            per_layer += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if config.qk_norm:
+            per_layer += ["attn_q_norm.weight", "attn_k_norm.weight"]
+        if config.post_norms:
+            per_layer += ["post_attention_norm.weight", "post_ffw_norm.weight"]
+        elif stray := sorted(n for n in names if n.endswith(("post_attention_norm.weight", "post_ffw_norm.weight"))):
+            raise UnsupportedModelError(f"GGUF has post-norms ({', '.join(stray[:2])}) this architecture does not run")
+        required += [f"blk.{i}.{n}" for i in range(config.num_layers) for n in per_layer]
     missing = [n for n in required if n not in names]
     if missing:
         raise UnsupportedModelError(f"GGUF lacks tensors: {', '.join(missing[:8])}")

@@ -29,14 +29,15 @@ _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
                  "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
-                 "Qwen3_5ForCausalLM": "qwen35"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+# config.json's model_type -> ours, where they differ
 _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
-                "qwen3_5_text": "qwen35"}   # config.json's model_type -> ours, where they differ
+                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 # Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
 # runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
-_NORMS_FROM_ONE = ("gemma3", "qwen35")
+_NORMS_FROM_ONE = ("gemma3", "qwen35", "qwen35moe")
 _NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's gated RMSNorm: x * w (transformers' own)
-# qwen35's gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
+# qwen35's (qwen35moe's) gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
 _DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A", "conv1d.weight", "norm.weight", "out_proj.weight",
                                                    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                                    "in_proj_a.weight")}
@@ -54,7 +55,7 @@ _BIAS_PARAMS = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_p
 _QK_NORM_PARAMS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
 _MOE_LAYER_PARAMS = {"mlp.gate.weight"}     # + mlp.experts.{e}.{gate,up,down}_proj.weight per expert
 _SHARED_PARAMS = {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-                  "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"}   # qwen2moe
+                  "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"}   # qwen2moe, qwen35moe
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Mixtral checkpoints: block_sparse_moe.{gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)}
 _MIXTRAL_RE = re.compile(r"block_sparse_moe\.(gate|experts\.(\d+)\.w([123]))\.weight")
@@ -134,8 +135,8 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     arch = _arch(cfg)
     if arch == "gemma3":
         return _gemma3_config(cfg, param_names)
-    if arch == "qwen35":
-        return _qwen35_config(cfg, param_names)
+    if arch in ("qwen35", "qwen35moe"):
+        return _qwen35_config(cfg, param_names, arch)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window"):
@@ -172,11 +173,13 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     )
 
 
-def _qwen35_config(cfg: dict, param_names: set[str]) -> ModelConfig:
+def _qwen35_config(cfg: dict, param_names: set[str], arch: str) -> ModelConfig:
     """Qwen3.5 text (Qwen3_5TextConfig): layer_types' linear_attention layers are gated DeltaNet, the
     full_attention ones qwen3's attention with an output gate (q_proj holds each head's q and gate rows) and
     partial RoPE (rope_parameters' partial_rotary_factor, default 0.25); norms x * (1 + w) (1 added at load);
-    text positions only (mrope's three sections coincide for text)."""
+    text positions only (mrope's three sections coincide for text). Qwen3.5-MoE (Qwen3_5MoeTextConfig, arch
+    qwen35moe): the same layers with experts and a shared expert on every one (_moe_from_hf); it has no dense
+    intermediate_size, so the config's is the experts'."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     n = int(cfg["num_hidden_layers"])
@@ -193,9 +196,11 @@ def _qwen35_config(cfg: dict, param_names: set[str]) -> ModelConfig:
     theta, rope = _rope({**cfg, "rope_parameters": params}, head_dim)
     attn = [i for i, k in enumerate(kinds) if k == "full_attention"]
     first = f"model.layers.{attn[0] if attn else 0}.self_attn."
+    moe = _moe_from_hf(cfg, arch)
     return ModelConfig(
-        arch="qwen35", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]), num_layers=n, num_heads=heads,
+        arch=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or moe.get("expert_intermediate_size", 0)), num_layers=n,
+        num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim, rope_theta=theta,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -204,7 +209,7 @@ def _qwen35_config(cfg: dict, param_names: set[str]) -> ModelConfig:
         layer_kinds=tuple(_HF_KINDS[k] for k in kinds), attn_output_gate=True,
         linear_key_heads=int(cfg["linear_num_key_heads"]), linear_value_heads=int(cfg["linear_num_value_heads"]),
         linear_key_dim=int(cfg["linear_key_head_dim"]), linear_value_dim=int(cfg["linear_value_head_dim"]),
-        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), **moe)
 
 
 def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
@@ -258,12 +263,13 @@ def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
 
 
 def _moe_from_hf(cfg: dict, arch: str) -> dict:
-    """ModelConfig's expert fields; {} for a dense model. qwen3moe, qwen2moe: moe_intermediate_size
-    and norm_topk_prob (transformers' default False), qwen2moe's shared expert of
-    shared_expert_intermediate_size; olmoe: intermediate_size wide experts, norm_topk_prob (default
-    False); Mixtral: intermediate_size wide, always renormalised. Every layer must be sparse
-    (decoder_sparse_step 1, no mlp_only_layers); olmoe's clip_qkv is not run."""
-    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe")
+    """ModelConfig's expert fields; {} for a dense model. qwen3moe, qwen2moe, qwen35moe: moe_intermediate_size
+    and norm_topk_prob (transformers' default False; qwen35moe's router always renormalises and has no such
+    field), qwen2moe's and qwen35moe's shared expert of shared_expert_intermediate_size; olmoe:
+    intermediate_size wide experts, norm_topk_prob (default False); Mixtral: intermediate_size wide, always
+    renormalised. Every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers); olmoe's clip_qkv
+    is not run."""
+    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe", "qwen35moe")
     count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in moe_archs else 0
     if not count:
         return {}
@@ -272,13 +278,15 @@ def _moe_from_hf(cfg: dict, arch: str) -> dict:
                                     "mlp_only_layers) are not supported")
     if cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv {cfg['clip_qkv']} is not supported")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "qwen2moe" else 0
+    with_shared = ("qwen2moe", "qwen35moe")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch in with_shared else 0
     if cfg.get("shared_expert_intermediate_size") and not shared:
-        raise UnsupportedModelError(f"shared experts are supported for qwen2moe only, not {arch}")
-    qwen = arch in ("qwen3moe", "qwen2moe")
+        raise UnsupportedModelError(f"shared experts are supported for {', '.join(with_shared)} only, not {arch}")
+    qwen = arch in ("qwen3moe", "qwen2moe", "qwen35moe")
+    renormalised = ("mixtral", "qwen35moe")      # their routers renormalise the top k whatever the config says
     return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
                 expert_intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if arch != "mixtral" else True,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if arch not in renormalised else True,
                 shared_expert_intermediate_size=shared)
 
 

@@ -19,6 +19,8 @@ Differences between the architectures are fields on ModelConfig, not branches on
 The MLP is one of two kinds: a dense gated MLP, or mixture of experts (num_experts > 0: qwen3moe,
 Mixtral, qwen2moe with its shared expert, olmoe; models/moe.py, batch-invariant by its fixed top-k
 ties and sum order). olmoe's q/k norms span the whole projection (qk_norm_full), not each head.
+The token mixer is one of two kinds (layer_kinds): attention, or a gated DeltaNet (models/deltanet.py:
+qwen35); the MLP kind is independent of it (qwen35moe: both kinds with experts on every layer).
 
 Sliding-window layers [SWA-KV]: the KV keeps EVERY position on every layer, windowed or not; a windowed
 layer only reads fewer keys (torch: the mask; native: attention.c starts at the window's first block).
@@ -32,6 +34,7 @@ layer is two matmuls for attention and two for the MLP.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +46,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..invariants import check
 from ..kernels.build import Kernels
-from .moe import ExpertStore, MoE, SharedExpert
+from .moe import ExpertStore, MoE, SharedExpert, silu_mul
 from .qlinear import projection
 from .deltanet import DeltaNet
 from .qweight import QWeight, to_int8, to_lanes
@@ -217,6 +220,10 @@ class Layer(nn.Module):
             return build([w[n] for n in names], bias)
 
         self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
+        # silu(gate) * up of the MLP or its experts. [ROW-EXACT] hybrid models: per element (recurrent.c, fp32,
+        # cast back): a recurrent state keeps any bit a row's neighbours changed, and torch's SiLU gives a
+        # buffer's tail other bits (deltanet.py)
+        self.silu_mul = functools.partial(_row_exact_silu_mul, kernels) if cfg.layer_kinds else silu_mul
         self.mixer: DeltaNet | None = None
         if cfg.kind(index) == "deltanet":     # a recurrent token mixer in place of attention (deltanet.py)
             self.mixer = DeltaNet(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
@@ -252,11 +259,11 @@ class Layer(nn.Module):
             nbytes = sum(p.nbytes if isinstance(p, QWeight) else p.numel() * p.element_size() for p in parts)
             store.put(self.index, e, build(parts[:2]), build(parts[2:]), nbytes)
         shared = None
-        if self.cfg.shared_expert_intermediate_size:     # qwen2moe: dense, every row: held here, never in the store
+        if self.cfg.shared_expert_intermediate_size:     # qwen2moe, qwen35moe: dense, every row: held here, not in the store
             shared = SharedExpert(build([w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"]]),
                                   build([w["mlp.shared_expert.down_proj.weight"]]), w["mlp.shared_expert_gate.weight"])
         return MoE(w["mlp.gate.weight"], self.cfg.experts_per_token, self.cfg.norm_topk_prob, store,
-                   self.index, pack, shared)
+                   self.index, pack, shared, self.silu_mul)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part],
                 table: torch.Tensor | None = None) -> torch.Tensor:
@@ -301,13 +308,7 @@ class Layer(nn.Module):
         if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
             return self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
-        if self.cfg.layer_kinds:
-            # [ROW-EXACT] hybrid models: a recurrent state keeps any bit a row's neighbours changed, and
-            # torch's SiLU gives a buffer's tail other bits (deltanet.py); recurrent.c's is per element (fp32)
-            y = self.down(self.kernels.pointwise("silu_mul", g, u).to(x.dtype))
-        else:
-            act = F.silu(g) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh")
-            y = self.down(act * u)
+        y = self.down(self.silu_mul(g, u) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh") * u)
         return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps)
 
     def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -334,6 +335,11 @@ class Layer(nn.Module):
         # [0, start) earlier positions | [start, end) this call | [end, S) padding, masked
         attn = attention(qk[:H], p.k_cache, p.v_cache, start, p.bias, self.q_scale)   # (H, T, D) in KV_DTYPE
         return attn.transpose(0, 1).reshape(T, self.q_size)
+
+
+def _row_exact_silu_mul(kernels: Kernels, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u by recurrent.c's tq_pointwise (fp32, every element's bits its own), in g's dtype [ROW-EXACT]."""
+    return kernels.pointwise("silu_mul", g, u).to(g.dtype)
 
 
 EMBED_LOOKUP_MAX = 16      # ids a lookup serves from Transformer._embed_rows (more: a prefill chunk)

@@ -1,10 +1,11 @@
-"""Mixture-of-experts MLP (qwen3moe, Mixtral, qwen2moe, olmoe): a router picks k of E SwiGLU experts per row.
+"""Mixture-of-experts MLP (qwen3moe, Mixtral, qwen2moe, olmoe, qwen35moe): a router picks k of E SwiGLU experts per row.
 
 Routing, as transformers and llama.cpp compute it: router logits in fp32, softmax over all E
 experts, the k largest probabilities, renormalised to sum 1 when `norm_topk_prob` (Mixtral's
 softmax over its top-k logits is the same numbers). The output of a row is
     sum over its k experts e of  weight_e * down_e(silu(gate_e(h)) * up_e(h))
-    [+ sigmoid(g . h) * shared(h)]     qwen2moe's shared expert (`SharedExpert`): every row, dense.
+    [+ sigmoid(g . h) * shared(h)]     qwen2moe's (and qwen35moe's) shared expert (`SharedExpert`): every row, dense.
+silu(gate) * up is the layer's `act` (`silu_mul` here; a hybrid model's per-element one, models/llama.py [ROW-EXACT]).
 
 [BATCH-INVARIANT] A row's bits never depend on the other rows in the batch:
   - the router is a packed fp32 Linear (linear.py: row-invariant for any M), softmax and the sort
@@ -688,6 +689,15 @@ def plan_expert_cache(requested: "str | int | None", experts: int, others: int, 
                                    f"{fs(others)} and KV {fs(kv)} ({fs(available)} available)")
 
 
+# SwiGLU's middle: (gate, up) (n, I) each -> silu(gate) * up (n, I) in gate's dtype
+Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """torch's SiLU times up: the experts' activation unless the layer gives another (`MoE(act=...)`)."""
+    return F.silu(g) * u
+
+
 def select_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """probs: (M, E) fp32 -> (indices (M, k) int64, values (M, k)) in rank order: largest first,
     equal values by lower expert index [TOP-K-TIES]. Per row: no row sees another."""
@@ -697,7 +707,7 @@ def select_experts(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass(frozen=True)
 class SharedExpert:
-    """qwen2moe's shared expert: one more SwiGLU MLP that every row goes through, scaled per row by
+    """qwen2moe's (qwen35moe's) shared expert: one more SwiGLU MLP that every row goes through, scaled per row by
     sigmoid(gate . h). Dense and always used, so it is held by the layer (resident), never by a
     store. gate_up (2 I_s, hidden) [gate rows first], down (hidden, I_s): built as an expert's
     projections; gate: (1, hidden) weight (transformers' shared_expert_gate, llama.cpp's
@@ -718,8 +728,10 @@ class MoE:
     """Not an nn.Module: a frozen MoE MLP of one layer. router: (E, hidden) weight."""
 
     def __init__(self, router: torch.Tensor, top_k: int, norm_topk_prob: bool, store: ExpertStore,
-                 layer: int, pack: bool = True, shared: SharedExpert | None = None):
+                 layer: int, pack: bool = True, shared: SharedExpert | None = None, act: Act = silu_mul):
+        """act: silu(gate) * up of every expert and the shared one (a row-wise function: [BATCH-INVARIANT])."""
         self.num_experts, self.hidden = router.shape
+        self.act = act
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.router_weight = router.float().contiguous()                 # (E, hidden): the native layer's
         self.router = Linear(self.router_weight, None, pack)             # logits in fp32, as the reference
@@ -758,7 +770,7 @@ class MoE:
         for j, e in enumerate(experts):                                        # [SUM-ORDER] ascending index
             ex = self.store.get(self.layer, e, 1)
             g, u = ex.gate_up(h).chunk(2, dim=-1)                              # (1, I) each
-            y = ex.down(F.silu(g) * u)                                         # (1, hidden)
+            y = ex.down(self.act(g, u))                                        # (1, hidden)
             y = y * r.weights[:, j:j + 1].to(y.dtype)
             if out is None:
                 out = y
@@ -784,7 +796,7 @@ class MoE:
             rows = pos // k
             ex = self.store.get(self.layer, e, n)
             g, u = ex.gate_up(h[rows]).chunk(2, dim=-1)                        # (n, I) each: one product for all its rows
-            y = ex.down(F.silu(g) * u)                                         # (n, hidden)
+            y = ex.down(self.act(g, u))                                        # (n, hidden)
             y = y * wflat[pos].to(y.dtype).unsqueeze(1)
             if slots is None:
                 slots = torch.empty(M * k, y.shape[1], dtype=y.dtype)
@@ -798,7 +810,7 @@ class MoE:
     def _shared(self, h: torch.Tensor) -> torch.Tensor:
         """h: (M, hidden) -> (M, hidden): sigmoid(gate . h) * down(silu(gate(h)) * up(h)), row-wise."""
         g, u = self.shared.gate_up(h).chunk(2, dim=-1)                         # (M, I_s) each
-        y = self.shared.down(F.silu(g) * u)                                    # (M, hidden)
+        y = self.shared.down(self.act(g, u))                                   # (M, hidden)
         z = self.shared_gate(h.float())                                        # (M, 1) fp32, as the router
         # [BATCH-INVARIANT] sigmoid(z) as softmax([z, 0])[0]: the last-dim softmax computes each row alone,
         # while torch.sigmoid over the (M, 1) column takes its vector or its scalar path by the row's
