@@ -294,7 +294,8 @@ def test_a_long_cold_prompt_does_not_stall_running_streams(engine):
         before = sum(isinstance(e, Delta) for e in running)
         sched.run_once()
         rounds += 1
-        assert sum(isinstance(e, Delta) for e in running) == before + 1 or isinstance(running[-1], Finished)
+        # one token a round, or more when a draft was verified (speculation: sequence.py)
+        assert sum(isinstance(e, Delta) for e in running) >= before + 1 or isinstance(running[-1], Finished)
     assert rounds >= 300 // 15                   # at most 15 prefill rows beside the decode, every round
     assert sum(isinstance(e, Delta) for e in running) > rounds   # it streamed through the whole prefill
     while sched.run_once():

@@ -84,15 +84,17 @@ class Engine:
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
                  weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None,
-                 state_interval: int = 64):
+                 state_interval: int = 64, speculative: bool = True):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
         with a gguf choice. `kv_dtype`: the KV cache's dtype, auto | float32 | float16 (Transformer:
         auto is float16 where every layer runs fused in C, else float32). `state_interval`: a hybrid model's
-        recurrent snapshots every this many positions (kv/recurrent.py). Raises UnsupportedDtypeError
+        recurrent snapshots every this many positions (kv/recurrent.py). `speculative`: requests draft
+        by prompt lookup and verify (sequence.py; lossless) unless they say otherwise. Raises UnsupportedDtypeError
         for a dtype with no exact kernel here, ValueError for a KV dtype that cannot run."""
         cfg = loaded.config
+        self.speculative = speculative
         self.config = cfg
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -283,14 +285,19 @@ class Engine:
              on_chunk: Callable[[int], None] | None = None,
              keep_logits: bool = False, logprobs: int | None = None,
              ignore_eos: bool = False, grammar: GrammarSpec | None = None,
-             fork_from: Slot | int | None = None) -> Sequence:
+             fork_from: Slot | int | None = None, logit_bias: dict[int, float] | None = None,
+             speculative: bool | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
         Returns its Sequence, ready for `step`. Raises ValueError for a bad request, an invalid
         `grammar` included (nothing changed then). Side effects: may save the slot's blocks to the
         store, truncate or reset the slot, load tier blocks into it (each load recorded where fed),
         copy KV from `fork_from` (another slot: choice 0 of the same n > 1 request) where it holds
         more of this prompt than placement found (runner.copy_prefix, recorded where copied).
-        `grammar`: constrain every sampled token (grammar.py), this request's logits row only."""
+        `grammar`: constrain every sampled token (grammar.py), this request's logits row only.
+        `logit_bias`: token id -> added to its logit before every choice (OpenAI's, -100..100).
+        `speculative`: draft and verify (sequence.py: the same answer, token for token); None: the
+        engine's default. A hybrid model's slot never speculates: its recurrent state cannot be cut
+        back past rejected rows without a snapshot at each."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
         n = len(prompt)
@@ -304,7 +311,12 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} outside the vocabulary [0, {vocab})")
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        bias = tuple(sorted((logit_bias or {}).items()))
+        if any(not 0 <= t < vocab for t, _ in bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary [0, {vocab})")
+        if any(not -100.0 <= b <= 100.0 for _, b in bias):
+            raise ValueError("logit_bias values must lie in [-100, 100]")
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed, bias))
         constraint = self.grammars.constraint(grammar) if grammar is not None else None
         ns = self.namespace(cache_salt)
         emb = {p: Embed(t, digest_tensor(t) if digest_embeds else None) for p, t in (embeds or {}).items()}
@@ -341,7 +353,9 @@ class Engine:
         return Sequence(slot=slot, prompt=prompt, reused=k, reuse=reuse, restored=restored, sampler=sampler,
                         tokenizer=self.tokenizer, stop=list(stop or []),
                         limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
-                        keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint)
+                        keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint,
+                        speculative=(self.speculative if speculative is None else speculative)
+                        and slot.state is None)
 
     @staticmethod
     def want(seq: Sequence) -> Want:
@@ -358,13 +372,13 @@ class Engine:
         outcomes: list[StepOutcome | None] = [None] * len(work)
         feeds, live = [], []
         for i, (seq, count) in enumerate(work):
-            ids, logits = seq.take(count)
+            ids, logits = seq.take(count)            # logits: "none" | "last" | "all" (a draft to verify)
             try:
                 seq.slot.ensure_capacity(len(seq.slot.record) + count)
             except Exception as e:           # ContextOverflow: this sequence only
                 outcomes[i] = self._fail(seq, e)
                 continue
-            feeds.append(Feed(seq.slot, ids, seq.embeds or None, "last" if logits else "none"))
+            feeds.append(Feed(seq.slot, ids, seq.embeds or None, logits))
             live.append(i)
         if feeds:
             experts = self.model.experts
@@ -380,7 +394,7 @@ class Engine:
                 seq, count = work[i]
                 was_prefilling = seq.prefilling
                 try:
-                    outcomes[i] = StepOutcome(seq.accept(count, None if logits is None else logits[-1]))
+                    outcomes[i] = StepOutcome(seq.accept(count, logits))
                 except Exception as e:       # its hook or its sampling: this sequence only
                     outcomes[i] = self._fail(seq, e)
                 if used is not None:         # the whole step's expert traffic, to each sequence in it

@@ -36,6 +36,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-interval", type=int, default=64,
                    help="hybrid models (qwen35): snapshot each slot's recurrent state every N positions (and at "
                         "each prefill's end); reuse resumes at the latest one before a divergence (default 64)")
+    p.add_argument("--speculative", default="auto", choices=["auto", "off"],
+                   help="speculative decoding: auto (default: draft by prompt lookup and verify in one step; "
+                        "the same answer token for token, faster where the answer repeats the conversation) | off")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--chat-template", type=template_file, default=None, metavar="FILE",
                    help="a jinja chat template (Hugging Face semantics) replacing the model's own")
@@ -71,6 +74,7 @@ def load_engine(args, slots: int = 1):
                          prefix_reuse=not args.no_prefix_kv,
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
                          state_interval=getattr(args, "state_interval", 64),
+                         speculative=getattr(args, "speculative", "auto") != "off",
                          chat_template=args.chat_template, expert_cache=args.expert_cache)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine

@@ -57,6 +57,8 @@ class GenParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None      # None: none; k >= 0: the sampled token's logprob + top k
     grammar: GrammarSpec | None = None   # structured output: every sampled token must fit it
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) on every choice
+    speculative: bool | None = None  # draft and verify (lossless); None: the engine's default
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -370,7 +372,8 @@ class Scheduler:
             run.seq = self.engine.open(r.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
                                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                                        stop=list(p.stop) or None, cache_salt=r.salt, slot=run.slot,
-                                       logprobs=p.logprobs, grammar=p.grammar, fork_from=fork)
+                                       logprobs=p.logprobs, grammar=p.grammar, fork_from=fork,
+                                       logit_bias=dict(p.logit_bias), speculative=p.speculative)
         except Exception as e:  # one request's error (e.g. context overflow) ends that request only
             log.warning("request %d failed: %s", run.ticket.id, e)
             self._end(run, Failed(e, "error"))

@@ -8,6 +8,14 @@ through `accept`. That split is what lets a single request (Engine.stream) and a
 (the server's scheduler) run the same code.
 
     [0, k) reused | [k, n) prefilled (pending, chunk by chunk) | [n, n + generated) decoded
+
+Speculative decoding (lossless): while decoding, `pending` may hold the last sampled token and a draft after it
+(drafter.py). The step feeds them all and returns every row's logits; `accept` samples row by row exactly as
+plain decoding would (the same bias, grammar mask and per-position draw, sampling.py) and keeps a drafted token
+only while it equals the token sampled before it. The first row that differs ends the step: its sampled token is
+the next pending one, and the rows after it, fed drafts the model did not produce, are cut from the slot's
+record (Slot.truncate) before anything can store or reuse them. A verify row has exactly the bits of a one-row
+decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for token, on or off.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from .grammar import Constraint
 from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
+from .drafter import PromptLookup
 from .runner import Embed
 from .sampling import Sampler
 
@@ -33,6 +42,8 @@ class Timings:
     decode_tokens: int = 0
     decode_s: float = 0.0
     ttft_s: float = 0.0          # request start -> first sampled token
+    drafted: int = 0             # speculative decoding: drafted tokens verified
+    accepted: int = 0            # ... and those the model produced itself (kept)
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ class Sequence:
                  sampler: Sampler, tokenizer, stop: list[str], limits: Limits,
                  embeds: dict[int, Embed], on_chunk: Callable[[int], None] | None,
                  keep_logits: bool, logprobs: int | None, started: float,
-                 constraint: Constraint | None = None):
+                 constraint: Constraint | None = None, speculative: bool = False):
         self.slot = slot
         self.prompt = prompt
         self.n = len(prompt)
@@ -124,27 +135,45 @@ class Sequence:
         self.started = started
         self._first_step: float | None = None
         self._decode_from: float | None = None       # when the prefill's last chunk returned
+        self.drafter = PromptLookup(prompt) if speculative else None   # drafts after each sampled token
 
     @property
     def prefilling(self) -> bool:
         return self._decode_from is None
 
-    def take(self, count: int) -> tuple[list[int], bool]:
-        """The next `count` pending ids (1 <= count <= len(pending)) and whether logits are needed
-        (they are when these ids end what is pending: the prompt's last chunk or a decode token).
-        Does not change the sequence: `accept` does, once the step returned."""
+    def take(self, count: int) -> tuple[list[int], str]:
+        """The next `count` pending ids (1 <= count <= len(pending)) and the logits the step must return
+        for them (models.llama.Segment): "none" for a prefill chunk before the last, "last" for the
+        prompt's last chunk or a decode token, "all" for a decode token with its draft (every row is
+        verified). A decode step feeds all its pending ids. Does not change the sequence: `accept` does,
+        once the step returned."""
         check(not self.done and 1 <= count <= len(self.pending),
               f"take({count}) of a sequence with {len(self.pending)} pending ids (done={self.done})")
+        check(self.prefilling or count == len(self.pending), "a decode step feeds its token and its whole draft")
         if self._first_step is None:
             self._first_step = time.perf_counter()
-        return self.pending[:count], count == len(self.pending)
+        if count < len(self.pending):
+            return self.pending[:count], "none"
+        return self.pending[:count], "all" if count > 1 and not self.prefilling else "last"
 
     def accept(self, count: int, logits: torch.Tensor | None) -> list[Delta | Completion]:
-        """The step fed `count` pending ids (already recorded in the slot). logits: (vocab,) fp32 when
-        they ended the pending ids. Returns the events for the caller: Deltas, and when the request
-        is over, a final flush Delta (if text was held back) and the Completion. Side effects: samples
-        (advances the sampler's generator), runs on_chunk while prefilling (it may raise)."""
+        """The step fed `count` pending ids (already recorded in the slot). logits: fp32, the rows `take`
+        asked for ((1, vocab) for "last", (count, vocab) for "all"), None for "none". Returns the events for
+        the caller: Deltas, and when the request is over, a final flush Delta (if text was held back) and
+        the Completion. Side effects: samples, runs on_chunk while prefilling (it may raise); after a
+        verify step cuts the rejected draft rows from the slot's record; drafts the next pending ids."""
+        fed = self.pending[:count]
         del self.pending[:count]
+        if not self.prefilling and count > 1:
+            events = self._verify(fed[1:], logits)
+        else:
+            events = self._step(count, logits)
+        if not self.done and not self.prefilling and self.drafter is not None:
+            self._draft()
+        return events
+
+    def _step(self, count: int, logits: torch.Tensor | None) -> list[Delta | Completion]:
+        """A prefill chunk or a one-token decode step."""
         if self.prefilling:
             if self.pending:                            # a prefill chunk, not the last
                 if self.on_chunk is not None:
@@ -158,13 +187,45 @@ class Sequence:
         else:
             self.timings.decode_tokens += 1
         check(logits is not None, "the step that ended the pending ids returned no logits")
-        return self._sample(logits)
+        return self._sample(logits[-1])
 
-    def _sample(self, logits: torch.Tensor) -> list[Delta | Completion]:
+    def _verify(self, draft: list[int], logits: torch.Tensor) -> list[Delta | Completion]:
+        """A decode step that fed [token, *draft]: logits (1 + len(draft), vocab). Row r is sampled as plain
+        decoding would at that point; the draft's next token is kept only if it is that sample."""
+        k = len(draft)
+        check(logits is not None and logits.shape[0] == k + 1, "a verify step returns every row's logits")
+        events: list[Delta | Completion] = []
+        taken = 0
+        for r in range(k + 1):
+            events += self._sample(logits[r], unverified=k - r)
+            if self.done or r == k or self.pending[0] != draft[r]:
+                break
+            taken += 1
+        rejected = k - taken          # rows after the last one that stands (a mismatch, a stop, the limit)
+        if rejected:           # [RECORD-WHERE-FED] the record no longer vouches for those rows' KV
+            self.slot.truncate(len(self.slot.record) - rejected)
+        self.timings.decode_tokens += 1 + taken
+        self.timings.drafted += k
+        self.timings.accepted += taken
+        self.drafter.verified(k, taken)
+        return events
+
+    def _draft(self) -> None:
+        """Append a draft after the pending token: what followed the conversation's last tokens before
+        (drafter.py), no longer than the answer and the context leave room for."""
+        self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
+        room = min(self.limits.max_tokens - len(self.out_ids), self.limits.ctx - len(self.slot.record)) - 1
+        self.pending += self.drafter.draft(room)
+
+    def _sample(self, logits: torch.Tensor, unverified: int = 0) -> list[Delta | Completion]:
+        """Sample the next token from one row's logits (vocab,); `unverified`: rows fed after this one in
+        the same step (drafts not yet judged), which the record holds but the answer does not."""
+        index = len(self.out_ids)                       # the token's draw (sampling.draw_seed)
+        biased = self.sampler.biased(logits)
         if self.constraint is None:
-            tok = self.sampler.sample(logits)
+            tok = self.sampler.sample(biased, index)
         else:   # a masked copy: `logits` (kept, logprobs) stays the model's raw distribution
-            tok = self.sampler.sample(self.constraint.mask(logits))
+            tok = self.sampler.sample(self.constraint.mask(biased), index)
             self.constraint.advance(tok)
         if self.keep_logits:
             self.kept.append(logits)
@@ -186,7 +247,7 @@ class Sequence:
         if stopped:
             self.finish = "stop"
             return events + self._finish(by_string=True)
-        if len(self.out_ids) >= self.limits.max_tokens or len(self.slot.record) >= self.limits.ctx:
+        if len(self.out_ids) >= self.limits.max_tokens or len(self.slot.record) - unverified >= self.limits.ctx:
             return events + self._finish(by_string=False)
         self.pending = [tok]                            # fed back next step
         return events

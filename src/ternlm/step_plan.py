@@ -25,7 +25,8 @@ class Want:
 def plan_step(wants: list[Want], budget: int, chunk: int) -> list[int]:
     """Rows each sequence feeds this step, aligned with `wants` (0: it waits).
 
-    - every decoding sequence feeds 1;
+    - every decoding sequence feeds all it has pending: its sampled token, and the draft after it when
+      it speculates (sequence.py: verified in the same step);
     - while any sequence decodes, all rows together stay within `budget` (when decodes alone reach
       it, the oldest prefill still gets one row so it is never starved); otherwise within
       max(budget, chunk);
@@ -37,7 +38,7 @@ def plan_step(wants: list[Want], budget: int, chunk: int) -> list[int]:
     """
     if budget < 1 or chunk < 1:
         raise ValueError("budget and chunk must be >= 1")
-    out = [1 if w.decoding else 0 for w in wants]
+    out = [w.pending if w.decoding else 0 for w in wants]
     decodes = sum(out)
     room = (budget if decodes else max(budget, chunk)) - decodes
     prefills = [i for i, w in enumerate(wants) if not w.decoding]

@@ -538,6 +538,13 @@ def _routes(app: FastAPI, st: ServerState) -> None:
             raise bad_request(f"token id {ids[bad]} at position {bad} is outside the vocabulary "
                               f"[0, {vocab})", param, "invalid_token_id")
 
+    def checked_bias(engine: Engine, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """logit_bias ({"token id": bias}, validated by the schema) as GenParams takes it; 400 for a token
+        outside the vocabulary."""
+        pairs = tuple(sorted((int(k), float(b)) for k, b in (bias or {}).items()))
+        check_ids(engine, [t for t, _ in pairs], "logit_bias")
+        return pairs
+
     async def check_grammar(engine: Engine, grammar: GrammarSpec | None, param: str = "response_format") -> None:
         if grammar is None:
             return
@@ -579,9 +586,10 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         if n + max(max_new, 1) > ctx:
             raise schemas.too_long(n, max(max_new, 1), ctx, "messages")
         salt = st.salt(tenant, req.cache_salt)
+        bias = checked_bias(engine, req.logit_bias)
         choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
-                                                    grammar), salt, None if j else req.affinity),
+                                                    grammar, bias, req.speculative), salt, None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
         shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
                                   thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
@@ -614,10 +622,11 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                 raise schemas.too_long(len(ids), req.max_tokens, engine.ctx, "prompt")
             prompts.append(ids)
         salt = st.salt(tenant, req.cache_salt)
+        bias = checked_bias(engine, req.logit_bias)
         # choice index = prompt * n + j, as OpenAI numbers them; choice j > 0 forks choice 0's prompt KV
         choices = [Choice(GenRequest(ids, GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p,
                                                     req.min_p, choice_seed(req.seed, j), tuple(req.stop),
-                                                    req.logprobs, req.response_format), salt,
+                                                    req.logprobs, req.response_format, bias, req.speculative), salt,
                                          req.affinity if p == j == 0 else None),
                           leader=p * req.n if j else None)
                    for p, ids in enumerate(prompts) for j in range(req.n)]

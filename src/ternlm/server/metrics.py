@@ -111,6 +111,11 @@ class Metrics:
         self.reused_tokens = Counter("ternlm_reused_tokens",
                                      "prompt tokens served from reused KV (cached_tokens)", registry=r)
         self.completion_tokens = Counter("ternlm_completion_tokens", "generated tokens", registry=r)
+        self.drafted_tokens = Counter("ternlm_spec_drafted_tokens",
+                                      "speculative decoding: drafted tokens verified", registry=r)
+        self.accepted_tokens = Counter("ternlm_spec_accepted_tokens",
+                                       "speculative decoding: drafted tokens the model produced itself (kept)",
+                                       registry=r)
         self.reuse_ratio = Histogram("ternlm_reuse_ratio", "per request: cached_tokens / prompt_tokens",
                                      buckets=_RATIO, registry=r)
         self.prefill_seconds = Histogram("ternlm_prefill_seconds", "prefill time per request",
@@ -154,6 +159,8 @@ class Metrics:
                 if n:
                     self.reused_by_tier.labels(tier).inc(n)
             self.completion_tokens.inc(len(c.token_ids))
+            self.drafted_tokens.inc(t.drafted)
+            self.accepted_tokens.inc(t.accepted)
             self.reuse_ratio.observe(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0)
             self.prefill_seconds.observe(t.prefill_s)
             self.decode_seconds.observe(t.decode_s)

@@ -26,6 +26,7 @@ from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP = 4
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_N = 16            # choices per prompt
 MAX_PROMPTS = 64      # prompts in one /v1/completions request
 MAX_CHOICES = 128     # choices in one response (prompts x n)
@@ -181,6 +182,21 @@ class _Sampling(_Closed):
     user: str | None = Field(None, max_length=512)
     prompt_cache_key: str | None = Field(None, max_length=1024)
     cache_salt: str | None = Field(None, max_length=1024)
+    # OpenAI's: {"token id": bias in [-100, 100]}, added to the logit before every choice (verify rows too)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time)
+    speculative: bool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return None
+        if any(not k.isascii() or not k.isdigit() or len(k) > 12 for k in v):
+            raise ValueError("logit_bias keys must be token ids (decimal strings)")
+        if any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("logit_bias values must lie in [-100, 100]")
+        return v
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -360,7 +376,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty other than 0 is not supported"),
     "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
     "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
-    "logit_bias": (lambda v: v == {}, "logit_bias is not supported"),
     "functions": (lambda v: v == [], "functions (OpenAI's deprecated form) is not supported: send tools"),
     "function_call": (lambda v: v == "none", "function_call (OpenAI's deprecated form) is not supported: send tool_choice"),
     "echo": (lambda v: v is False, "echo is not supported"),
@@ -437,6 +452,8 @@ def timings(c: Completion) -> dict:
             "predicted_n": n_pred, "predicted_ms": t.decode_s * 1e3,
             "predicted_per_token_ms": t.decode_s * 1e3 / n_pred if n_pred else 0.0,
             "predicted_per_second": per_s(n_pred, t.decode_s),
+            # speculative decoding (llama.cpp's names): drafted tokens verified, and those kept
+            "draft_n": t.drafted, "draft_n_accepted": t.accepted,
             # ternlm: where cache_n came from (slot KV, RAM tier, disk tier) and what loading cost
             "cache_tier": c.restored.tier, "cache_slot_n": c.restored.slot, "cache_ram_n": c.restored.ram,
             "cache_disk_n": c.restored.disk, "cache_redis_n": c.restored.redis,
