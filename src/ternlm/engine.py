@@ -146,12 +146,9 @@ class Engine:
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
-        if cache is not None and prefix_reuse and recurrent is not None:
-            log.warning("KV tiers are off for this hybrid model: they hold no recurrent snapshots yet "
-                        "(reuse comes from the slots)")
-        elif cache is not None and prefix_reuse:
+        if cache is not None and prefix_reuse:
             ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                  self.kv_dtype)
+                                  self.kv_dtype, recurrent.shapes if recurrent is not None else None)
             self.store = TieredStore.from_config(ident, cache)
 
     # ---- loading -------------------------------------------------------------------------------
@@ -328,10 +325,11 @@ class Engine:
             reuse = dataclasses.replace(reuse, tokens=resumed,
                                         why=f"{reuse.why}; recurrent state resumed at {resumed} of {reuse.tokens}")
         restored = self._place(slot, prompt, ns, reuse.tokens, min(digests, default=n))
-        if fork_from is not None and self.prefix_reuse and slot.state is None:   # no recurrent state is forked
+        if fork_from is not None and self.prefix_reuse:
             src = self.slots[fork_from] if isinstance(fork_from, int) else fork_from
-            # the same reuse rules as any prompt: namespace, embeds, [FRESH-LOGITS] (k <= n - 1)
-            fork = decide_reuse(src.record, prompt, ns, prompt_digests=digests, min_reuse=0).tokens
+            # the same reuse rules as any prompt: namespace, embeds, [FRESH-LOGITS] (k <= n - 1); a hybrid
+            # slot forks at a position where the source holds its recurrent state [RESUME-AT-SNAPSHOT]
+            fork = src.resumable(decide_reuse(src.record, prompt, ns, prompt_digests=digests, min_reuse=0).tokens)
             if src is not slot and fork > restored.tokens:   # _place left the slot in namespace ns
                 self.runner.copy_prefix(src, slot, fork)
                 restored = dataclasses.replace(restored, sibling=fork - restored.tokens)
@@ -440,8 +438,8 @@ class Engine:
         `first_embed`: first position fed from a caller embedding."""
         rec, store, n = slot.record, self.store, len(prompt)
 
-        def plan(tier_blocks: int, tail_tokens: int = 0) -> Placement:
-            return plan_placement(n=n, record_len=len(rec), slot_usable=k, tier_blocks=tier_blocks,
+        def plan(tier_blocks: int, tail_tokens: int = 0, usable: int = k) -> Placement:
+            return plan_placement(n=n, record_len=len(rec), slot_usable=usable, tier_blocks=tier_blocks,
                                   first_embed=first_embed, min_reuse=self.min_reuse, store=store is not None,
                                   tail_tokens=tail_tokens)
         p = plan(0)                            # save_slot never depends on the tiers' match
@@ -455,13 +453,23 @@ class Engine:
         t0 = time.perf_counter()
         tail = store.find_tail(prompt, ns, refs, limit, beat=max(k, self.min_reuse - 1))
         tail_s = time.perf_counter() - t0            # a disk tail is read and verified here
+        usable = k
         p = plan(len(refs), tail.tokens if tail is not None else 0)
+        if p.loads and slot.resumable(p.keep) != p.keep:   # [RESUME-AT-SNAPSHOT] no state where tiers go on
+            store.save(slot)
+            usable = 0
+            p = plan(len(refs), tail.tokens if tail is not None else 0, usable)
         if not p.loads:
             self._keep(slot, p.keep, ns)
             return Restored(slot=p.keep)
         got = store.fetch(refs[p.first_block:p.first_block + p.blocks], ns)
         complete = p.first_block + len(got.blocks) == len(refs)    # a tail follows only the last block
-        p = plan(p.first_block + len(got.blocks), tail.tokens if tail is not None and complete else 0)
+        tier_blocks, tail_tokens = p.first_block + len(got.blocks), tail.tokens if tail is not None and complete else 0
+        if slot.state is not None:
+            tier_blocks, tail_tokens = _stateful_reach(got.blocks, p.first_block, tail, tail_tokens, limit)
+        p = plan(tier_blocks, tail_tokens, usable)
+        if not p.loads and usable != k:        # the tiers hold no state past the slot's own: keep its prefix
+            p = plan(0)
         self._keep(slot, p.keep, ns)
         if not p.loads:
             return Restored(slot=p.keep)
@@ -472,6 +480,8 @@ class Engine:
         self.runner.load_blocks(slot, entries)
         load_s = got.load_s + time.perf_counter() - t0 + (tail_s if p.tail else 0.0)
         rec.truncate(p.loaded)                 # the last entry may be cut: [FRESH-LOGITS], a divergence
+        check(slot.state is None or slot.state.pos == p.loaded,
+              "a hybrid slot's tier load ends where its recurrent state does")
         ends = [p.keep + BLOCK_TOKENS * (i + 1) for i in range(p.blocks)] + ([p.loaded] if p.tail else [])
         per, at = {"ram": 0, "disk": 0, "redis": 0}, p.keep
         for tier, end in zip(tiers, ends):
@@ -501,6 +511,19 @@ class Engine:
             result = ev
         check(isinstance(result, Completion), "a stream ends with its Completion")
         return result
+
+
+def _stateful_reach(blocks: list, first_block: int, tail, tail_tokens: int, limit: int) -> tuple[int, int]:
+    """A hybrid model's tier load must end where a loaded entry carries the recurrent state
+    ([RESUME-AT-SNAPSHOT]: attention KV can stop anywhere, the state only at an entry's end): the whole
+    tail when it is used in full and carries one, else the last fetched block that carries one and
+    lies within `limit`. Returns (tier blocks, tail positions) for plan_placement; (first_block, 0)
+    when nothing fetched carries a state. Pure."""
+    if tail_tokens and tail.block.state is not None and tail_tokens == len(tail.block.meta.ids):
+        return first_block + len(blocks), tail_tokens
+    ends = [i + 1 for i, b in enumerate(blocks)
+            if b.state is not None and (first_block + i + 1) * BLOCK_TOKENS <= limit]
+    return first_block + (ends[-1] if ends else 0), 0
 
 
 def _expert_budget(requested: "str | int | None", kw: dict, plans: list):

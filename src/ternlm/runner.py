@@ -151,7 +151,9 @@ class Runner:
     def load_blocks(self, slot: Slot, blocks: list[BlockKV]) -> None:
         """Copy stored blocks into the slot at positions [len(record), ...), block after block.
         Each block must start where the record ends (the store's chained keys guarantee the ids
-        before it are the record's). Side effects: writes KV, appends each block's ids to the record."""
+        before it are the record's). Side effects: writes KV, appends each block's ids to the record;
+        a hybrid slot's recurrent state moves with the record: it takes an entry's state (kept as a
+        snapshot there), and after an entry without one describes nothing until one that has it."""
         for b in blocks:
             pos = len(slot.record)
             n = b.meta.shape[2]
@@ -161,13 +163,21 @@ class Runner:
             slot.k[:, :, pos:pos + n].copy_(b.k)   # k, v: (layers, kv_heads, n, head_dim)
             slot.v[:, :, pos:pos + n].copy_(b.v)
             slot.record.append(list(b.meta.ids))  # [RECORD-WHERE-FED]
+            if slot.state is not None:            # the state describes [0, pos + n) or nothing
+                if b.state is not None:
+                    slot.state.adopt(pos + n, *b.state)
+                else:
+                    slot.state.invalidate()
 
     def copy_prefix(self, src: Slot, dst: Slot, upto: int) -> None:
         """Copy KV positions [len(dst.record), upto) of `src` into `dst`: n > 1 choices of one prompt
         fork the KV its first choice prefilled instead of computing the same bits again. dst's record
-        must be a prefix of src's. Side effects: writes dst's KV, appends the ids to dst's record."""
+        must be a prefix of src's; a hybrid src must hold its recurrent state at `upto` (src.resumable).
+        Side effects: writes dst's KV, appends the ids to dst's record; dst's recurrent state becomes a
+        copy of src's at `upto` (a snapshot there too)."""
         start = len(dst.record)
-        check(src.state is None, "copy_prefix: a recurrent state is not copied (the engine forks no hybrid slot)")
+        state = src.state.at(upto) if src.state is not None else None
+        check(src.state is None or state is not None, f"copy_prefix: the source holds no recurrent state at {upto}")
         check(start <= upto <= len(src.record) and src.record.fed[:start] == dst.record.fed
               and src.record.namespace == dst.record.namespace,
               "copy_prefix: the destination's record must be a prefix of the source's, same namespace")
@@ -175,6 +185,8 @@ class Runner:
         dst.k[:, :, start:upto].copy_(src.k[:, :, start:upto])   # k, v: (layers, kv_heads, positions, head_dim)
         dst.v[:, :, start:upto].copy_(src.v[:, :, start:upto])
         dst.record.append(src.record.fed[start:upto])            # [RECORD-WHERE-FED]
+        if state is not None:                                    # the state moves with the record
+            dst.state.adopt(upto, *state)
 
     @torch.inference_mode()
     def full_logits(self, ids: list[int]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The on-disk format of one KV block, and its verification. No pickle: raw tensors behind a header.
 
     b"TERNLMKV" | u32 little-endian header length | header (JSON, UTF-8) | payload: k bytes, v bytes
+                                                                          [, conv bytes, ssm bytes]
 
 The header says everything the payload depends on (format version, block key, parent key,
 namespace, model sha256, dtype, KV dtype, shape, the block's token ids) plus the payload's length
@@ -14,6 +15,12 @@ in its header, 1 to BLOCK_TOKENS - 1 positions, and a key that recomputes with b
 file name (locator + key) comes from a directory listing, so a tail's expectation names its key,
 parent and namespace; its ids and length are read from the header, which must hash to that key.
 Block files carry no "kind" and are byte-identical to those of earlier builds.
+
+A hybrid model's entry may also carry the recurrent state after its last position (kv/recurrent.py:
+conv inputs and delta-rule state, fp32; `"state": {"conv": shape, "ssm": shape}` in the header, their
+bytes after v's, under the same checksum). Attention KV can be loaded up to any position, a recurrent
+state only at an entry's end: the engine resumes at the last loaded entry that carries one
+([RESUME-AT-SNAPSHOT]). An entry without "state" is KV only, as before.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Callable, ParamSpec, TypeVar
@@ -60,6 +68,10 @@ class BlockMeta:
     shape: tuple[int, int, int, int]   # (layers, kv_heads, tokens, head_dim) of k and of v
     ids: tuple[int, ...]         # tokens = BLOCK_TOKENS for a block, 1..BLOCK_TOKENS - 1 for a tail
     tail: bool = False           # a tail entry: the ids after the parent block, fewer than a block
+    # the recurrent state's shapes, (conv (R, conv_dim, K - 1), ssm (R, Hv, dk, dv)): on a stored entry,
+    # those of the state it carries (None: KV only); on an expectation, those a state must have (None: a
+    # model without recurrent layers, whose entries carry none)
+    state: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def name(self) -> bytes:
@@ -70,19 +82,29 @@ class BlockMeta:
 
 @dataclass(frozen=True)
 class BlockKV:
-    """A verified block or tail: its meta and k, v each (layers, kv_heads, tokens, head_dim)."""
+    """A verified block or tail: its meta and k, v each (layers, kv_heads, tokens, head_dim); `state`: a
+    hybrid model's recurrent state after its last position, (conv, ssm) fp32 shaped as meta.state, or None."""
     meta: BlockMeta
     k: torch.Tensor
     v: torch.Tensor
+    state: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        shapes = None if self.state is None else tuple(tuple(t.shape) for t in self.state)
+        if shapes != self.meta.state:
+            raise ValueError(f"a block's state {shapes} does not match its meta's {self.meta.state}")
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + sum(t.nbytes for t in self.state or ())
 
 
-def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, list[memoryview]]:
-    """(header bytes, payload buffers) of one block file; the payload is written without copies."""
-    bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in (k, v)]
+def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor,
+           state: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[bytes, list[memoryview]]:
+    """(header bytes, payload buffers) of one block file; the payload is written without copies.
+    `state`: the recurrent state (conv, ssm) after the entry, fp32, shaped as meta.state."""
+    tensors = (k, v) + tuple(t.to(torch.float32) for t in state or ())
+    bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
     h = hashlib.sha256()
     for b in bufs:
         h.update(b)
@@ -92,6 +114,8 @@ def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor) -> tuple[bytes, li
               "payload_bytes": sum(len(b) for b in bufs), "payload_sha256": h.hexdigest()}
     if meta.tail:
         header["kind"] = "tail"
+    if state is not None:
+        header["state"] = {"conv": list(state[0].shape), "ssm": list(state[1].shape)}
     body = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(body)) + body, bufs
 
@@ -169,6 +193,16 @@ def meta_of(header: dict) -> BlockMeta:
     keyed = tail_key if tail else block_key
     if len(meta.parent) != 32 or keyed(meta.parent, list(meta.ids), meta.namespace) != meta.key:
         raise BadBlock("header does not hash to its key (corrupted)")
+    state = header.get("state")
+    if state is not None:
+        try:
+            shapes = tuple(tuple(int(x) for x in state[part]) for part in ("conv", "ssm"))
+        except (KeyError, TypeError, ValueError):
+            raise BadBlock("corrupted header (state)") from None
+        if [len(s) for s in shapes] != [3, 4] or any(x < 1 for s in shapes for x in s) \
+                or shapes[0][0] != shapes[1][0]:
+            raise BadBlock(f"wrong state shape {shapes}")
+        meta = dataclasses.replace(meta, state=shapes)
     return dataclasses.replace(meta, tail=True) if tail else meta
 
 
@@ -191,12 +225,15 @@ def decode(data: bytes | bytearray | memoryview, expect: BlockMeta | None = None
                 raise BadBlock(f"{field} differs from the request's")
         if expect.tail and (meta.shape[:2], meta.shape[3]) != (expect.shape[:2], expect.shape[3]):
             raise BadBlock("shape differs from the request's")
+        if meta.state is not None and meta.state != expect.state:
+            raise BadBlock("recurrent state shape differs from the request's")
     size = header.get("payload_bytes")
     if type(size) is not int:
         raise BadBlock("corrupted header (payload_bytes)")
     itemsize = torch.empty(0, dtype=_DTYPES[meta.kv_dtype]).element_size()
     one = meta.shape[0] * meta.shape[1] * meta.shape[2] * meta.shape[3] * itemsize
-    if size != 2 * one:
+    state = [math.prod(s) * 4 for s in meta.state or ()]      # fp32 conv, ssm bytes
+    if size != 2 * one + sum(state):
         raise BadBlock("payload size does not match the shape")
     if len(data) - off != size:
         raise BadBlock(f"truncated payload ({len(data) - off} of {size} bytes)"
@@ -204,6 +241,12 @@ def decode(data: bytes | bytearray | memoryview, expect: BlockMeta | None = None
     payload = memoryview(data)[off:]
     if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
         raise BadBlock("payload checksum mismatch (corrupted)")
-    flat = torch.frombuffer(payload, dtype=_DTYPES[meta.kv_dtype]) if size else torch.empty(0)
+    kv = 2 * one
+    flat = torch.frombuffer(payload[:kv], dtype=_DTYPES[meta.kv_dtype]) if kv else torch.empty(0)
     half = one // itemsize
-    return BlockKV(meta, flat[:half].view(meta.shape), flat[half:].view(meta.shape))
+    got = None
+    if meta.state is not None:       # (conv, ssm) fp32 after v, shaped as the header says
+        conv = torch.frombuffer(payload[kv:kv + state[0]], dtype=torch.float32).view(meta.state[0])
+        ssm = torch.frombuffer(payload[kv + state[0]:], dtype=torch.float32).view(meta.state[1])
+        got = (conv, ssm)
+    return BlockKV(meta, flat[:half].view(meta.shape), flat[half:].view(meta.shape), got)

@@ -322,17 +322,21 @@ class DiskTier:
 
     # ---- writes --------------------------------------------------------------------------------
     def put(self, block: BlockKV) -> bool:
-        """Write a block (atomic, fsynced) unless present; evict LRU files to stay within budget.
+        """Write a block (atomic, fsynced) unless present (a present file is replaced only by one that
+        adds a recurrent state, which makes it longer); evict LRU files to stay within budget.
         Returns whether the block is on disk afterwards. Never raises for I/O trouble.
         A tail deletes the shorter tails of its conversation (same parent, ids a prefix of its own)."""
         key = block.meta.name
         if self.write_disabled is not None:
             return False
         with self._lock:
-            if key in self._index:
+            if key in self._index and block.state is None:
                 return True
-        header, payload = encode(block.meta, block.k, block.v)
+        header, payload = encode(block.meta, block.k, block.v, block.state)
         size = len(header) + sum(len(p) for p in payload)
+        with self._lock:     # a file of this key without the recurrent state this one carries is replaced
+            if key in self._index and self._index[key].size >= size:
+                return True
         if size > self.budget:
             return False
         self._since_scan += 1

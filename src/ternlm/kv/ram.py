@@ -57,6 +57,10 @@ class RamTier:
         self.stats.hits += 1
         return block
 
+    def peek(self, name: bytes) -> BlockKV | None:
+        """The entry without an LRU touch or a counter (None on a miss)."""
+        return self._blocks.get(name)
+
     def touch(self, name: bytes) -> None:
         if name in self._blocks:
             self._blocks.move_to_end(name)

@@ -29,6 +29,11 @@ class RecurrentShape:
     value_dim: int       # dv
 
     @property
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv, ssm) tensor shapes: what a stored entry's state must have (kv/blockfile.BlockMeta.state)."""
+        return (self.layers, self.conv_dim, self.conv_keep), (self.layers, self.heads, self.key_dim, self.value_dim)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of one state (every recurrent layer's conv inputs and delta-rule state, fp32)."""
         return 4 * self.layers * (self.conv_dim * self.conv_keep + self.heads * self.key_dim * self.value_dim)
@@ -103,6 +108,24 @@ class RecurrentState:
             self.pos = k
         for s in [s for s in self.snaps if s > k]:
             del self.snaps[s]
+
+    def at(self, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The state describing [0, k) as (conv, ssm) views (the live state when pos == k, else a snapshot;
+        the caller copies what it keeps), or None: none is held for k. Pure."""
+        if k == self.pos:
+            return self.conv, self.ssm
+        return self.snaps.get(k)
+
+    def adopt(self, k: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Make (conv, ssm), a state describing [0, k) that came from elsewhere (a tier entry, another
+        slot), the live state at k, and keep a copy as a snapshot there. The caller has made the record
+        describe [0, k). Drops snapshots past k. Side effects: conv, ssm, pos, snaps."""
+        self.conv.copy_(conv)
+        self.ssm.copy_(ssm)
+        self.pos = k
+        for s in [s for s in self.snaps if s > k]:
+            del self.snaps[s]
+        self.keep(k, self.conv.clone(), self.ssm.clone())
 
     def wants(self, start: int, end: int, prefill_end: bool) -> list[int]:
         """Positions in (start, end] whose state a step over [start, end) should copy: the grid's multiples,

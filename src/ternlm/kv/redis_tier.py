@@ -260,7 +260,7 @@ class RedisTier:
         """SET one block (EX ttl when set). Returns whether it was written; never raises."""
         if not self.up:
             return False
-        header, payload = encode(block.meta, block.k, block.v)
+        header, payload = encode(block.meta, block.k, block.v, block.state)
         value = b"".join([header, *payload])
         t0 = time.perf_counter()
         try:

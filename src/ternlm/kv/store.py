@@ -23,6 +23,7 @@ slots; it never writes one: copying blocks into a slot (and recording them) is t
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ class StoreIdentity:
     kv_heads: int
     head_dim: int
     kv_dtype: str = "float32"
+    # a hybrid model's recurrent state shapes (kv/recurrent.RecurrentShape.shapes): what an entry's state
+    # must look like; None for a model without recurrent layers
+    state: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -122,14 +126,40 @@ class TieredStore:
         return cls(ident, cache.ram_bytes, cache.disk_dir, cache.disk_bytes, redis)
 
     def meta(self, ref: BlockRef, namespace: bytes) -> BlockMeta:
+        """What a block of this store at `ref` must be (an expectation: `state` is the shape a state must
+        have; `_entry` fixes it for an entry being stored)."""
         i = self.ident
-        return BlockMeta(ref.key, ref.parent, namespace, i.model_sha256, i.dtype, i.kv_dtype, i.shape, ref.ids)
+        return BlockMeta(ref.key, ref.parent, namespace, i.model_sha256, i.dtype, i.kv_dtype, i.shape, ref.ids,
+                         state=i.state)
 
     # ---- down: slots -> RAM -> disk --------------------------------------------------------------
     def tail_meta(self, parent: bytes, ids: tuple[int, ...], namespace: bytes) -> BlockMeta:
         i = self.ident
         return BlockMeta(tail_key(parent, list(ids), namespace), parent, namespace, i.model_sha256, i.dtype,
-                         i.kv_dtype, (i.layers, i.kv_heads, len(ids), i.head_dim), ids, tail=True)
+                         i.kv_dtype, (i.layers, i.kv_heads, len(ids), i.head_dim), ids, tail=True, state=i.state)
+
+    @staticmethod
+    def _entry(meta: BlockMeta, slot: Slot, start: int, end: int) -> BlockKV:
+        """Copies of the slot's KV at [start, end) and, for a hybrid model, of its recurrent state at
+        `end` when the slot holds one there (the live state or a snapshot; else the entry is KV only):
+        the slot may be reused as soon as this returns."""
+        # (layers, kv_heads, end - start, head_dim)
+        k = slot.k[:, :, start:end].clone()
+        v = slot.v[:, :, start:end].clone()
+        at = slot.state.at(end) if slot.state is not None else None
+        state = (at[0].clone(), at[1].clone()) if at is not None else None
+        return BlockKV(dataclasses.replace(meta, state=None if state is None else meta.state), k, v, state)
+
+    def _held(self, name: bytes, slot: Slot, end: int) -> bool:
+        """Whether the RAM tier holds entry `name` as well as the slot could store it now (touched if
+        so): an entry stored without a recurrent state is replaced by one with it."""
+        if name not in self.ram:
+            return False
+        if self.ram.peek(name).state is None and slot.state is not None and slot.state.at(end) is not None:
+            self.ram.remove(name)
+            return False
+        self.ram.touch(name)
+        return True
 
     def save(self, slot: Slot, wait: bool = False) -> Saved:
         """Copy the slot's recorded full blocks (those not there yet) and the tail after them into the
@@ -144,30 +174,22 @@ class TieredStore:
         copied = 0
         for ref in refs:
             self._drop_tails(tail_locator(ref.parent, ns), ref.ids)   # a whole block covers them
-            if ref.key in self.ram:
-                self.ram.touch(ref.key)
+            if self._held(ref.key, slot, ref.end):
                 continue
-            # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
-            k = slot.k[:, :, ref.start:ref.end].clone()
-            v = slot.v[:, :, ref.start:ref.end].clone()
-            self._ram_put(BlockKV(self.meta(ref, ns), k, v), wait)
+            self._ram_put(self._entry(self.meta(ref, ns), slot, ref.start, ref.end), wait)
             copied += 1
         start = len(refs) * BLOCK_TOKENS
         if start >= end:
             return Saved(copied, 0)
         ids = tuple(rec.fed[start:end])
         meta = self.tail_meta(tail_parent(refs), ids, ns)
-        if meta.name in self.ram:
-            self.ram.touch(meta.name)
+        if self._held(meta.name, slot, end):
             return Saved(copied, 0)
         loc = meta.name[:32]
         self._drop_tails(loc, ids)                       # the conversation grew: its shorter tail goes
         for old in self.ram.tails(loc)[:max(0, len(self.ram.tails(loc)) - TAILS_PER_PARENT + 1)]:
             self.ram.remove(old.meta.name)
-        # (layers, kv_heads, end - start, head_dim)
-        k = slot.k[:, :, start:end].clone()
-        v = slot.v[:, :, start:end].clone()
-        self._ram_put(BlockKV(meta, k, v), wait)
+        self._ram_put(self._entry(meta, slot, start, end), wait)
         return Saved(copied, end - start)
 
     def _drop_tails(self, locator: bytes, ids: tuple[int, ...]) -> None:
@@ -195,10 +217,7 @@ class TieredStore:
             for ref, missing in zip(refs, redis.missing(rec.namespace, [r.key for r in refs])):
                 if not missing:
                     continue
-                # (layers, kv_heads, BLOCK_TOKENS, head_dim): copies, the slot may be reused at once
-                k = slot.k[:, :, ref.start:ref.end].clone()
-                v = slot.v[:, :, ref.start:ref.end].clone()
-                queued += self.redis_spill.submit(BlockKV(self.meta(ref, rec.namespace), k, v))
+                queued += self.redis_spill.submit(self._entry(self.meta(ref, rec.namespace), slot, ref.start, ref.end))
         except Exception:       # a bug here must not fail the step it runs after: log, publish less
             log.exception("redis KV cache: publishing a slot's blocks failed")
         return queued
