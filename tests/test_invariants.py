@@ -31,7 +31,7 @@ CHILD = textwrap.dedent("""
     slot.reset(b"ns")
     shape = (slot.shape.layers + 1, slot.shape.kv_heads, 64, slot.shape.head_dim)     # one layer too many
     class Meta: pass
-    meta = Meta(); meta.shape = shape; meta.ids = tuple(range(64))
+    meta = Meta(); meta.shape = shape; meta.ids = tuple(range(64)); meta.state = None
     block = BlockKV(meta, torch.zeros(shape), torch.zeros(shape))
     try:
         engine.runner.load_blocks(slot, [block])
