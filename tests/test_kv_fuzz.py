@@ -5,14 +5,16 @@ types, deep nesting, huge numbers, Infinity), truncations and absurd lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ternlm.kv.blockfile import MAGIC, BadBlock, decode, meta_of, read_header
+from ternlm.kv.blockfile import MAGIC, BadBlock, BlockKV, decode, meta_of, read_header
 from ternlm.kv.disk import DiskTier, block_path
 from test_kv_store import B, file_bytes, make_block, rand_ids
 
@@ -24,6 +26,15 @@ BLK = make_block(rand_ids(2 * B, 7), 1)
 GOOD = bytes(file_bytes(BLK))
 HEADER, OFF = read_header(GOOD)
 PAYLOAD = GOOD[OFF:]
+
+
+# a hybrid model's entry: the recurrent state (conv (R, C, K - 1), ssm (R, H, dk, dv)) after v's bytes
+STATE_SHAPES = ((2, 6, 3), (2, 2, 4, 4))
+SBLK = BlockKV(dataclasses.replace(BLK.meta, state=STATE_SHAPES), BLK.k, BLK.v,
+               tuple(torch.randn(s) for s in STATE_SHAPES))
+SGOOD = bytes(file_bytes(SBLK))
+SHEADER, SOFF = read_header(SGOOD)
+SPAYLOAD = SGOOD[SOFF:]
 
 
 def with_header(header: object, payload: bytes = PAYLOAD, raw: bytes | None = None) -> bytes:
@@ -62,6 +73,31 @@ def test_random_bytes(data):
 @given(st.sampled_from(sorted(HEADER)), json_values)
 def test_one_header_field_replaced_by_anything(field, value):
     only_block_or_bad(with_header({**HEADER, field: value}))
+
+
+@settings(max_examples=300 * SCALE, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(SHEADER)), json_values)
+def test_a_state_entry_with_one_header_field_replaced_by_anything(field, value):
+    only_block_or_bad(with_header({**SHEADER, field: value}, SPAYLOAD), SBLK.meta)
+    only_block_or_bad(with_header({**SHEADER, "state": {"conv": value, "ssm": value}}, SPAYLOAD), SBLK.meta)
+
+
+@settings(max_examples=200 * SCALE, deadline=None)
+@given(st.integers(min_value=0, max_value=len(SGOOD)))
+def test_every_truncation_of_a_state_entry(cut):
+    only_block_or_bad(SGOOD[:cut], SBLK.meta)
+    if cut < len(SGOOD):
+        with pytest.raises(BadBlock):
+            decode(bytearray(SGOOD[:cut]), SBLK.meta)
+
+
+def test_a_state_entry_round_trips_and_is_checked_against_the_request():
+    back = decode(bytearray(SGOOD), SBLK.meta)
+    assert all(a.equal(b) for a, b in zip(back.state, SBLK.state)) and back.k.equal(BLK.k)
+    with pytest.raises(BadBlock, match="recurrent state shape"):
+        decode(bytearray(SGOOD), BLK.meta)                    # a store whose model has no recurrent layers
+X
+        decode(bytearray(with_header(SHEADER, PAYLOAD)), SBLK.meta)
 
 
 @settings(max_examples=100 * SCALE, deadline=None)

@@ -79,7 +79,7 @@ def make_block(ids: list[int], index: int = 0, ident: StoreIdentity = IDENT, ns:
 
 
 def file_bytes(block: BlockKV) -> bytearray:
-    header, payload = encode(block.meta, block.k, block.v)
+    header, payload = encode(block.meta, block.k, block.v, block.state)
     return bytearray(header + b"".join(bytes(p) for p in payload))
 
 
