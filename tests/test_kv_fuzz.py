@@ -96,7 +96,7 @@ def test_a_state_entry_round_trips_and_is_checked_against_the_request():
     assert all(a.equal(b) for a, b in zip(back.state, SBLK.state)) and back.k.equal(BLK.k)
     with pytest.raises(BadBlock, match="recurrent state shape"):
         decode(bytearray(SGOOD), BLK.meta)                    # a store whose model has no recurrent layers
-X
+    with pytest.raises(BadBlock, match="truncated payload"):  # the state's bytes cut off, header unchanged
         decode(bytearray(with_header(SHEADER, PAYLOAD)), SBLK.meta)
 
 
