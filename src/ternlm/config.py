@@ -16,10 +16,14 @@ from .models.rope import Rope
 # every few a gated attention layer (qwen3's with an output gate and partial RoPE): layer_kinds below.
 # qwen35moe (Qwen3.5-MoE) is qwen35's layer kinds with qwen2moe's MLP (experts + a gated shared expert) on
 # every layer, whatever its kind: the two field groups together, no code of its own.
+# nemotron_h (Nemotron-H, issue 47): each layer ONE block behind its pre-norm: a Mamba-2 mixer
+# (models/mamba2.py), attention without RoPE, or a relu^2 MLP: layer_kinds (mixer) + layer_ffns (feed-forward).
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe", "qwen35", "qwen35moe")
-LAYER_KINDS = ("attention", "deltanet")
-MLP_ACTS = ("silu", "gelu_tanh")   # the gated MLP's activation: SwiGLU, GeGLU (gelu, tanh approximation)
+                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "nemotron_h")
+LAYER_KINDS = ("attention", "deltanet", "mamba2", "none")   # a layer's token mixer; "none": a feed-forward only
+RECURRENT_KINDS = ("deltanet", "mamba2")                     # mixers with a recurrent state (kv/recurrent.py)
+LAYER_FFNS = ("mlp", "none")       # a layer's feed-forward: the model's MLP (or its experts), or none
+MLP_ACTS = ("silu", "gelu_tanh", "relu2")   # SwiGLU, GeGLU (gelu, tanh approximation); relu2: up -> relu(x)^2 -> down, no gate
 
 
 class UnsupportedModelError(ValueError):
@@ -79,15 +83,32 @@ class ModelConfig:
     # value head h reads key head h % linear_key_heads (llama.cpp's converter's "tiled" order) instead of
     # h // (value heads / key heads) (transformers' grouped order): a GGUF's V heads, reordered by its converter
     linear_v_tiled: bool = False
+    # nemotron_h (issue 47). layer_ffns[i]: "mlp" | "none" (() every layer has one: its MLP or experts);
+    # no_rope: attention layers see no positions (q, k not rotated). A "mamba2" mixer: in_proj -> z (H P),
+    # xBC (H P + 2 G N), dt (H); short causal conv (kernel mamba_conv_kernel, bias) + SiLU; the SSD recurrence
+    # with mamba_heads H of mamba_head_dim P, state mamba_state N, B/C shared by mamba_groups G; dt =
+    # max(softplus(dt + bias), mamba_dt_min) (transformers' prefill clamps at time_step_min; llama.cpp: 0).
+    layer_ffns: tuple[str, ...] = ()
+    no_rope: bool = False
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_dt_min: float = 0.0
 
     def kind(self, layer: int) -> str:
-        """Layer `layer`'s kind: "attention" | "deltanet"."""
+        """Layer `layer`'s token mixer: "attention" | "deltanet" | "mamba2" | "none"."""
         return self.layer_kinds[layer] if self.layer_kinds else "attention"
+
+    def ffn(self, layer: int) -> str:
+        """Layer `layer`'s feed-forward: "mlp" (the dense MLP, or experts when num_experts) | "none"."""
+        return self.layer_ffns[layer] if self.layer_ffns else "mlp"
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
         """The layers with a recurrent state, in order (their index into a slot's RecurrentState)."""
-        return tuple(i for i in range(self.num_layers) if self.kind(i) == "deltanet")
+        return tuple(i for i in range(self.num_layers) if self.kind(i) in RECURRENT_KINDS)
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window; 0: full causal attention."""
@@ -145,7 +166,19 @@ class ModelConfig:
                                  or any(k not in LAYER_KINDS for k in self.layer_kinds)):
             raise ValueError(f"layer_kinds {self.layer_kinds} must give each of {self.num_layers} layers one of "
                              f"{', '.join(LAYER_KINDS)}")
-        if self.recurrent_layers and (min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+        if self.layer_ffns and (len(self.layer_ffns) != self.num_layers or set(self.layer_ffns) - set(LAYER_FFNS)):
+            raise ValueError(f"layer_ffns {self.layer_ffns} must give each of {self.num_layers} layers one of "
+                             f"{', '.join(LAYER_FFNS)}")
+        mamba = [i for i in range(self.num_layers) if self.kind(i) == "mamba2"]
+        if mamba and len(mamba) != len(self.recurrent_layers):
+            raise ValueError("a model's recurrent layers must be all deltanet or all mamba2 (one state shape)")
+        if mamba and (min(self.mamba_heads, self.mamba_head_dim, self.mamba_state, self.mamba_groups,
+                          self.mamba_conv_kernel) <= 0 or self.mamba_heads % self.mamba_groups
+                      or self.mamba_dt_min < 0):
+            raise ValueError("mamba2 layers need positive mamba_* sizes, heads a multiple of groups")
+        if self.mlp_act == "relu2" and self.num_experts:
+            raise ValueError("relu2 (ungated) MLPs are dense only here: experts are SwiGLU")
+        if self.recurrent_layers and not mamba and (min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
                                           self.linear_value_dim, self.linear_conv_kernel) <= 0
                                       or self.linear_value_heads % self.linear_key_heads):
             raise ValueError("deltanet layers need positive linear_* sizes, value heads a multiple of key heads")

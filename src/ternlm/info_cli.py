@@ -86,6 +86,7 @@ def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float3
         return {}
     from .kv.recurrent import SNAPSHOT_BUDGET
     return {"arch": cfg.arch, "layers": cfg.num_layers, "recurrent_layers": shape.layers,
+            "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2"}[cfg.kind(cfg.recurrent_layers[0])],
             "snapshot_bytes": shape.nbytes, "state_interval": state_interval, "snapshot_budget": SNAPSHOT_BUDGET,
             "snapshot_bytes_per_token": shape.nbytes / state_interval,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)}
@@ -131,7 +132,7 @@ def _print(info: dict, out) -> None:
         lines.append("experts   none (a dense model)")
     if r := info.get("recurrent"):
         from .sizes import format_size
-        lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers gated DeltaNet · "
+        lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers {r.get('recurrent_kind', 'gated DeltaNet')} · "
                      f"{format_size(r['snapshot_bytes'])} a state snapshot, one every {r['state_interval']} positions "
                      f"and at each prefill's end: {format_size(int(r['snapshot_bytes_per_token']))} a token, up to "
                      f"{format_size(r['snapshot_budget'])} a slot (the newest kept) · KV "

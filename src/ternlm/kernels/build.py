@@ -275,6 +275,8 @@ def load() -> Kernels | Unavailable:
     lib.tq_delta_rule.restype = ctypes.c_int
     lib.tq_pointwise.argtypes = [ctypes.c_int, p, p, p, i, ctypes.c_int]
     lib.tq_pointwise.restype = None
+    lib.tq_ssd_scan.argtypes = [p, p, p, p, p, p, i, i, i, i, i, p, p, ctypes.c_int]
+    lib.tq_ssd_scan.restype = ctypes.c_int
     lib.tq_int8_parts.argtypes = [p, i, i, p, i, p, i, ctypes.c_int]
     lib.tq_int8_parts.restype = ctypes.c_int
     lib.tq_int8_prepare.argtypes = [p, i, i, i, p, p, p, p]

@@ -65,6 +65,45 @@ int tq_delta_rule(const float *q, const float *k, const float *v, const float *g
     return 0;
 }
 
+/* ---- the Mamba-2 (SSD) recurrence (Nemotron-H's mixer, models/mamba2.py), one token at a time ---------------
+ * Why not the chunked SSD form transformers runs in prefill: the same reason as the delta rule above. A state
+ * reached by one pass, by chunks, by decodes or by a resume must have the same bits [RESUME-EXACT], so every path
+ * takes these per-token steps. Per head h (B/C group g = h / (H / G)), per token t, with S (P, N) the head's
+ * state, d = dt[t, h] (softplus'd and clamped in mamba2.py), a = expf(d * A[h]) (A = -exp(A_log) < 0):
+ *   dB[n] = d * B[n]
+ *   S[p][n] = S[p][n] * a + dB[n] * x[p]              (transformers' decode order: state * dA + dB * x)
+ *   y[p] = (sum_n S[p][n] C[n]) + D[h] x[p]           (n ascending, one fma each: each p its own chain)
+ * No sum runs across lanes, so the vector width cannot change a bit; heads are independent (threads split them).
+ * x: (T, H, P) fp32 (after conv + SiLU); B, C: (T, G, N); dt: (T, H); A, D: (H,); state: (H, P, N), updated in
+ * place; out: (T, H, P). N <= 1024. Side effects: state, out. 0, or -1 on a shape it does not take. */
+int tq_ssd_scan(const float *x, const float *B, const float *C, const float *dt, const float *A, const float *D,
+                int64_t T, int64_t H, int64_t G, int64_t P, int64_t N, float *state, float *out, int nthreads) {
+    if (T < 0 || H <= 0 || G <= 0 || H % G || P <= 0 || N <= 0 || N > 1024) return -1;
+    const int64_t per_g = H / G;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (H > 1 && T * P * N > 32768)
+    for (int64_t h = 0; h < H; h++) {
+        float *S = state + h * P * N;
+        float dB[1024];
+        const int64_t g = h / per_g;
+        const float Ah = A[h], Dh = D[h];
+        for (int64_t t = 0; t < T; t++) {
+            const float d = dt[t * H + h], a = expf(d * Ah);
+            const float *Bt = B + (t * G + g) * N, *Ct = C + (t * G + g) * N, *xt = x + (t * H + h) * P;
+            float *o = out + (t * H + h) * P;
+            for (int64_t n = 0; n < N; n++) dB[n] = d * Bt[n];
+            for (int64_t p = 0; p < P; p++) {
+                float *row = S + p * N;
+                const float xp = xt[p];
+                for (int64_t n = 0; n < N; n++) row[n] = row[n] * a + dB[n] * xp;
+                float acc = 0.0f;
+                for (int64_t n = 0; n < N; n++) acc = fmaf(row[n], Ct[n], acc);
+                o[p] = acc + Dh * xp;
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- pointwise functions, the same bits for every element wherever it lies --------------------------
  * Why: torch's CPU sigmoid / SiLU take a vector formula for most elements and another for a buffer's tail
  * (and for each thread's chunk tail), so an element's bits depended on how many rows were computed with it

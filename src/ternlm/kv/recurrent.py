@@ -1,4 +1,4 @@
-"""A slot's recurrent state (hybrid models' gated-DeltaNet layers) and its snapshots.
+"""A slot's recurrent state (hybrid models' gated-DeltaNet or Mamba-2 layers) and its snapshots.
 
 Why snapshots: attention KV can be cut back to any prefix, a recurrent layer's state cannot (it folds every
 token in). So the slot keeps the state at the end of its record (`pos`) and copies of it at earlier
@@ -21,12 +21,19 @@ import torch
 
 @dataclass(frozen=True)
 class RecurrentShape:
-    layers: int          # recurrent layers (the model's gated-DeltaNet layers, in order)
-    conv_dim: int        # channels of the short causal convolution (q | k | v before it)
+    """ssm (layers, heads, key_dim, value_dim) is the delta rule's (Hv, dk, dv) per gated-DeltaNet layer, and a
+    Mamba-2 layer's (H, head_dim P, d_state N): the same three dims by other names (recurrent_shape)."""
+    layers: int          # recurrent layers (the model's gated-DeltaNet or Mamba-2 layers, in order)
+    conv_dim: int        # channels of the short causal convolution (q | k | v, or Mamba-2's x | B | C, before it)
     conv_keep: int       # inputs the convolution keeps: kernel - 1
-    heads: int           # value heads Hv
-    key_dim: int         # dk
-    value_dim: int       # dv
+    heads: int           # value heads Hv | Mamba-2 heads H
+    key_dim: int         # dk | head_dim P
+    value_dim: int       # dv | d_state N
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv, ssm) tensor shapes: what a stored entry's state must have (kv/blockfile.BlockMeta.state)."""
+        return (self.layers, self.conv_dim, self.conv_keep), (self.layers, self.heads, self.key_dim, self.value_dim)
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -43,6 +50,9 @@ def recurrent_shape(cfg) -> RecurrentShape | None:
     """What a slot's recurrent state holds for a model (config.ModelConfig), None when no layer is recurrent."""
     if not cfg.recurrent_layers:
         return None
+    if cfg.kind(cfg.recurrent_layers[0]) == "mamba2":     # every recurrent layer is one kind (config.py checks)
+        H, P, N, G = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
+        return RecurrentShape(len(cfg.recurrent_layers), H * P + 2 * G * N, cfg.mamba_conv_kernel - 1, H, P, N)
     conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
     return RecurrentShape(len(cfg.recurrent_layers), conv_dim, cfg.linear_conv_kernel - 1,
                           cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)

@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe, nemotron_h) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -28,6 +28,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
+from . import nemotron_h
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
@@ -323,6 +324,8 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
     name is only good for telling it is a known norm (the weights' names come from hf_parts)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if config is not None and config.arch == "nemotron_h":      # each layer's names by its block
+        return nemotron_h.gguf_name(gguf_name, config)
     m = _LAYER_RE.fullmatch(gguf_name)
     layer = int(m.group(1)) if m else -1       # a layer past block_count (an MTP block): no kind, not ours
     if config is not None and 0 <= layer < config.num_layers and config.kind(layer) == "deltanet":
@@ -385,6 +388,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     if reader.byte_order != "I":
         raise UnsupportedModelError("big-endian GGUF files are not supported")
     arch = _field(reader, "general.architecture")
+    if arch in nemotron_h.GGUF_ARCHS:   # one block a layer, kinds from the tensors: models/nemotron_h.py
+        return nemotron_h.config_from_gguf(functools.partial(_field, reader), arch, {t.name: t for t in reader.tensors})
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
@@ -552,6 +557,8 @@ def _rope_from_gguf(reader: GGUFReader, arch: str, theta: float, rotary_dim: int
 def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     """Every tensor is one we know, and every layer has what the config implies."""
     names = {t.name for t in reader.tensors}
+    if config.arch == "nemotron_h":
+        return nemotron_h.check_gguf_tensors(names, config)
     unknown = sorted(n for n in names if hf_name(n, config) is None and n not in _ROPE_TENSORS)
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
+from . import nemotron_h
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
@@ -29,7 +30,8 @@ _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
                  "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
-                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
+                 "NemotronHForCausalLM": "nemotron_h"}
 # config.json's model_type -> ours, where they differ
 _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
                 "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
@@ -137,6 +139,8 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         return _gemma3_config(cfg, param_names)
     if arch in ("qwen35", "qwen35moe"):
         return _qwen35_config(cfg, param_names, arch)
+    if arch == "nemotron_h":            # one block a layer: models/nemotron_h.py
+        return nemotron_h.config_from_hf(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window"):
@@ -293,6 +297,8 @@ def _moe_from_hf(cfg: dict, arch: str) -> dict:
 def _check_params(names: set[str], config: ModelConfig) -> None:
     """Exactly the parameters this engine runs: unknown ones (o_proj bias, MoE...) mean an
     unsupported variant; missing ones mean a broken checkpoint."""
+    if config.arch == "nemotron_h":
+        return nemotron_h.check_params(names, config)
     per_layer = set(_LAYER_PARAMS)
     if config.num_experts:
         per_layer = {p for p in per_layer if not p.startswith("mlp.")} | _MOE_LAYER_PARAMS | {
@@ -327,6 +333,8 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     q/k/v and gate/up by rows, and with partial rotary each head's q/k rows (and q/k norm entries)
     reordered for the kernels' RoPE (rope.rotary_row_order). Returns a new dict; tensors not
     touched are shared."""
+    if config.arch == "nemotron_h":
+        return nemotron_h.to_engine_layout(weights, config)
     d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
     out: dict[str, torch.Tensor] = {}

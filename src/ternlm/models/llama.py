@@ -49,6 +49,7 @@ from ..kernels.build import Kernels
 from .moe import ExpertStore, MoE, SharedExpert, silu_mul
 from .qlinear import projection
 from .deltanet import DeltaNet
+from .mamba2 import Mamba2
 from .qweight import QWeight, to_int8, to_lanes
 
 if TYPE_CHECKING:
@@ -211,7 +212,9 @@ class Layer(nn.Module):
         self.rope = 0                   # which of the model's RoPE tables (Transformer.ropes) this layer reads
         d = cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        dtype = w["input_layernorm.weight"].dtype
+        # nemotron_h: a layer may be a mixer alone (no MLP norm) or a feed-forward alone (no input norm)
+        dtype = w.get("input_layernorm.weight", w.get("post_attention_layernorm.weight")).dtype
+        ffn = cfg.ffn(index) != "none"
 
         def build(parts: list, bias: torch.Tensor | None = None):   # holds no weights (streamed experts keep it)
             return projection(parts, bias, dtype, pack, kernels if keep_quantized else None)
@@ -219,21 +222,23 @@ class Layer(nn.Module):
         def proj(names: list[str], bias: torch.Tensor | None = None):
             return build([w[n] for n in names], bias)
 
-        self.input_norm = w["input_layernorm.weight"]                          # (hidden,)
+        self.input_norm = w.get("input_layernorm.weight")                      # (hidden,); None: no mixer
         # silu(gate) * up of the MLP or its experts. [ROW-EXACT] hybrid models: per element (recurrent.c, fp32,
         # cast back): a recurrent state keeps any bit a row's neighbours changed, and torch's SiLU gives a
         # buffer's tail other bits (deltanet.py)
         self.silu_mul = functools.partial(_row_exact_silu_mul, kernels) if cfg.layer_kinds else silu_mul
-        self.mixer: DeltaNet | None = None
+        self.mixer: DeltaNet | Mamba2 | None = None
         if cfg.kind(index) == "deltanet":     # a recurrent token mixer in place of attention (deltanet.py)
             self.mixer = DeltaNet(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
+        elif cfg.kind(index) == "mamba2":     # Nemotron-H's recurrent mixer (mamba2.py)
+            self.mixer = Mamba2(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
         # post_norm: the MLP's input norm (llama's post_attention_layernorm; Gemma's
         # pre_feedforward_layernorm, whose post_attention_layernorm normalises the attention output)
         self.attn_out_norm = w["post_attention_layernorm.weight"] if cfg.post_norms else None   # (hidden,)
         self.mlp_out_norm = w["post_feedforward_layernorm.weight"] if cfg.post_norms else None
         self.post_norm = w["pre_feedforward_layernorm.weight" if cfg.post_norms else
-                           "post_attention_layernorm.weight"]                  # (hidden,)
-        attn = self.mixer is None
+                           "post_attention_layernorm.weight"] if ffn else None  # (hidden,)
+        attn = cfg.kind(index) == "attention"
         # q | k | v (| qwen35's output gate, q's size): (q + 2 kv (+ q), hidden)
         names = [f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "gate")[:4 if cfg.attn_output_gate else 3]]
         self.qkv = proj(names, torch.cat([w[f"self_attn.{n}_proj.bias"] for n in "qkv"])
@@ -242,6 +247,15 @@ class Layer(nn.Module):
         self.k_norm = w["self_attn.k_norm.weight"] if cfg.qk_norm and attn else None
         self.o = proj(["self_attn.o_proj.weight"]) if attn else None          # (hidden, q)
         self.moe: MoE | None = None
+        self.up = None                  # relu2's ungated up projection (nemotron_h)
+        if not ffn:                     # a mixer-only layer (nemotron_h)
+            self.gate_up = self.down = None
+            return
+        if cfg.mlp_act == "relu2":      # up -> relu(x)^2 -> down, no gate
+            self.gate_up = None
+            self.up = proj(["mlp.up_proj.weight"])                            # (I, hidden)
+            self.down = proj(["mlp.down_proj.weight"])                        # (hidden, I)
+            return
         if cfg.num_experts:             # the MLP kind: experts behind a router (moe.py), no dense MLP
             self.gate_up = self.down = None
             self.moe = self._experts(w, build, pack, ExpertStore() if experts is None else experts)
@@ -276,7 +290,9 @@ class Layer(nn.Module):
         eps, d, H, KV = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         if self.mixer is not None:      # a recurrent layer: each part's state instead of its KV
             x = x + self.mixer(rms_norm(x, self.input_norm, eps), parts)
-            return x + self._mlp(x)
+            return self._ffn(x)
+        if self.qkv is None:            # no token mixer: a feed-forward-only layer (nemotron_h)
+            return self._ffn(x)
         qkv = self.qkv(rms_norm(x, self.input_norm, eps))                      # (M, q + 2 kv (+ q))
         if cfg.qk_norm_full:            # olmoe: one RMSNorm over all of q, one over all of k, before the heads split
             qs, ks = self.q_size, self.kv_size
@@ -286,7 +302,8 @@ class Layer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:self.q_size + 2 * self.kv_size].view(M, KV, d).transpose(0, 1)  # (KV, M, D)
         if self.q_norm is not None and not cfg.qk_norm_full:
             qk = torch.cat([rms_norm(qk[:H], self.q_norm, eps), rms_norm(qk[H:], self.k_norm, eps)])
-        qk = apply_rope(qk, cos, sin)                                            # q and k in one pass
+        if not cfg.no_rope:             # nemotron_h's attention sees no positions
+            qk = apply_rope(qk, cos, sin)                                        # q and k in one pass
         if table is not None:
             for p in parts:                                                      # the KV write, per slot
                 p.k_cache[:, p.start:p.start + p.r1 - p.r0] = qk[H:, p.r0:p.r1]
@@ -300,11 +317,17 @@ class Layer(nn.Module):
             attn = attn * self.kernels.pointwise("sigmoid", qkv[:, self.q_size + 2 * self.kv_size:]).to(attn.dtype)
         a = self.o(attn)
         x = x + (a if self.attn_out_norm is None else rms_norm(a, self.attn_out_norm, eps))
-        return x + self._mlp(x)
+        return self._ffn(x)
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """x plus the feed-forward half's output, or x itself where the layer has none (nemotron_h)."""
+        return x if self.down is None and self.moe is None else x + self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP half's output (before the residual add): experts or the gated MLP."""
         eps = self.cfg.rms_norm_eps
+        if self.up is not None:         # relu^2, per element: exact IEEE ops, so row-exact as it stands [ROW-EXACT]
+            return self.down(torch.relu(self.up(rms_norm(x, self.post_norm, eps))).square())
         if self.moe is not None:        # rows grouped by expert, a fixed sum order [BATCH-INVARIANT]
             return self.moe(rms_norm(x, self.post_norm, eps))
         g, u = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)  # (M, I) each
@@ -402,8 +425,10 @@ class Transformer(nn.Module):
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
         distinct = list(dict.fromkeys([cfg.rope_spec, *ropes]))           # [0]: the model's own rope
         self.ropes: list[tuple[torch.Tensor, torch.Tensor]] = []          # (max_pos, head_dim) cos, sin each
+        # no_rope (nemotron_h): the layers never read the tables, so one row (its context may be 2^20: SSM files)
+        positions = 1 if cfg.no_rope else cfg.max_position_embeddings
         for rope in distinct:
-            cos, sin = rope.tables(cfg.head_dim, cfg.max_position_embeddings)
+            cos, sin = rope.tables(cfg.head_dim, positions)
             self.ropes.append((cos.to(dtype).contiguous(), sin.to(dtype).contiguous()))
         for layer, rope in zip(self.layers, ropes):
             layer.rope = distinct.index(rope)
