@@ -35,6 +35,8 @@ class TurnStats:
     measured: str = "client"
     cache_tier: str | None = None         # where the reused prefix came from: slot | ram | disk (ternlm)
     reasoning_tokens: int | None = None   # tokens of thinking (reasoning models), part of completion_tokens
+    drafted: int | None = None            # speculative decoding: drafted tokens verified (ternlm)
+    accepted: int | None = None           # ... and kept (the model's own tokens)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -62,6 +64,8 @@ class TurnStats:
             parts.append(f"thought {self.reasoning_tokens} tok")
         if self.ttft_s is not None:
             parts.append(f"first token {self.ttft_s:.2f} s")
+        if self.drafted:             # speculative decoding: drafted tokens the model made its own
+            parts.append(f"drafts {self.accepted}/{self.drafted} taken")
         if self.measured == "client":
             parts.append("timed client-side")
         return " · ".join(parts)
@@ -115,7 +119,8 @@ class EngineBackend:
                     yield TurnStats(ev.prompt_tokens, ev.cached_tokens, len(ev.token_ids), t.prefill_tokens,
                                     t.prefill_s, t.decode_tokens, t.decode_s, t.ttft_s,
                                     time.perf_counter() - t0, ev.finish_reason, measured="engine",
-                                    cache_tier=ev.restored.tier, reasoning_tokens=thought if split else None)
+                                    cache_tier=ev.restored.tier, reasoning_tokens=thought if split else None,
+                                    drafted=t.drafted, accepted=t.accepted)
                 elif split is not None:
                     before = split.thinking
                     r, c = split.feed(ev.text)
@@ -209,6 +214,7 @@ def _fill(st: TurnStats, usage, timings: dict | None, pieces: int, t_first: floa
         if st.cached_tokens is None and timings.get("cache_n") is not None:
             st.cached_tokens = int(timings["cache_n"])
         st.cache_tier = timings.get("cache_tier")
+        st.drafted, st.accepted = timings.get("draft_n"), timings.get("draft_n_accepted")
         return
     if st.prompt_tokens is not None and st.cached_tokens is not None:
         st.prefill_tokens = st.prompt_tokens - st.cached_tokens

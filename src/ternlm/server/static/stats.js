@@ -51,6 +51,7 @@ export function turnStats({ usage, timings, finish, clock, edited, stopped, erro
     s.firstTokenS = timings.prompt_ms / 1000;
     s.tokPerS = timings.predicted_per_second || null;
     if (timings.cache_tier === "ram" || timings.cache_tier === "disk") s.tier = timings.cache_tier;
+    if (timings.draft_n) { s.drafted = timings.draft_n; s.accepted = timings.draft_n_accepted || 0; }
   } else {
     s.measured = clock.firstS !== null;
     s.firstTokenS = clock.firstS;
@@ -71,6 +72,7 @@ export function statsText(s) {
   if (s.firstTokenS != null) parts.push(`first token ${s.firstTokenS.toFixed(2)} s`);
   if (s.tokPerS) parts.push(`${s.tokPerS >= 10 ? Math.round(s.tokPerS) : s.tokPerS.toFixed(1)} tok/s`);
   if (s.thought) parts.push(`thought ${s.thought} tok`);
+  if (s.drafted) parts.push(`drafts ${s.accepted} / ${s.drafted} taken`);
   if (s.finish === "length") parts.push("hit max tokens");
   if (s.edited) parts.push("resent after an edit");
   return parts.join(" · ");
@@ -84,6 +86,8 @@ export function statsDetail(s) {
   if (s.prefillMs != null) lines.push(`prefill ${s.prefillMs.toFixed(0)} ms (server)`);
   if (s.clientFirstS != null) lines.push(`first token after ${s.clientFirstS.toFixed(2)} s (measured here)`);
   if (s.completion != null) lines.push(`${s.completion} tokens generated`);
+  if (s.drafted) lines.push(`speculative decoding: ${s.accepted} of ${s.drafted} drafted tokens were the model's own ` +
+    `(${Math.round(100 * s.accepted / s.drafted)}%); the answer is the same without it`);
   if (s.measured) lines.push("timings measured in the browser (the server sent none)");
   return lines.join("\n");
 }
