@@ -98,6 +98,7 @@ class ModelDrafter:
         self.tokens: list[int] = list(tokens)
         self.pace = DraftPace(FIRST_DRAFT, MAX_DRAFT, MISSES_BEFORE_PAUSE, PAUSE)
         self._placed = False                      # the slot's reuse decided (first draft)
+        self.reused = 0                           # positions of the draft slot reused at the first draft
         self._drafted_from = 0                    # len(tokens) when the last draft was made
 
     def extend(self, tokens: list[int]) -> None:
@@ -147,6 +148,7 @@ class ModelDrafter:
                 slot.reset(self.namespace)
             else:
                 slot.truncate(keep)
+            self.reused = keep
             return
         keep = min(len(rec), len(self.tokens) - 1)
         if keep < len(rec):
