@@ -164,6 +164,7 @@ def test_too_few_draft_slots_are_refused():
         target(draft_engine("other", slots=2))
 
 
+@pytest.mark.slow
 def test_real_vocabularies_are_compared_by_tokens_not_names():
     from ternlm.models.registry import model_path
     from ternlm.tokenizer import Tokenizer
@@ -192,6 +193,18 @@ def test_real_model_as_its_own_draft_same_text():
     on, _ = _both(e, ids, 60)
     assert on.timings.accepted > 0 and on.timings.accepted == on.timings.drafted, on.timings
     _both(e, ids, 40, temperature=0.7, seed=2)
+
+
+@pytest.mark.slow
+def test_qwen_coder_half_b_drafts_for_one_and_a_half_b():
+    """The pairing the issue names (scripts/draft-model-check runs the same at a longer answer): qwen2.5-coder-0.5b
+    drafts for -1.5b (gguf weights, int8 activations: what `auto` runs), the same text on and off, drafts taken,
+    both slots' records exact."""
+    e = Engine.load("qwen2.5-coder-1.5b", draft_model="qwen2.5-coder-0.5b", min_reuse=1)
+    msgs = [{"role": "user", "content": "Repeat this code exactly, renaming width to w:\n\n" + CODE}]
+    ids = list(e.apply_chat_template(msgs, add_generation_prompt=True))
+    on, _ = _both(e, ids, 48)
+    assert on.timings.accepted > 0, on.timings
 
 
 def test_cli_refuses_a_draft_model_of_another_tokenizer():

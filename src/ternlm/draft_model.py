@@ -7,9 +7,10 @@ so the answer cannot change; a draft model costs only time, its k one-token step
 
 The draft model is an Engine of its own, with its own slots, records and reuse: draft slot i serves the request
 in target slot i, so a conversation's next turn reuses the draft model's KV as it reuses the target's. Its record
-follows [RECORD-WHERE-FED]: drafting k tokens feeds the request's not-yet-seen tokens (one step), then k - 1
-drafted tokens one by one; `verified` cuts the draft slot back to what the target kept, so the record vouches
-only for tokens that were fed and kept. No tiers: a draft slot's KV lives in its slot only.
+follows [RECORD-WHERE-FED]: drafting k tokens feeds the request's not-yet-seen tokens (one step; a long prompt's
+first draft in chunks), then k - 1 drafted tokens one by one; `verified` cuts the draft slot back to what the
+target kept, so the record vouches only for tokens that were fed and kept. No tiers: a draft slot's KV lives in
+its slot only.
 
 Same tokenizer means the same token list and special ids (not the same name): ids are what the drafter hands
 the target. A hybrid draft model is refused (its recurrent state cannot be cut back past rejected tokens).
@@ -20,7 +21,7 @@ drafter per request keeps the pacing (drafter.DraftPace) and the draft slot's bo
 """
 from __future__ import annotations
 
-import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,7 +30,8 @@ from .invariants import check
 from .kv.record import decide_reuse
 from .kv.slots import Slot
 
-log = logging.getLogger("ternlm")
+if TYPE_CHECKING:
+    from .engine import Engine
 
 FIRST_DRAFT = 4          # a small model's draft costs a forward per token: start shorter than lookup's
 MAX_DRAFT = 8
@@ -62,13 +64,14 @@ class DraftModel:
     paired with the request's target slot. `engine`: the draft model's Engine (speculative off, at least as
     many slots as the target; Engine.load(draft_model=...) builds one)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: "Engine"):
         self.engine = engine
         self.vocab = engine.config.vocab_size
 
     def check(self, target) -> None:
         """Raises ValueError unless this draft model can draft for `target`: same tokenizer (vocabulary),
-        no recurrent state on either side, a draft slot for every target slot. Pure."""
+        no recurrent state on either side, a draft slot for every target slot. Side effect: drafts stay below
+        the smaller of the two models' vocabularies (embedding rows past the tokenizer's may differ)."""
         why = vocabulary_mismatch(target.tokenizer, self.engine.tokenizer)
         if why:
             raise ValueError(f"the draft model's tokenizer is not the target's: {why}")
@@ -90,7 +93,7 @@ class ModelDrafter:
     sequence is its only user, on the engine's thread. Invariant between calls, once `draft` ran: the slot's
     record is a prefix of `tokens` plus at most the last draft's tokens (`verified` cuts those back)."""
 
-    def __init__(self, engine, slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
+    def __init__(self, engine: "Engine", slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
         self.engine = engine
         self.slot = slot
         self.namespace = namespace
