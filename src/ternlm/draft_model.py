@@ -21,17 +21,12 @@ drafter per request keeps the pacing (drafter.DraftPace) and the draft slot's bo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .drafter import DraftPace
 from .invariants import check
 from .kv.record import decide_reuse
 from .kv.slots import Slot
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 FIRST_DRAFT = 4          # a small model's draft costs a forward per token: start shorter than lookup's
 MAX_DRAFT = 8
@@ -64,8 +59,8 @@ class DraftModel:
     paired with the request's target slot. `engine`: the draft model's Engine (speculative off, at least as
     many slots as the target; Engine.load(draft_model=...) builds one)."""
 
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
+    def __init__(self, engine):
+        self.engine = engine       # engine.Engine (not imported: engine.py imports this module)
         self.vocab = engine.config.vocab_size
 
     def check(self, target) -> None:
@@ -93,8 +88,8 @@ class ModelDrafter:
     sequence is its only user, on the engine's thread. Invariant between calls, once `draft` ran: the slot's
     record is a prefix of `tokens` plus at most the last draft's tokens (`verified` cuts those back)."""
 
-    def __init__(self, engine: "Engine", slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
-        self.engine = engine
+    def __init__(self, engine, slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
+        self.engine = engine                      # the draft model's engine.Engine
         self.slot = slot
         self.namespace = namespace
         self.vocab = vocab                        # draft only ids < vocab (the target's too)
