@@ -213,3 +213,23 @@ def test_cli_refuses_a_draft_model_of_another_tokenizer():
                         "gemma3-270m", "--dtype", "float32", "--max-tokens", "2", "hi"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2 and "tokenizer is not the target's" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from server_proc import serving
+    yield from serving("-m", "smollm2-135m", "--draft-model", "smollm2-135m", "--dtype", "float32",
+                       "--threads", "1", "--slots", "2")
+
+
+def test_server_with_a_draft_model_same_text_and_reports_drafts(server):
+    """`ternlm serve --draft-model`: the chat answer of speculation off, drafts counted in the timings."""
+    from server_proc import openai_client
+    c = openai_client(server)
+    msgs = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
+    on = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40, temperature=0)
+    off = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40, temperature=0,
+                                    extra_body={"speculative": False})
+    assert on.choices[0].message.content == off.choices[0].message.content
+    t_on, t_off = on.model_extra["timings"], off.model_extra["timings"]
+    assert t_on["draft_n"] >= t_on["draft_n_accepted"] > 0 and t_off["draft_n"] == 0
