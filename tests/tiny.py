@@ -33,6 +33,10 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's spelling (a draft model's tokenizer must spell every id the same)."""
+        return f"<{token_id}>" if 0 <= token_id < self.vocab_size else None
+
 
 def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048):
     """A transformers model with random weights, fp32, eval mode."""

@@ -12,12 +12,69 @@ has nothing to look up, and each rejected row is work).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 MAX_NGRAM = 4            # longest suffix looked up (longer: fewer, better drafts)
 MIN_NGRAM = 2            # a single token repeats everywhere: too weak a guess
 MAX_DRAFT = 16           # rows a verify step adds at most
 FIRST_DRAFT = 8
 MISSES_BEFORE_PAUSE = 3  # drafts in a row with nothing accepted before drafting pauses...
 PAUSE = 8                # ...for this many tokens
+
+
+class Drafter(Protocol):
+    """What a Sequence asks of its drafter (sequence.py `_draft`, `_verify`); one per request."""
+    tokens: list[int]                  # the request's tokens the drafter has seen: prompt, then output
+
+    def extend(self, tokens: list[int]) -> None: ...
+    def draft(self, limit: int) -> list[int]: ...
+    def verified(self, drafted: int, accepted: int) -> None: ...
+
+
+class DrafterFactory(Protocol):
+    """Engine(draft=...): makes each speculating request's drafter. `check(target)` raises ValueError when it
+    cannot draft for that engine (Engine.__init__ calls it once); `__call__(slot, prompt, cache_salt)` is called
+    by Engine.open with the request's slot index (a draft model pairs its own slot i with it)."""
+    def check(self, target) -> None: ...
+    def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> Drafter: ...
+
+
+class PromptLookups:
+    """The default factory: every request drafts by prompt lookup."""
+    def check(self, target) -> None:
+        pass
+
+    def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> "PromptLookup":
+        return PromptLookup(prompt)
+
+
+class DraftPace:
+    """How long the next draft may be (the adaptive length and back-off above, for any drafter): `length`,
+    `paused` (tokens left before drafting resumes). Side effects only through its methods."""
+
+    def __init__(self, first: int = FIRST_DRAFT, most: int = MAX_DRAFT,
+                 misses_before_pause: int = MISSES_BEFORE_PAUSE, pause: int = PAUSE):
+        self.first, self.most, self.misses_before_pause, self.pause = first, most, misses_before_pause, pause
+        self.length = first
+        self.paused = 0
+        self._misses = 0
+
+    def advanced(self, tokens: int) -> None:
+        """The request moved on by `tokens`: a pause runs down."""
+        self.paused = max(0, self.paused - tokens)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How a draft fared: taken whole doubles the next length, a rejection shrinks it to one more than
+        what was taken, MISSES_BEFORE_PAUSE drafts in a row with nothing taken pause drafting."""
+        if drafted <= 0:
+            return
+        if accepted == drafted:
+            self.length = min(self.most, 2 * self.length)
+        else:
+            self.length = max(1, accepted + 1)
+        self._misses = 0 if accepted else self._misses + 1
+        if self._misses >= self.misses_before_pause:
+            self.paused, self._misses, self.length = self.pause, 0, self.first
 
 
 class PromptLookup:
@@ -28,9 +85,7 @@ class PromptLookup:
         self.tokens: list[int] = []
         # n-gram -> where the token after its most recent occurrence (excluding the current suffix) stands
         self._next: dict[tuple[int, ...], int] = {}
-        self.length = FIRST_DRAFT
-        self._misses = 0
-        self._paused = 0
+        self.pace = DraftPace()
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
@@ -41,13 +96,13 @@ class PromptLookup:
                 if end >= n:
                     self._next[tuple(self.tokens[end - n:end])] = end
             self.tokens.append(t)
-            self._paused = max(0, self._paused - 1)
+        self.pace.advanced(len(tokens))
 
     def draft(self, limit: int) -> list[int]:
         """Up to min(limit, the adaptive length) tokens that followed the latest earlier occurrence of the
         longest suffix found; [] when nothing matches, drafting is paused or limit < 1. Pure."""
-        k = min(limit, self.length)
-        if k < 1 or self._paused:
+        k = min(limit, self.pace.length)
+        if k < 1 or self.pace.paused:
             return []
         toks = self.tokens
         for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
@@ -59,13 +114,5 @@ class PromptLookup:
         return []
 
     def verified(self, drafted: int, accepted: int) -> None:
-        """How a draft fared: adapts the next length and pauses after repeated misses. Side effects."""
-        if drafted <= 0:
-            return
-        if accepted == drafted:
-            self.length = min(MAX_DRAFT, 2 * self.length)
-        else:
-            self.length = max(1, accepted + 1)
-        self._misses = 0 if accepted else self._misses + 1
-        if self._misses >= MISSES_BEFORE_PAUSE:
-            self._paused, self._misses, self.length = PAUSE, 0, FIRST_DRAFT
+        """How a draft fared: adapts the next length and pauses after repeated misses (DraftPace)."""
+        self.pace.verified(drafted, accepted)

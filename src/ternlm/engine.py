@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 
 from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+from .drafter import DrafterFactory, PromptLookups
 from .grammar import GrammarCompiler, GrammarSpec
 from .invariants import check
 from .kernels.build import Kernels
@@ -84,15 +85,17 @@ class Engine:
                  min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
                  weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None,
-                 state_interval: int = 64, speculative: bool = True):
+                 state_interval: int = 64, speculative: bool = True, draft: DrafterFactory | None = None):
         """dtype: "auto" (cpu.py picks from the CPU), a name, or a torch dtype. `cpu`: the CPU to plan
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
         with a gguf choice. `kv_dtype`: the KV cache's dtype, auto | float32 | float16 (Transformer:
         auto is float16 where every layer runs fused in C, else float32). `state_interval`: a hybrid model's
         recurrent snapshots every this many positions (kv/recurrent.py). `speculative`: requests draft
-        by prompt lookup and verify (sequence.py; lossless) unless they say otherwise. Raises UnsupportedDtypeError
-        for a dtype with no exact kernel here, ValueError for a KV dtype that cannot run."""
+        by prompt lookup and verify (sequence.py; lossless) unless they say otherwise. `draft`: makes each
+        speculating request's drafter (drafter.DrafterFactory; default prompt lookup; draft_model.DraftModel: a
+        small model of the same tokenizer). Raises UnsupportedDtypeError for a dtype with no exact kernel here,
+        ValueError for a KV dtype that cannot run or a draft model that cannot draft for this one."""
         cfg = loaded.config
         self.speculative = speculative
         self.config = cfg
@@ -152,17 +155,22 @@ class Engine:
             ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   self.kv_dtype, recurrent.shapes if recurrent is not None else None)
             self.store = TieredStore.from_config(ident, cache)
+        self.drafts = draft if draft is not None else PromptLookups()
+        self.drafts.check(self)                  # a draft model of another tokenizer: refused here
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def load(cls, model: str = "smollm2-135m", dtype: str = "auto", cpu: CpuInfo | None = None,
              weights: str = "auto", expert_cache: "str | int | None" = "auto", activations: str = "auto",
-             **kw) -> "Engine":
+             draft_model: str | None = None, **kw) -> "Engine":
         """model: registry name, .gguf path or Hugging Face folder. Downloads a registry model on first use.
         dtype: "auto" (the CPU's best exact kernels, logged with the reason) | float32 | bfloat16 | float16;
         weights: auto | gguf | bf16 | fp32 (weights.py; gguf may build the native kernel on first use);
         activations: auto | int8 | fp32, what gguf weights multiply (weights.py; auto: int8 there);
         an unknown or unsupported choice raises ValueError before any weight is read.
+        draft_model: a small model (name, path or folder, same tokenizer) whose greedy guesses the requests verify
+        (draft_model.py): loaded first with the same dtype, weights, slots and context, its own KV and reuse;
+        ValueError when its tokenizer is not this model's.
         expert_cache (a GGUF mixture of experts): bytes = experts stream from the file through a cache
         of that size; "resident" = converted at load; "auto" = resident when they fit in the available
         memory beside the rest and the KV budget, else streamed with what fits (moe.plan_expert_cache).
@@ -175,6 +183,13 @@ class Engine:
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
         if weights not in WEIGHTS:
             raise ValueError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
+        if draft_model is not None:              # its own engine: slots paired with ours, never speculating
+            from .draft_model import DraftModel
+            keys = ("slots", "ctx", "chunk_size", "min_reuse", "prefix_reuse", "kv_dtype")
+            small = cls.load(draft_model, dtype=dtype, cpu=cpu, weights=weights, activations=activations,
+                             speculative=False, **{k: kw[k] for k in keys if k in kw})
+            kw["draft"] = DraftModel(small)
+            log.info("draft model %s: drafts verified by %s", draft_model, model)
         t0 = time.perf_counter()
         r = resolve(model)
         wchoice = choose_weights(weights, dtype, r.kind == "gguf", activations=activations)
@@ -354,8 +369,9 @@ class Engine:
                         tokenizer=self.tokenizer, stop=list(stop or []),
                         limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
                         keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint,
-                        speculative=(self.speculative if speculative is None else speculative)
-                        and slot.state is None)
+                        drafter=self.drafts(slot.index, prompt, cache_salt)
+                        if (self.speculative if speculative is None else speculative) and slot.state is None
+                        else None)
 
     @staticmethod
     def want(seq: Sequence) -> Want:

@@ -39,6 +39,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="auto", choices=["auto", "off"],
                    help="speculative decoding: auto (default: draft by prompt lookup and verify in one step; "
                         "the same answer token for token, faster where the answer repeats the conversation) | off")
+    p.add_argument("--draft-model", default=None, metavar="NAME|PATH",
+                   help="speculative decoding with a small model of the same tokenizer (e.g. qwen2.5-coder-0.5b "
+                        "for qwen2.5-coder-1.5b): it drafts greedily, the model verifies; the same answer token for "
+                        "token; refused unless the vocabularies match")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument("--chat-template", type=template_file, default=None, metavar="FILE",
                    help="a jinja chat template (Hugging Face semantics) replacing the model's own")
@@ -75,6 +79,7 @@ def load_engine(args, slots: int = 1):
                          min_reuse=args.min_reuse, ctx=args.ctx, chunk_size=args.chunk, slots=slots,
                          state_interval=getattr(args, "state_interval", 64),
                          speculative=getattr(args, "speculative", "auto") != "off",
+                         draft_model=getattr(args, "draft_model", None),
                          chat_template=args.chat_template, expert_cache=args.expert_cache)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine

@@ -30,7 +30,7 @@ from .grammar import Constraint
 from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
-from .drafter import PromptLookup
+from .drafter import Drafter
 from .runner import Embed
 from .sampling import Sampler
 
@@ -109,7 +109,7 @@ class Sequence:
                  sampler: Sampler, tokenizer, stop: list[str], limits: Limits,
                  embeds: dict[int, Embed], on_chunk: Callable[[int], None] | None,
                  keep_logits: bool, logprobs: int | None, started: float,
-                 constraint: Constraint | None = None, speculative: bool = False):
+                 constraint: Constraint | None = None, drafter: Drafter | None = None):
         self.slot = slot
         self.prompt = prompt
         self.n = len(prompt)
@@ -135,7 +135,7 @@ class Sequence:
         self.started = started
         self._first_step: float | None = None
         self._decode_from: float | None = None       # when the prefill's last chunk returned
-        self.drafter = PromptLookup(prompt) if speculative else None   # drafts after each sampled token
+        self.drafter = drafter        # drafter.py / draft_model.py: drafts after each sampled token; None: plain
 
     @property
     def prefilling(self) -> bool:
@@ -211,8 +211,8 @@ class Sequence:
         return events
 
     def _draft(self) -> None:
-        """Append a draft after the pending token: what followed the conversation's last tokens before
-        (drafter.py), no longer than the answer and the context leave room for."""
+        """Append a draft after the pending token (prompt lookup, drafter.py, or a draft model, draft_model.py),
+        no longer than the answer and the context leave room for."""
         self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
         room = min(self.limits.max_tokens - len(self.out_ids), self.limits.ctx - len(self.slot.record)) - 1
         self.pending += self.drafter.draft(room)

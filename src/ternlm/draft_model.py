@@ -1,0 +1,154 @@
+"""A draft model: a small model of the same tokenizer proposes the next tokens by greedy decoding.
+
+Why: prompt lookup (drafter.py) drafts only text the conversation already holds; a small model of the same
+family (qwen2.5-coder-0.5b for the 1.5b) guesses fresh text too. Its guesses are verified exactly as prompt
+lookup's are (sequence.py `_verify`: a drafted token is kept only if it is the token the target samples there),
+so the answer cannot change; a draft model costs only time, its k one-token steps per draft.
+
+The draft model is an Engine of its own, with its own slots, records and reuse: draft slot i serves the request
+in target slot i, so a conversation's next turn reuses the draft model's KV as it reuses the target's. Its record
+follows [RECORD-WHERE-FED]: drafting k tokens feeds the request's not-yet-seen tokens (one step; a long prompt's
+first draft in chunks), then k - 1 drafted tokens one by one; `verified` cuts the draft slot back to what the
+target kept, so the record vouches only for tokens that were fed and kept. No tiers: a draft slot's KV lives in
+its slot only.
+
+Same tokenizer means the same token list and special ids (not the same name): ids are what the drafter hands
+the target. A hybrid draft model is refused (its recurrent state cannot be cut back past rejected tokens).
+
+One policy choice: with a draft model every draft comes from it, never from prompt lookup first. Lookup is
+cheaper per token, but where the answer repeats the prompt the draft model predicts the repeat too, and one
+drafter per request keeps the pacing (drafter.DraftPace) and the draft slot's bookkeeping simple.
+"""
+from __future__ import annotations
+
+import torch
+
+from .drafter import DraftPace
+from .invariants import check
+from .kv.record import decide_reuse
+from .kv.slots import Slot
+
+FIRST_DRAFT = 4          # a small model's draft costs a forward per token: start shorter than lookup's
+MAX_DRAFT = 8
+MISSES_BEFORE_PAUSE = 3
+PAUSE = 8
+
+
+def vocabulary_mismatch(target, draft) -> str | None:
+    """Why two tokenizers do not give ids the same meaning (None: they do): size, each token's spelling,
+    special tokens, BOS/EOS and stop ids. Pure; reads the whole vocabulary (~0.1 s for 150k tokens)."""
+    if target.vocab_size != draft.vocab_size:
+        return f"vocabulary sizes differ ({target.vocab_size} vs {draft.vocab_size})"
+    for name in ("bos_id", "eos_id", "stop_ids"):
+        a, b = getattr(target, name, None), getattr(draft, name, None)
+        if a != b:
+            return f"{name} differ ({a!r} vs {b!r})"
+    if not (hasattr(target, "id_to_token") and hasattr(draft, "id_to_token")):
+        return "a tokenizer cannot list its vocabulary"
+    for i in range(target.vocab_size):
+        a, b = target.id_to_token(i), draft.id_to_token(i)
+        if a != b:
+            return f"token {i} differs ({a!r} vs {b!r})"
+        if getattr(target, "is_special", lambda _: False)(i) != getattr(draft, "is_special", lambda _: False)(i):
+            return f"token {i} ({a!r}) is special in one tokenizer only"
+    return None
+
+
+class DraftModel:
+    """The drafter factory for Engine(draft=...): one ModelDrafter per request, on the draft engine's slot
+    paired with the request's target slot. `engine`: the draft model's Engine (speculative off, at least as
+    many slots as the target; Engine.load(draft_model=...) builds one)."""
+
+    def __init__(self, engine):
+        self.engine = engine       # engine.Engine (not imported: engine.py imports this module)
+        self.vocab = engine.config.vocab_size
+
+    def check(self, target) -> None:
+        """Raises ValueError unless this draft model can draft for `target`: same tokenizer (vocabulary),
+        no recurrent state on either side, a draft slot for every target slot. Side effect: drafts stay below
+        the smaller of the two models' vocabularies (embedding rows past the tokenizer's may differ)."""
+        why = vocabulary_mismatch(target.tokenizer, self.engine.tokenizer)
+        if why:
+            raise ValueError(f"the draft model's tokenizer is not the target's: {why}")
+        if self.engine.slots[0].state is not None:
+            raise ValueError("a hybrid draft model cannot draft: its recurrent state cannot be cut back")
+        if target.slots[0].state is not None:
+            raise ValueError("a hybrid model never speculates: a draft model cannot help it")
+        if self.engine.num_slots < target.num_slots:
+            raise ValueError(f"the draft model has {self.engine.num_slots} slots for the target's {target.num_slots}")
+        self.vocab = min(self.vocab, target.config.vocab_size)   # a draft id must be a target id
+
+    def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> "ModelDrafter":
+        return ModelDrafter(self.engine, self.engine.slots[slot], prompt, self.engine.namespace(cache_salt),
+                            self.vocab)
+
+
+class ModelDrafter:
+    """One request's drafter on one draft slot (drafter.Drafter's interface). Not thread-safe: the request's
+    sequence is its only user, on the engine's thread. Invariant between calls, once `draft` ran: the slot's
+    record is a prefix of `tokens` plus at most the last draft's tokens (`verified` cuts those back)."""
+
+    def __init__(self, engine, slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
+        self.engine = engine                      # the draft model's engine.Engine
+        self.slot = slot
+        self.namespace = namespace
+        self.vocab = vocab                        # draft only ids < vocab (the target's too)
+        self.tokens: list[int] = list(tokens)
+        self.pace = DraftPace(FIRST_DRAFT, MAX_DRAFT, MISSES_BEFORE_PAUSE, PAUSE)
+        self._placed = False                      # the slot's reuse decided (first draft)
+        self.reused = 0                           # positions of the draft slot reused at the first draft
+        self._drafted_from = 0                    # len(tokens) when the last draft was made
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens the request produced (verified). Side effects: `tokens`, the pace. No model work."""
+        self.tokens += tokens
+        self.pace.advanced(len(tokens))
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to min(limit, the adaptive length) tokens the draft model would say next, greedily; [] when
+        paused, limit < 1 or the draft model's context is full. Side effects: feeds the draft slot the tokens it
+        has not seen (one step; on the first draft after reusing what the slot's record shares with them), then
+        each drafted token but the last (one-token steps), recording each [RECORD-WHERE-FED]."""
+        n = len(self.tokens)
+        k = min(limit, self.pace.length, self.engine.ctx - n + 1)   # feeds n + k - 1 positions
+        if k < 1 or self.pace.paused:
+            return []
+        self._sync()
+        runner, slot = self.engine.runner, self.slot
+        logits = runner.prefill(slot, self.tokens[len(slot.record):])   # (vocab,) after tokens[-1]
+        self._drafted_from = n
+        stops = self.engine.tokenizer.stop_ids
+        out: list[int] = []
+        while True:
+            tok = int(torch.argmax(logits[:self.vocab]))
+            out.append(tok)
+            if len(out) == k or tok in stops:     # nothing after a stop token is ever verified
+                return out
+            logits = runner.decode(slot, tok)
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """How the last draft fared: the draft slot keeps the tokens it was fed that the target kept, the rest
+        is cut from its record [RECORD-WHERE-FED]; the pace adapts. Side effects: both."""
+        if drafted > 0:
+            self.slot.truncate(min(len(self.slot.record), self._drafted_from + accepted))
+        self.pace.verified(drafted, accepted)
+
+    def _sync(self) -> None:
+        """Make the slot's record a prefix of `tokens` that leaves at least one token to feed (fresh logits).
+        The first time, decide reuse like a request would (namespace, min_reuse); later the invariant holds and
+        only a record as long as `tokens` (no token arrived: cannot happen in a Sequence) is cut by one."""
+        slot, rec = self.slot, self.slot.record
+        if not self._placed:
+            self._placed = True
+            e = self.engine
+            keep = decide_reuse(rec, self.tokens, self.namespace, min_reuse=e.min_reuse, enabled=e.prefix_reuse).tokens
+            if keep == 0:
+                slot.reset(self.namespace)
+            else:
+                slot.truncate(keep)
+            self.reused = keep
+            return
+        keep = min(len(rec), len(self.tokens) - 1)
+        if keep < len(rec):
+            slot.truncate(keep)
+        check(rec.fed == self.tokens[:len(rec)], "a draft slot's record is a prefix of the request's tokens")
