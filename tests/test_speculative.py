@@ -154,7 +154,7 @@ def test_logit_bias_applies_on_every_row_and_is_the_same_on_and_off(engine):
 # ---- a real model: grammar masks on every verify row, and what lookup buys on code -------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    return Engine.load("smollm2-135m", dtype="float32", min_reuse=1)
+    return Engine.load("smollm2-135m", min_reuse=1)    # what users run: GGUF blocks, int8 activations, layer.c
 
 
 CODE = """def area(width, height):
@@ -217,7 +217,7 @@ def test_a_hybrid_model_does_not_speculate(tmp_path):
 @pytest.fixture(scope="module")
 def server():
     from server_proc import serving
-    yield from serving("-m", "smollm2-135m", "--dtype", "float32", "--threads", "1", "--slots", "2")
+    yield from serving("-m", "smollm2-135m", "--threads", "1", "--slots", "2")
 
 
 def test_server_speculates_by_default_same_text_and_reports_it(server):
@@ -242,3 +242,19 @@ def test_server_speculates_by_default_same_text_and_reports_it(server):
         c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=2, logit_bias={"28": 500})
     text = httpx.get(server.base + "/metrics").text
     assert "ternlm_spec_drafted_tokens_total" in text and "ternlm_spec_accepted_tokens_total" in text
+
+
+def test_serve_flags_reach_the_engine(server):
+    """`ternlm serve --speculative off --activations fp32`: no request drafts, and the fingerprint (the KV
+    namespace: activations are part of it) differs from the default server's."""
+    from server_proc import ServerProc, openai_client
+    with ServerProc("-m", "smollm2-135m", "--threads", "1", "--slots", "1",
+                    "--speculative", "off", "--activations", "fp32") as off:
+        msgs = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
+        a = openai_client(off).chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+                                                      temperature=0)
+        b = openai_client(server).chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
+                                                         temperature=0)
+        assert a.model_extra["timings"]["draft_n"] == 0 and b.model_extra["timings"]["draft_n"] > 0
+        assert a.system_fingerprint != b.system_fingerprint
+        assert "Traceback" not in off.log()

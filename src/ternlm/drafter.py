@@ -8,7 +8,8 @@ only what the model itself would have produced, so a draft can cost time but nev
 
 Adaptive length: a draft that was taken whole doubles the next one (up to MAX_DRAFT); a rejection shrinks it
 to one more than what was taken; after a few drafts in a row with nothing taken, drafting pauses (fresh text
-has nothing to look up, and each rejected row is work).
+has nothing to look up, and each rejected row is work), longer each time it keeps missing, and resumes with
+one-token drafts.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ MIN_NGRAM = 2            # a single token repeats everywhere: too weak a guess
 MAX_DRAFT = 16           # rows a verify step adds at most
 FIRST_DRAFT = 8
 MISSES_BEFORE_PAUSE = 3  # drafts in a row with nothing accepted before drafting pauses...
-PAUSE = 8                # ...for this many tokens
+PAUSE = 8                # ...for this many tokens (doubling while drafts keep missing, up to MAX_PAUSE)
+MAX_PAUSE = 128
 
 
 class Drafter(Protocol):
@@ -58,6 +60,7 @@ class DraftPace:
         self.length = first
         self.paused = 0
         self._misses = 0
+        self._next_pause = pause
 
     def advanced(self, tokens: int) -> None:
         """The request moved on by `tokens`: a pause runs down."""
@@ -72,9 +75,16 @@ class DraftPace:
             self.length = min(self.most, 2 * self.length)
         else:
             self.length = max(1, accepted + 1)
-        self._misses = 0 if accepted else self._misses + 1
+        if accepted:
+            self._misses, self._next_pause = 0, self.pause
+            return
+        self._misses += 1
         if self._misses >= self.misses_before_pause:
-            self.paused, self._misses, self.length = self.pause, 0, self.first
+            # text with nothing to look up (fresh prose) must cost ~nothing: each pause that follows another
+            # with no draft taken in between is twice as long (up to MAX_PAUSE), and drafting resumes with
+            # one token, growing only as drafts are taken whole
+            self.paused, self._misses, self.length = self._next_pause, 0, 1
+            self._next_pause = min(MAX_PAUSE, 2 * self._next_pause)
 
 
 class PromptLookup:

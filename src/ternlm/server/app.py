@@ -86,6 +86,9 @@ class ServeConfig:
     chat_template: str | None = None  # jinja source replacing the model's own template (--chat-template)
     expert_cache: str = "auto"        # mixture of experts: auto | resident | a size (models/moe.plan_expert_cache)
     draft_model: str | None = None    # a small model of the same tokenizer drafting for speculation (draft_model.py)
+    activations: str = "auto"         # weights.py: what quantized weights multiply: auto | int8 | fp32
+    speculative: bool = True          # draft and verify (sequence.py; lossless); requests may turn it off
+    state_interval: int = 64          # hybrid models: recurrent snapshots every N positions (kv/recurrent.py)
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -495,7 +498,9 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
                            prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
                            chunk_size=config.chunk_size, cache=cache, chat_template=config.chat_template,
-                           expert_cache=config.expert_cache, draft_model=config.draft_model)
+                           expert_cache=config.expert_cache, draft_model=config.draft_model,
+                           activations=config.activations, speculative=config.speculative,
+                           state_interval=config.state_interval)
     return load
 
 
@@ -590,7 +595,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         bias = checked_bias(engine, req.logit_bias)
         choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
-                                                    grammar, bias, req.speculative), salt, None if j else req.affinity),
+                                                    grammar, bias, None if req.speculative else False), salt, None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
         shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
                                   thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
@@ -627,7 +632,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         # choice index = prompt * n + j, as OpenAI numbers them; choice j > 0 forks choice 0's prompt KV
         choices = [Choice(GenRequest(ids, GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p,
                                                     req.min_p, choice_seed(req.seed, j), tuple(req.stop),
-                                                    req.logprobs, req.response_format, bias, req.speculative), salt,
+                                                    req.logprobs, req.response_format, bias, None if req.speculative else False), salt,
                                          req.affinity if p == j == 0 else None),
                           leader=p * req.n if j else None)
                    for p, ids in enumerate(prompts) for j in range(req.n)]

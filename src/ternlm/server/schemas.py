@@ -184,7 +184,8 @@ class _Sampling(_Closed):
     cache_salt: str | None = Field(None, max_length=1024)
     # OpenAI's: {"token id": bias in [-100, 100]}, added to the logit before every choice (verify rows too)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time)
+    # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time);
+    # true leaves it to the server (--speculative)
     speculative: bool = True
 
     @field_validator("logit_bias")
