@@ -139,6 +139,19 @@ def test_router_follows_norm_topk_prob(tmp_path):
     _parity(hf, engine.logits(ids), ids, "norm_topk_prob=false")
 
 
+def test_mtp_block_is_skipped(qwen3next, tmp_path):
+    """A checkpoint's multi-token-prediction block (mtp.*, in Qwen3-Next's own shards) is skipped as transformers
+    skips it: the same logits as without it."""
+    import shutil
+    from safetensors.torch import save_file
+    _, folder = qwen3next
+    shutil.copytree(folder, tmp_path / "m")
+    save_file({"mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)},
+              tmp_path / "m" / "mtp.safetensors")
+    ids = ids_of(30, seed=1)
+    assert torch.equal(_engine(tmp_path / "m").logits(ids), _engine(folder).logits(ids))
+
+
 @pytest.mark.parametrize("kw", [dict(decoder_sparse_step=2), dict(mlp_only_layers=[1])], ids=["sparse_step", "mlp_only"])
 def test_dense_mlp_layers_are_refused(tmp_path, kw):
     """Dense MLP layers among the expert layers (not in Qwen3-Next-80B's config) are refused by name, not run wrong."""
@@ -259,8 +272,9 @@ def converted(qwen3next, tmp_path_factory):
     return paths
 
 
-def _gguf_engine(path, keep: bool, act: str | None, **kw) -> Engine:
-    loaded = load_gguf(path, torch.float32, keep_quantized=keep, lanes=keep)
+def _gguf_engine(path, keep: bool, act: str | None, budget: int | None = None, **kw) -> Engine:
+    loaded = load_gguf(path, torch.float32, keep_quantized=keep, lanes=keep, expert_budget=budget,
+                       int8=act == "int8")            # streamed experts read into the int layouts int8 multiplies
     cfg = loaded.config
     assert cfg.arch == "qwen3next" and not cfg.linear_v_tiled and cfg.num_experts == 6 and cfg.norm_topk_prob
     assert cfg.layer_kinds == ("deltanet", "attention", "deltanet", "deltanet") and cfg.rope_spec.rotary_dim == 4
@@ -314,3 +328,22 @@ def test_converter_q8_0_int8_is_exact_on_every_path(qwen3next, converted):
     solo = [alone(e2, p, m)[0] for p, m in reqs]
     for i, (b, a) in enumerate(zip(together(e2, reqs, [0, 1, 2], budget=32), solo)):
         assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+
+
+def test_converter_q8_0_streamed_experts_give_the_resident_bits(converted):
+    """--expert-cache on the converter's file: experts streamed through a cache of two and a half of them (24 in
+    the file) give the resident run's logits bit for bit, one pass and chunks + decode."""
+    from ternlm.models.moe import ExpertStore, StreamedExperts
+    resident = _gguf_engine(converted["q8_0"], True, "int8")
+    assert isinstance(resident.model.experts, ExpertStore)
+    one = resident.model.experts.get(0, 0).nbytes
+    streamed = _gguf_engine(converted["q8_0"], True, "int8", budget=2 * one + one // 2)
+    store = streamed.model.experts
+    assert isinstance(store, StreamedExperts) and len(store) == 0, "nothing converted at load"
+    ids = ids_of(70, seed=3)
+    whole = resident.logits(ids)
+    assert torch.equal(streamed.logits(ids), whole)
+    assert store.stats.misses > 0 and store.stats.evictions > 0
+    streamed.runner.chunk_size = 5
+    assert torch.equal(streamed.runner.prefill(streamed.slots[0], ids[:-1]), whole[-2])
+    assert torch.equal(streamed.runner.decode(streamed.slots[0], ids[-1]), whole[-1])
