@@ -28,11 +28,12 @@ from gguf.quants import dequantize as np_dequantize
 VERSION = "0.3.36"
 
 _SCRIPT = textwrap.dedent("""
-    import json, sys
-    src, folder, out, outtype, vocab = sys.argv[1:6]
+    import importlib, json, sys
+    src, folder, out, outtype, vocab, model = sys.argv[1:7]
+    extra = sys.argv[7:]
     sys.path[:0] = [src + "/gguf-py", src]
     import convert_hf_to_gguf
-    from conversion import nemotron
+    module, cls = model.rsplit(".", 1)
 
     def set_vocab(self):         # the test's vocabulary is in no pre-tokenizer table: test_loaders' byte-level one
         v = json.loads(open(vocab).read())
@@ -43,8 +44,8 @@ _SCRIPT = textwrap.dedent("""
         self.gguf_writer.add_token_merges(v["merges"])
         self.gguf_writer.add_eos_token_id(v["eos"])
 
-    nemotron.NemotronHModel.set_vocab = set_vocab
-    sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype]
+    setattr(getattr(importlib.import_module("conversion." + module), cls), "set_vocab", set_vocab)
+    sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, *extra]
     convert_hf_to_gguf.main()
 """)
 
@@ -69,9 +70,11 @@ def converter_src() -> Path:
     pytest.fail(f"TERNLM_LLAMACPP_SRC={env} holds no convert_hf_to_gguf.py")
 
 
-def convert(folder: Path, out: Path, outtype: str, vocab_size: int) -> None:
+def convert(folder: Path, out: Path, outtype: str, vocab_size: int, model: str = "nemotron.NemotronHModel",
+            extra: tuple[str, ...] = ()) -> None:
     """folder (save_pretrained output) -> out, by the converter (outtype f32 | q8_0 | ...), with
-    test_loaders' byte-level vocabulary of vocab_size tokens."""
+    test_loaders' byte-level vocabulary of vocab_size tokens. model: the converter's class ("module.Class" under
+    its conversion/) whose set_vocab that vocabulary replaces; extra: more converter arguments (--no-mtp)."""
     from test_loaders import _byte_alphabet
     tokens = _byte_alphabet() + ["ab", "<|endoftext|>"]
     tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]
@@ -80,7 +83,7 @@ def convert(folder: Path, out: Path, outtype: str, vocab_size: int) -> None:
     vocab = out.with_suffix(".vocab.json")
     vocab.write_text(json.dumps({"tokens": tokens, "types": types, "merges": ["a b"], "eos": 257}))
     r = subprocess.run([sys.executable, "-c", _SCRIPT, str(converter_src()), str(folder), str(out), outtype,
-                        str(vocab)], capture_output=True, text=True, timeout=300)
+                        str(vocab), model, *extra], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed:\n{r.stderr[-3000:]}")
 

@@ -16,10 +16,12 @@ from .models.rope import Rope
 # every few a gated attention layer (qwen3's with an output gate and partial RoPE): layer_kinds below.
 # qwen35moe (Qwen3.5-MoE) is qwen35's layer kinds with qwen2moe's MLP (experts + a gated shared expert) on
 # every layer, whatever its kind: the two field groups together, no code of its own.
+# qwen3next (Qwen3-Next) is qwen35moe's layers and MLP again: its fused DeltaNet projections are split into qwen35's
+# at load (models/deltanet.fused_rows), its router renormalises per its config; no fields of its own.
 # nemotron_h (Nemotron-H, issue 47): each layer ONE block behind its pre-norm: a Mamba-2 mixer
 # (models/mamba2.py), attention without RoPE, or a relu^2 MLP: layer_kinds (mixer) + layer_ffns (feed-forward).
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "nemotron_h")
+                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "qwen3next", "nemotron_h")
 LAYER_KINDS = ("attention", "deltanet", "mamba2", "none")   # a layer's token mixer; "none": a feed-forward only
 RECURRENT_KINDS = ("deltanet", "mamba2")                     # mixers with a recurrent state (kv/recurrent.py)
 LAYER_FFNS = ("mlp", "none")       # a layer's feed-forward: the model's MLP (or its experts), or none

@@ -10,6 +10,10 @@ is within fp32 rounding; our own paths agree bit for bit: cold, resumed, chunked
 [ROW-EXACT] sigmoid, SiLU and softplus come from kernels/recurrent.c's tq_pointwise: torch's give an element
 other bits at a buffer's (or a thread chunk's) tail, so a row's bits depended on the rows beside it.
 
+Qwen3-Next (qwen3next) fuses q|k|v|z into in_proj_qkvz and b|a into in_proj_ba, interleaved per key head;
+`fused_rows` gives the rows that make them this layer's in_proj_qkv / _z / _b / _a (a layout at load, the same
+mixer; whole rows, so exact for quantized matrices too).
+
 State (a slot's kv/recurrent.RecurrentState, this layer's index `ri` in it): the conv's last K - 1 inputs and
 the delta rule's (Hv, dk, dv) state, both after the segment's `start`. Side effects of a call: each part's
 state advanced to its end, and the snapshots its part asked for (`captures`) filled.
@@ -20,6 +24,24 @@ import torch
 
 from ..config import ModelConfig
 from ..kernels.build import Kernels
+
+
+def fused_rows(cfg: ModelConfig, fused: str) -> dict[str, torch.Tensor]:
+    """Row indices into a fused qwen3next projection -> the parts this mixer reads. fused: "in_proj_qkvz"
+    (Hk blocks of [q dk | k dk | v r dv | z r dv], r = Hv / Hk: transformers' fix_query_key_value_ordering)
+    -> {"in_proj_qkv": (2 Hk dk + Hv dv,), "in_proj_z": (Hv dv,)}; "in_proj_ba" (Hk blocks of [b r | a r])
+    -> {"in_proj_b": (Hv,), "in_proj_a": (Hv,)}. Value heads come out grouped (head h reads key head h // r),
+    transformers' order, so linear_v_tiled stays False."""
+    Hk, Hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    r = Hv // Hk
+    if fused == "in_proj_qkvz":
+        blocks = torch.arange(Hk * (2 * dk + 2 * r * dv)).reshape(Hk, -1)            # (Hk, 2 dk + 2 r dv)
+        q, k, v, z = torch.split(blocks, [dk, dk, r * dv, r * dv], dim=1)
+        return {"in_proj_qkv": torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)]), "in_proj_z": z.reshape(-1)}
+    if fused == "in_proj_ba":
+        blocks = torch.arange(2 * Hv).reshape(Hk, 2 * r)                               # (Hk, 2 r)
+        return {"in_proj_b": blocks[:, :r].reshape(-1), "in_proj_a": blocks[:, r:].reshape(-1)}
+    raise ValueError(f"{fused!r} is not a fused DeltaNet projection")
 
 
 class DeltaNet:

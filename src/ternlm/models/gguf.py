@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe, nemotron_h) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe, qwen3next, nemotron_h) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -29,6 +29,7 @@ from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
 from . import nemotron_h
+from .deltanet import fused_rows
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
@@ -293,13 +294,18 @@ _LAYER_NAMES = {
 }
 _POST_NORM_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 # qwen35's gated DeltaNet layers (llama.cpp's converter: A stored as -exp(A_log), dt_bias as ssm_dt.bias, the
-# conv kernel squeezed to (channels, K), norms but ssm_norm stored as 1 + w, V heads in its tiled order)
+# conv kernel squeezed to (channels, K), norms but ssm_norm stored as 1 + w, V heads in its tiled order).
+# qwen3next: the same but b and a in one ssm_ba, interleaved per key head as transformers' in_proj_ba (split by
+# hf_parts), and V heads left grouped (its converter's Qwen3NextModel has no V reorder: _V_TILED_ARCHS)
 _DELTANET_NAMES = {
     "ssm_a": "linear_attn.A", "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
 }
+_DELTANET_BA = {True: ("ssm_ba.weight",), False: ("ssm_alpha.weight", "ssm_beta.weight")}   # by "has ssm_ba"
+_V_TILED_ARCHS = ("qwen35", "qwen35moe")    # the converter's _LinearAttentionVReorderBase: V heads tiled
 # qwen35: post_attention_norm is the MLP's input norm (llama's post_attention_layernorm), no ffn_norm; the MLP's
 # tensors are _DENSE_MLP's, or (qwen35moe) _MOE_PER_LAYER's and _SHARED_PER_LAYER's, on either layer kind
 _QWEN35_PER_LAYER = ("attn_norm.weight", "post_attention_norm.weight")
@@ -456,7 +462,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 def _hybrid_from_gguf(reader: GGUFReader, arch: str, layers: int) -> dict:
     """qwen35's per-layer kinds and DeltaNet sizes: attention.recurrent_layers (or every
     full_attention_interval-th layer attention), ssm.{conv_kernel, state_size (dk), group_count (key heads),
-    time_step_rank (value heads), inner_size (value heads x dv)}; the converter's V heads are tiled."""
+    time_step_rank (value heads), inner_size (value heads x dv)}; the converter's V heads are tiled (qwen35,
+    qwen35moe) or grouped as transformers has them (qwen3next): the file does not say, its arch does."""
     field = reader.get_field(f"{arch}.attention.recurrent_layers")
     if field is not None:
         recurrent = [bool(x) for x in field.contents()]
@@ -470,7 +477,8 @@ def _hybrid_from_gguf(reader: GGUFReader, arch: str, layers: int) -> dict:
     return dict(layer_kinds=tuple("deltanet" if r else "attention" for r in recurrent), attn_output_gate=True,
                 linear_key_heads=hk, linear_value_heads=hv, linear_key_dim=int(_field(reader, f"{arch}.ssm.state_size")),
                 linear_value_dim=int(_field(reader, f"{arch}.ssm.inner_size")) // hv,
-                linear_conv_kernel=int(_field(reader, f"{arch}.ssm.conv_kernel")), linear_v_tiled=hk != hv)
+                linear_conv_kernel=int(_field(reader, f"{arch}.ssm.conv_kernel")),
+                linear_v_tiled=hk != hv and arch in _V_TILED_ARCHS)
 
 
 GEMMA3_SWA_PATTERN = 6      # llama.cpp's set_swa_pattern(6): layers 5, 11, ... global, the rest windowed
@@ -568,7 +576,9 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     required = ["token_embd.weight", "output_norm.weight"]
     if config.layer_kinds:         # a hybrid file: each layer's own token mixer, the same MLP on every kind
         for i in range(config.num_layers):
-            kind = _DELTANET_NAMES if config.kind(i) == "deltanet" else _QWEN35_ATTN + (
+            ba = _DELTANET_BA[f"blk.{i}.ssm_ba.weight" in names]       # qwen3next's fused b|a, or qwen35's two
+            kind = [n for n in _DELTANET_NAMES if n not in _DELTANET_BA[True] + _DELTANET_BA[False]] + list(ba) \
+                if config.kind(i) == "deltanet" else _QWEN35_ATTN + (
                 ("attn_q_norm.weight", "attn_k_norm.weight") if config.qk_norm else ())
             required += [f"blk.{i}.{n}" for n in (*_QWEN35_PER_LAYER, *kind, *mlp)]
     else:
@@ -656,6 +666,9 @@ def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, 
     if config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
         base, inter = name.removesuffix("up_proj.weight"), rows // 2
         return [(base + "gate_proj.weight", torch.arange(inter)), (base + "up_proj.weight", torch.arange(inter, rows))]
+    if name.endswith("linear_attn.in_proj_ba.weight"):      # qwen3next: per key head [b r | a r] -> b and a
+        base = name.removesuffix("in_proj_ba.weight")
+        return [(f"{base}{part}.weight", rows) for part, rows in fused_rows(config, "in_proj_ba").items()]
     if config.attn_output_gate and name.endswith("self_attn.q_proj.weight"):
         # qwen35: each head's q rows then its gate rows (H, 2 D): q (in the kernels' RoPE order) and gate_proj
         per_head = torch.arange(rows).reshape(H, 2, d)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from . import nemotron_h
+from .deltanet import fused_rows
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
@@ -31,18 +32,20 @@ _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
                  "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
-                 "NemotronHForCausalLM": "nemotron_h"}
+                 "Qwen3NextForCausalLM": "qwen3next", "NemotronHForCausalLM": "nemotron_h"}
 # config.json's model_type -> ours, where they differ
 _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
-                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
 # Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
 # runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
-_NORMS_FROM_ONE = ("gemma3", "qwen35", "qwen35moe")
-_NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's gated RMSNorm: x * w (transformers' own)
+_NORMS_FROM_ONE = ("gemma3", "qwen35", "qwen35moe", "qwen3next")
+_NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's (qwen3next's) gated RMSNorm: x * w (transformers' own)
 # qwen35's (qwen35moe's) gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
 _DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A", "conv1d.weight", "norm.weight", "out_proj.weight",
                                                    "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
                                                    "in_proj_a.weight")}
+# qwen3next's fused DeltaNet projections, split into the ones above by deltanet.fused_rows
+_DELTANET_FUSED = {"linear_attn.in_proj_qkvz.weight": "in_proj_qkvz", "linear_attn.in_proj_ba.weight": "in_proj_ba"}
 _HF_KINDS = {"linear_attention": "deltanet", "full_attention": "attention"}
 _POST_NORM_PARAMS = {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"}
 # Fused checkpoints (phi3) -> the llama layout the engine runs: (fused name, [(part, share of rows)])
@@ -62,8 +65,9 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Mixtral checkpoints: block_sparse_moe.{gate, experts.{e}.w1 (gate) / w3 (up) / w2 (down)}
 _MIXTRAL_RE = re.compile(r"block_sparse_moe\.(gate|experts\.(\d+)\.w([123]))\.weight")
 _MIXTRAL_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
-# Buffers some old checkpoints saved alongside the weights; recomputed by the engine, so skipped.
-_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq")
+# Buffers some old checkpoints saved alongside the weights; recomputed by the engine, so skipped. mtp.*: the
+# multi-token-prediction block of Qwen3-Next / Qwen3.5 checkpoints, which transformers skips too (not run here).
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq|mtp\..*")
 
 
 def _arch(cfg: dict) -> str:
@@ -137,7 +141,7 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     arch = _arch(cfg)
     if arch == "gemma3":
         return _gemma3_config(cfg, param_names)
-    if arch in ("qwen35", "qwen35moe"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         return _qwen35_config(cfg, param_names, arch)
     if arch == "nemotron_h":            # one block a layer: models/nemotron_h.py
         return nemotron_h.config_from_hf(cfg)
@@ -183,7 +187,9 @@ def _qwen35_config(cfg: dict, param_names: set[str], arch: str) -> ModelConfig:
     partial RoPE (rope_parameters' partial_rotary_factor, default 0.25); norms x * (1 + w) (1 added at load);
     text positions only (mrope's three sections coincide for text). Qwen3.5-MoE (Qwen3_5MoeTextConfig, arch
     qwen35moe): the same layers with experts and a shared expert on every one (_moe_from_hf); it has no dense
-    intermediate_size, so the config's is the experts'."""
+    intermediate_size, so the config's is the experts'. Qwen3-Next (Qwen3NextConfig, arch qwen3next): the same
+    again but for its fused in_proj_qkvz / in_proj_ba (split at load: to_llama_layout) and its router's
+    norm_topk_prob; its intermediate_size is the dense MLP's of mlp_only_layers, refused by _moe_from_hf."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     n = int(cfg["num_hidden_layers"])
@@ -267,13 +273,14 @@ def _gemma3_config(cfg: dict, param_names: set[str]) -> ModelConfig:
 
 
 def _moe_from_hf(cfg: dict, arch: str) -> dict:
-    """ModelConfig's expert fields; {} for a dense model. qwen3moe, qwen2moe, qwen35moe: moe_intermediate_size
-    and norm_topk_prob (transformers' default False; qwen35moe's router always renormalises and has no such
-    field), qwen2moe's and qwen35moe's shared expert of shared_expert_intermediate_size; olmoe:
+    """ModelConfig's expert fields; {} for a dense model. qwen3moe, qwen2moe, qwen35moe, qwen3next:
+    moe_intermediate_size and norm_topk_prob (transformers' default False, qwen3next's True; qwen35moe's router
+    always renormalises and has no such field), qwen2moe's, qwen35moe's and qwen3next's shared expert of
+    shared_expert_intermediate_size; olmoe:
     intermediate_size wide experts, norm_topk_prob (default False); Mixtral: intermediate_size wide, always
     renormalised. Every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers); olmoe's clip_qkv
     is not run."""
-    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe", "qwen35moe")
+    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe", "qwen35moe", "qwen3next")
     count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in moe_archs else 0
     if not count:
         return {}
@@ -282,15 +289,16 @@ def _moe_from_hf(cfg: dict, arch: str) -> dict:
                                     "mlp_only_layers) are not supported")
     if cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv {cfg['clip_qkv']} is not supported")
-    with_shared = ("qwen2moe", "qwen35moe")
+    with_shared = ("qwen2moe", "qwen35moe", "qwen3next")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch in with_shared else 0
     if cfg.get("shared_expert_intermediate_size") and not shared:
         raise UnsupportedModelError(f"shared experts are supported for {', '.join(with_shared)} only, not {arch}")
-    qwen = arch in ("qwen3moe", "qwen2moe", "qwen35moe")
+    qwen = arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next")
     renormalised = ("mixtral", "qwen35moe")      # their routers renormalise the top k whatever the config says
+    norm_default = arch == "qwen3next"           # its config class defaults norm_topk_prob to True
     return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
                 expert_intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if arch not in renormalised else True,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_default)) if arch not in renormalised else True,
                 shared_expert_intermediate_size=shared)
 
 
@@ -344,6 +352,15 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
         m = _LAYER_RE.fullmatch(name)
         if m and m.group(2) == "linear_attn.A_log":   # the decay rate -exp(A_log), as llama.cpp's converter stores it
             out[name.removesuffix("_log")] = -w.float().exp()
+            continue
+        if m and m.group(2) in _DELTANET_FUSED:     # qwen3next: per-key-head interleaved -> qwen35's four projections
+            base = name[: -len(m.group(2))] + "linear_attn."
+            parts = fused_rows(config, _DELTANET_FUSED[m.group(2)])
+            if sum(r.numel() for r in parts.values()) != w.shape[0]:
+                raise UnsupportedModelError(f"{name} has {w.shape[0]} rows, expected "
+                                            f"{sum(r.numel() for r in parts.values())}")
+            for part, rows in parts.items():
+                out[f"{base}{part}.weight"] = w[rows].contiguous()
             continue
         if m and config.attn_output_gate and m.group(2) == "self_attn.q_proj.weight":
             # qwen35: each head's q rows then its gate rows, (H, 2 D, hidden) -> q_proj and gate_proj
