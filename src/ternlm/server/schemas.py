@@ -184,8 +184,9 @@ class _Sampling(_Closed):
     cache_salt: str | None = Field(None, max_length=1024)
     # OpenAI's: {"token id": bias in [-100, 100]}, added to the logit before every choice (verify rows too)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time)
-    speculative: bool = True
+    # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time);
+    # unset: the server's --speculative (a default of True here overrode `--speculative off`)
+    speculative: bool | None = None
 
     @field_validator("logit_bias")
     @classmethod
