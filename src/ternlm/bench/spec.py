@@ -67,7 +67,7 @@ def serving(c: Contender, args, gguf: Path | None, n_ctx: int, logs: Path):
                                 logs / f"{c.label.replace(' ', '-')}.log")
             proc.wait_ready()
             base = f"http://127.0.0.1:{proc.port}"
-            yield Target(TERNLM, base, served_model(base))
+            yield Target(TERNLM, base, served_model(base), proc.proc.pid)
         finally:
             if proc is not None:
                 proc.stop()
@@ -76,7 +76,7 @@ def serving(c: Contender, args, gguf: Path | None, n_ctx: int, logs: Path):
         argv = llama_server_argv(args.llama_server_bin, gguf, args.threads, 1, n_ctx, port)
         argv += [] if c.spec == "none" else ["--spec-type", c.spec]
         with LlamaCppServer(argv, port, logs / f"{c.label.replace(' ', '-')}.log") as s:
-            yield Target(LLAMA_SERVER, s.base)
+            yield Target(LLAMA_SERVER, s.base, pid=s.proc.pid)
 
 
 def _ids(tok, template: str, messages: list[dict]) -> list[int]:
@@ -150,10 +150,12 @@ def run(args) -> int:
           + (f"\n{note}" if note else ""), flush=True)
     edit_runs: dict[str, list[list[Answer]]] = {c.label: [] for c in field}
     chat_runs: dict[str, list[list[Answer]]] = {c.label: [] for c in field if c.kind == TERNLM}
+    servers = []                                          # (contender, repeat, pid): the processes we started
     for r in range(args.repeats):
         k = r % len(field)
         for c in field[k:] + field[:k]:                   # rotated: drift on a shared host hits all alike
             with serving(c, args, m.gguf, max(n_ctx, args.ctx), logs) as target:
+                servers.append({"contender": c.label, "repeat": r, "pid": target.pid})
                 stream_ids(target, _ids(tok, template, [{"role": "user", "content": "Hello."}]), 4)  # warm-up
                 got = []
                 for t, ids in enumerate(edit_ids, 1):
@@ -164,6 +166,7 @@ def run(args) -> int:
                     chat_runs[c.label].append(_chats(c, r, target, tok, template, questions, args.mt_max_tokens))
     result = _result(args, m, parts, edit_runs, chat_runs, source, binary, spec_types, note, questions)
     result["all_required_identical"] = all_required_identical(result)
+    result["servers"] = servers
     # --speculative off must mean it: an off contender that drafted measured the wrong thing
     result["ternlm_off_drafted"] = sum(a.drafted or 0 for runs in (edit_runs, chat_runs)
                                        for rep in runs.get(TERNLM_OFF, []) for a in rep)

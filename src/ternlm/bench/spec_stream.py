@@ -21,6 +21,7 @@ class Target:
     kind: str
     base: str
     model: str = ""
+    pid: int | None = None    # the server process (the benchmark started it and stops it)
 
 
 def served_model(base: str) -> str:

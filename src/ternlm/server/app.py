@@ -85,6 +85,7 @@ class ServeConfig:
     reasoning_format: str = "auto"    # reasoning.py: auto (split <think> out) | none (raw text)
     chat_template: str | None = None  # jinja source replacing the model's own template (--chat-template)
     expert_cache: str = "auto"        # mixture of experts: auto | resident | a size (models/moe.plan_expert_cache)
+    speculative: bool = True          # --speculative auto|off: requests draft by prompt lookup unless they say not to
 
     def __post_init__(self) -> None:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
@@ -494,7 +495,7 @@ def _default_loader(config: ServeConfig) -> Callable[[], Engine]:
                            prefix_reuse=config.prefix_reuse,
                            min_reuse=config.min_reuse, slots=config.slots, ctx=config.ctx,
                            chunk_size=config.chunk_size, cache=cache, chat_template=config.chat_template,
-                           expert_cache=config.expert_cache)
+                           expert_cache=config.expert_cache, speculative=config.speculative)
     return load
 
 

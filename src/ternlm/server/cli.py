@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
                          cache_dir=disk_dir(args), cache_disk=args.cache_disk, cache_redis=args.cache_redis,
                          cache_redis_ttl=args.cache_redis_ttl, cache_redis_timeout=args.cache_redis_timeout,
                          reasoning_format=args.reasoning_format, chat_template=args.chat_template,
-                         expert_cache=args.expert_cache)
+                         expert_cache=args.expert_cache, speculative=args.speculative != "off")
     if not args.no_fit_check:    # one line and exit 2 before the port opens (fit.py); fetches a new model first
         from ..fit import require_fit
         require_fit(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
