@@ -197,7 +197,8 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                                      "with each table's command. Peers (transformers, llama.cpp from .venv-peers) "
                                      "are used when installed, named as missing otherwise. Exit 1 if a benchmark failed.")
     p.add_argument("--quick", action="store_true", help="tiny settings, smollm2-135m only, 1 repeat, no peers")
-    p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar")
+    p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar,spec "
+                                                                      "(default: all but spec, which is opt-in)")
     p.add_argument("--models", default=None, metavar="NAMES",
                    help="comma list (default: smollm2-135m,qwen2.5-coder-0.5b; --quick: smollm2-135m); "
                         "tiers, streams and grammar run on smollm2-135m (or the first) only")
