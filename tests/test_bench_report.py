@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ternlm.bench.peers import Peer, find_llamacpp
-from ternlm.bench.report import FULL_MODELS, PARTS, Options, _peer_row, plan
+from ternlm.bench.report import DEFAULT_PARTS, FULL_MODELS, PARTS, Options, _peer_row, plan
 from ternlm.bench.report_tables import markdown
 from ternlm.cpu import CLASSES, probe
 
@@ -113,8 +113,8 @@ def test_a_peer_not_installed_is_a_line_in_its_table(quick, tmp_path):
 
 
 def test_full_plan_uses_the_peers_that_are_there(tmp_path):
-    def opts(llamacpp: bool, quick: bool = False) -> Options:
-        return Options(tmp_path, quick, PARTS, FULL_MODELS, 2, Peer("transformers", True, "5", "-"),
+    def opts(llamacpp: bool, quick: bool = False, parts: tuple[str, ...] = DEFAULT_PARTS) -> Options:
+        return Options(tmp_path, quick, parts, FULL_MODELS, 2, Peer("transformers", True, "5", "-"),
                        Peer("llama.cpp", llamacpp, "0.3", "-", "/peers/python" if llamacpp else None))
 
     steps = {s.key: s for s in plan(opts(True))}
@@ -133,3 +133,8 @@ def test_full_plan_uses_the_peers_that_are_there(tmp_path):
 
     steps = plan(opts(True, quick=True))
     assert all(s.server is None for s in steps) and "none" in steps[0].argv
+
+    steps = {s.key: s for s in plan(opts(True, parts=PARTS))}       # spec: opt-in, every model, its own servers
+    assert "spec" not in DEFAULT_PARTS and [k for k in steps if k.startswith("spec-")] == [f"spec-{m}" for m in FULL_MODELS]
+    spec = steps["spec-qwen2.5-coder-0.5b"]
+    assert spec.server is None and spec.argv[spec.argv.index("--llama-server") + 1] == "none"

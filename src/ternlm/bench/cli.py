@@ -1,4 +1,4 @@
-"""`ternlm bench engine|dtype|reuse|tiers|multiturn|soak|cluster|report` argument parsing."""
+"""`ternlm bench engine|dtype|reuse|tiers|multiturn|streams|spec|soak|cluster|report` argument parsing."""
 from __future__ import annotations
 
 import os
@@ -133,6 +133,33 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--out", default="benchmarks/results/streams")
     p.set_defaults(func=lambda a: _streams(a))
 
+    p = which.add_parser("spec", help="speculative decoding: a code-editing replay and MT-Bench chats, ternlm "
+                                      "on/off beside llama-server's n-gram --spec-types",
+                         description="ternlm with speculative decoding off and on (two `ternlm serve` processes) "
+                                     "and llama.cpp's llama-server without speculation and with each n-gram "
+                                     "--spec-type it lists, on the same GGUF and prompt ids, over HTTP, streamed: "
+                                     "a code-editing replay (the whole file each answer; fixed history) and "
+                                     "MT-Bench chats (ternlm only). Decode tok/s (server timings and client "
+                                     "clock), total time, drafted/accepted; medians over --repeats; JSON and "
+                                     "markdown in --out. Exit 1 if ternlm's text with speculation differs from "
+                                     "without. --speculative is ignored: both always run.")
+    engine_args(p)
+    p.set_defaults(slots=1)
+    p.add_argument("--parts", default="edit,mtbench", help="comma list: edit,mtbench")
+    p.add_argument("--turns", type=int, default=4, help="code-editing turns (1-6)")
+    p.add_argument("--max-tokens", type=int, default=2000, help="per code-editing answer (the whole file: ~1.4k tokens)")
+    p.add_argument("--mt-questions", type=int, default=6, help="MT-Bench questions (one per category in turn), 2 turns each")
+    p.add_argument("--mt-max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--llama-server", default=None, metavar="BIN|none",
+                   help="llama.cpp's llama-server (default: the one scripts/build-llamacpp built for this checkout or "
+                        "its main worktree, skipped with a line if none; `none`: ternlm only)")
+    p.add_argument("--llama-spec-types", default=None, metavar="T,T",
+                   help="llama-server's --spec-type values to run (default: every ngram-* its --help lists); "
+                        "no speculation always runs")
+    p.add_argument("--out", default="benchmarks/results/spec")
+    p.set_defaults(func=_spec)
+
     p = which.add_parser("cluster", help="replicas sharing Redis behind HAProxy: a moved conversation's TTFT, "
                                          "reuse of 8 concurrent conversations, Redis killed mid-run",
                          description="Starts Redis, replicas and HAProxy (ternlm cluster) on free loopback ports. "
@@ -170,7 +197,8 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                                      "with each table's command. Peers (transformers, llama.cpp from .venv-peers) "
                                      "are used when installed, named as missing otherwise. Exit 1 if a benchmark failed.")
     p.add_argument("--quick", action="store_true", help="tiny settings, smollm2-135m only, 1 repeat, no peers")
-    p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar")
+    p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar,spec "
+                                                                      "(default: all but spec, which is opt-in)")
     p.add_argument("--models", default=None, metavar="NAMES",
                    help="comma list (default: smollm2-135m,qwen2.5-coder-0.5b; --quick: smollm2-135m); "
                         "tiers, streams and grammar run on smollm2-135m (or the first) only")
@@ -183,6 +211,15 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="default: benchmarks/results/report/<date>-<ISA class>/")
     p.set_defaults(func=_report)
+
+
+def _spec(args) -> int:
+    from .spec import run
+    for name, v, low in (("--turns", args.turns, 1), ("--max-tokens", args.max_tokens, 1),
+                         ("--repeats", args.repeats, 1), ("--mt-questions", args.mt_questions, 1)):
+        if v < low:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
+    return run(args)
 
 
 def _report(args) -> int:

@@ -38,7 +38,8 @@ from .peers import LLAMACPP, TRANSFORMERS, LlamaCppServer, Peer, find_llamacpp, 
     llama_server_argv, llamacpp_server_argv
 from .report_tables import FIGURES, LLAMA_SERVER, markdown
 
-PARTS = ("engine", "reuse", "multiturn", "tiers", "streams", "grammar")
+PARTS = ("engine", "reuse", "multiturn", "tiers", "streams", "grammar", "spec")
+DEFAULT_PARTS = PARTS[:-1]    # spec is opt-in (--only ...,spec): whole-file answers would double the report's 30 min
 FULL_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 QUICK_MODELS = ("smollm2-135m",)
 SMALL = "smollm2-135m"        # the parts measured on one model only (tiers, streams, grammar)
@@ -129,8 +130,16 @@ def _grammar(o: Options, m: str, out: Path) -> Step:
     return Step("grammar", m, ("grammar", "-m", m, "--threads", str(o.threads), *size, "--out", str(out)), out)
 
 
+def _spec(o: Options, m: str, out: Path) -> Step:
+    size = (["--turns", "1", "--max-tokens", "16", "--mt-questions", "1", "--mt-max-tokens", "8", "--repeats", "1"]
+            if o.quick else ["--turns", "3", "--mt-questions", "4", "--mt-max-tokens", "128", "--repeats", "1"])
+    ls = o.llama_server if o.use_llama_server else "none"    # bench spec starts its own, one per --spec-type
+    return Step("spec", m, ("spec", "-m", m, "--threads", str(o.threads), *size, "--llama-server", ls,
+                            "--out", str(out)), out)
+
+
 _BUILD = {"engine": _engine, "reuse": _reuse, "multiturn": _multiturn, "tiers": _tiers, "streams": _streams,
-          "grammar": _grammar}
+          "grammar": _grammar, "spec": _spec}
 _ONE_MODEL = {"tiers", "streams", "grammar"}   # on SMALL only: the claim is about tiers/batching/masks, not size
 
 
@@ -171,7 +180,7 @@ def _shown(argv: list[str], env_prefix: str) -> str:
 def _bench_json(step: Step) -> Path | None:
     """The JSON the benchmark wrote into its (fresh) --out."""
     pattern = {"engine": "engine-*.json", "reuse": "reuse-*.json", "tiers": "tiers-*.json",
-               "grammar": "grammar-*.json"}.get(step.part, "results.json")
+               "grammar": "grammar-*.json", "spec": "spec-*.json"}.get(step.part, "results.json")
     found = sorted(step.out.glob(pattern))
     return found[0] if found else None
 
@@ -328,7 +337,7 @@ def default_out(started: dt.datetime) -> Path:
 def run(args) -> int:
     """Plan, run every step, write DIR/summary.json and DIR/summary.md. Exit 1 if a step failed."""
     start = Start.now()
-    parts = tuple(p for p in PARTS if p in (args.only.split(",") if args.only else PARTS))
+    parts = tuple(p for p in PARTS if p in (args.only.split(",") if args.only else DEFAULT_PARTS))
     unknown = set(args.only.split(",")) - set(PARTS) if args.only else set()
     if unknown or not parts:
         raise ValueError(f"--only: choose from {','.join(PARTS)} (got {args.only!r})")

@@ -76,8 +76,15 @@ def grammar_figures(res: dict, where: Path, root: Path) -> dict:
     return {k: res[k] for k in keep} | {"repeats": len(res["runs"]["free"])}
 
 
+def spec_figures(res: dict, where: Path, root: Path) -> dict:
+    parts = {name: {"contenders": {c: row["median"] for c, row in p["contenders"].items()}, "ratios": p["ratios"],
+                    "identity": [i for i in p["identity"] if i["required"]]} for name, p in res["parts"].items()}
+    return {"model": res["model"], "settings": res["settings"], "parts": parts,
+            "all_required_identical": res["all_required_identical"]}
+
+
 FIGURES = {"engine": engine_figures, "reuse": reuse_figures, "multiturn": multiturn_figures,
-           "tiers": tiers_figures, "streams": streams_figures, "grammar": grammar_figures}
+           "tiers": tiers_figures, "streams": streams_figures, "grammar": grammar_figures, "spec": spec_figures}
 
 
 # ---- the page ----------------------------------------------------------------------------------
@@ -266,8 +273,29 @@ def _grammar(rows: list[dict], peers: dict) -> list[str]:
     return out + [""] + _failed(rows) + _commands(rows)
 
 
+def _spec(rows: list[dict], peers: dict) -> list[str]:
+    out = ["## Speculative decoding (prompt lookup)", "",
+           "`ternlm serve --speculative off|auto` (and llama-server with each n-gram --spec-type when given) on a "
+           "code-editing replay whose answers are the whole file, and on MT-Bench chats. Decode tok/s from the "
+           "servers' timings; acceptance = accepted / drafted.", "",
+           "| model | part | contender | decode tok/s | total s | acceptance | ternlm on ÷ off |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        f = r["figures"]
+        if not f:
+            continue
+        for name, p in f["parts"].items():
+            ratio = p["ratios"].get("on_over_off_server_tok_s")
+            for c, m in p["contenders"].items():
+                out.append(f"| {f['model']} | {name} | {c} | {_n(m['server_tok_s'])} | {_n(m['wall_s'])} | "
+                           f"{_pct(m['acceptance'])} | {_x(ratio) if c == 'ternlm spec on' else ''} |")
+        if not f["all_required_identical"]:
+            out.append(f"\n**{f['model']}: ternlm's text with speculation differs from without.**")
+    return out + [""] + _failed(rows) + _commands(rows)
+
+
 _SECTIONS = {"engine": _engine, "reuse": _reuse, "multiturn": _multiturn, "tiers": _tiers, "streams": _streams,
-             "grammar": _grammar}
+             "grammar": _grammar, "spec": _spec}
 
 
 def _load_line(rep: dict) -> list[str]:
