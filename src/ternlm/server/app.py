@@ -592,10 +592,10 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         if n + max(max_new, 1) > ctx:
             raise schemas.too_long(n, max(max_new, 1), ctx, "messages")
         salt = st.salt(tenant, req.cache_salt)
-        bias = checked_bias(engine, req.logit_bias)
+        bias, spec = checked_bias(engine, req.logit_bias), None if req.speculative else False   # None: --speculative
         choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
-                                                    grammar, bias, None if req.speculative else False), salt, None if j else req.affinity),
+                                                    grammar, bias, spec), salt, None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
         shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
                                   thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
@@ -628,11 +628,11 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                 raise schemas.too_long(len(ids), req.max_tokens, engine.ctx, "prompt")
             prompts.append(ids)
         salt = st.salt(tenant, req.cache_salt)
-        bias = checked_bias(engine, req.logit_bias)
+        bias, spec = checked_bias(engine, req.logit_bias), None if req.speculative else False   # None: --speculative
         # choice index = prompt * n + j, as OpenAI numbers them; choice j > 0 forks choice 0's prompt KV
         choices = [Choice(GenRequest(ids, GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p,
                                                     req.min_p, choice_seed(req.seed, j), tuple(req.stop),
-                                                    req.logprobs, req.response_format, bias, None if req.speculative else False), salt,
+                                                    req.logprobs, req.response_format, bias, spec), salt,
                                          req.affinity if p == j == 0 else None),
                           leader=p * req.n if j else None)
                    for p, ids in enumerate(prompts) for j in range(req.n)]
