@@ -6,8 +6,8 @@ Oracles: transformers' NemotronHForCausalLM on a tiny random model (its pure-tor
 mamba_ssm / causal_conv1d here), saved with save_pretrained and written as GGUF by llama.cpp's own converter
 (tests/nemotron_to_gguf.py: f32, Q8_0); our own cold run (`prefix_reuse=False`, a fresh slot, one full pass)
 for every reuse: a resumed state must give the cold run's logits bit for bit, at every divergence point.
-Parity bounds come from a float64 run of the same model: our distance from it at most 4x transformers' own fp32
-distance (both sum the same products in other orders), as tests/test_hybrid.py judges qwen35.
+Parity bounds come from a float64 run of the same model ([FP64-BOUND]: our distance from it at most 4x
+transformers' own fp32 distance); that rule and the checks themselves: tests/hybrid_checks.py.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from ternlm.engine import Engine
-from ternlm.kv.record import lcp
 from ternlm.kv.recurrent import recurrent_shape
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.weights import choose_weights
+from hybrid_checks import (assert_batched_equals_alone, assert_chunks_match_one_pass, assert_fp64_parity,
+                           assert_greedy_text_matches, assert_int8_exact_on_every_path, assert_reuse_gives_cold_bits,
+                           assert_threads_do_not_change_bits, folder_engine, save_folder)
 from nemotron_to_gguf import convert, reference_weights
-from test_batching import alone, together
-from test_loaders import _save_tokenizer
 from test_moe import ids_of
 
 KINDS = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
@@ -55,27 +55,8 @@ def hf_nemotron(seed: int = 0, **kw):
 def nemotron(tmp_path_factory):
     hf = hf_nemotron(seed=3)
     folder = tmp_path_factory.mktemp("nemotron_h")
-    hf.save_pretrained(folder)
-    _save_tokenizer(folder)
+    save_folder(hf, folder)
     return hf, folder
-
-
-def _engine(folder, dtype: str = "float32", **kw) -> Engine:
-    return Engine(load_hf_folder(folder, torch.float32), dtype=dtype, min_reuse=1, **kw)
-
-
-def _within_fp32(hf, ours: torch.Tensor, ids: list[int], label: str) -> torch.Tensor:
-    """Asserts ours is within fp32 rounding of the model (judged against float64, see the module doc);
-    returns transformers' fp32 logits."""
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-        ref64 = copy.deepcopy(hf).double()(torch.tensor([ids])).logits[0]
-    ours_err, hf_err = (ours.double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
-    print(f"{label}: ours {ours_err:.3g}, transformers fp32 {hf_err:.3g} from float64 (logits up to "
-          f"{ref64.abs().max():.3g})")
-    assert ours_err <= 4 * hf_err
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    return ref
 
 
 def test_config_and_layers_from_the_folder(nemotron):
@@ -92,13 +73,10 @@ def test_logits_and_greedy_text_match_transformers(nemotron):
     """Logits within fp32 rounding of transformers' (its chunked SSD scan, ours one token at a time), and greedy
     decoding gives the same tokens."""
     hf, folder = nemotron
-    engine = _engine(folder)
+    engine = folder_engine(folder)
     ids = ids_of(150, seed=2)
-    _within_fp32(hf, engine.logits(ids), ids, "hf folder")
-    out = engine.generate(ids[:40], max_tokens=24, ignore_eos=True)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids[:40]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 40:]
-    assert out.token_ids == want.tolist()
+    assert_fp64_parity(hf, engine.logits(ids), ids, "hf folder")
+    assert_greedy_text_matches(engine, hf, ids[:40], max_tokens=24)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])        # auto: bfloat16 where the CPU has it
@@ -106,15 +84,9 @@ def test_chunks_and_decode_give_one_pass_bits(nemotron, dtype):
     """[RESUME-EXACT] the scan takes the same per-token steps on every path: a prompt in chunks of 7, then
     decoded token by token, gives the bits of one pass over all of it (fp32, and the CPU's own dtype)."""
     _, folder = nemotron
-    engine = _engine(folder, dtype)
+    engine = folder_engine(folder, dtype)
     ids = ids_of(90, seed=5)
-    whole = engine.logits(ids)
-    engine.runner.chunk_size = 7
-    slot = engine.slots[0]
-    assert torch.equal(engine.runner.prefill(slot, ids[:-10]), whole[-11])
-    for i, t in enumerate(ids[-10:]):
-        assert torch.equal(engine.runner.decode(slot, t), whole[len(ids) - 10 + i]), i
-    assert slot.state.pos == len(slot.record) == len(ids)
+    assert_chunks_match_one_pass(engine, ids, engine.logits(ids), chunk_size=7, tail=10)
 
 
 def test_reuse_at_every_divergence_gives_the_cold_bits(nemotron):
@@ -122,45 +94,21 @@ def test_reuse_at_every_divergence_gives_the_cold_bits(nemotron):
     (resumed at the latest snapshot <= d, kept KV, the rest prefilled) gives the cold run's logits bit for
     bit, its first token's and the decoded ones'; it reuses exactly that snapshot."""
     _, folder = nemotron
-    warm, cold = _engine(folder, state_interval=32), _engine(folder, prefix_reuse=False)
-    base, other = ids_of(200, seed=7), ids_of(200, seed=8)
-    for d in range(0, 201):
-        warm.generate(base, max_tokens=1, ignore_eos=True, slot=0)      # the slot holds base (+ snapshots)
-        snaps = set(warm.slots[0].state.snaps) | {warm.slots[0].state.pos}
-        prompt = base[:d] + other[d:] if d < 200 else base + other[:20]
-        k = min(lcp(warm.slots[0].record.fed, prompt), len(prompt) - 1)      # what attention alone would keep
-        expect = max([s for s in snaps if s <= k], default=0)
-        got = warm.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True, slot=0)
-        assert got.cached_tokens == (expect if expect >= 1 else 0), d
-        ref = cold.logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
-        assert torch.equal(got.logits, ref), d
+    warm, cold = folder_engine(folder, state_interval=32), folder_engine(folder, prefix_reuse=False)
+    assert_reuse_gives_cold_bits(warm, cold, ids_of(200, seed=7), ids_of(200, seed=8), range(0, 201), max_tokens=3)
 
 
 def test_batched_equals_alone(nemotron):
     """Four requests joining a batch at different steps (prefill chunks beside decodes, each slot its own
     recurrent state) give each one's tokens and logits alone, bit for bit."""
     _, folder = nemotron
-    engine = _engine(folder, slots=5, chunk_size=16)
-    reqs = [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)]
-    solo = [alone(engine, p, m)[0] for p, m in reqs]
-    batched = together(engine, reqs, [0, 0, 2, 3], budget=40)
-    for i, (b, a) in enumerate(zip(batched, solo)):
-        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+    engine = folder_engine(folder, slots=5, chunk_size=16)
+    assert_batched_equals_alone(engine, [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)], [0, 0, 2, 3], budget=40)
 
 
 def test_threads_do_not_change_the_bits(nemotron):
     _, folder = nemotron
-    engine = _engine(folder)
-    ids = ids_of(70, seed=9)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            outs.append(engine.logits(ids))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_threads_do_not_change_bits(folder_engine(folder), ids_of(70, seed=9))
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +140,8 @@ def test_converter_gguf_matches_transformers(nemotron, converted, outtype, act):
     engine = Engine(loaded, dtype="float32", weights=weights, kv_dtype="float32", min_reuse=1)
     assert engine.model.activations == (act or "fp32")
     ids = ids_of(120, seed=2)
-    _within_fp32(hf, engine.logits(ids), ids, outtype)
-    out = engine.generate(ids[:30], max_tokens=16, ignore_eos=True)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids[:30]]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 30:]
-    assert out.token_ids == want.tolist()
+    assert_fp64_parity(hf, engine.logits(ids), ids, outtype)
+    assert_greedy_text_matches(engine, hf, ids[:30], max_tokens=16)
 
 
 def test_converter_q8_0_int8_is_exact_on_every_path(nemotron, converted):
@@ -212,36 +157,14 @@ def test_converter_q8_0_int8_is_exact_on_every_path(nemotron, converted):
                       min_reuse=1, **kw)
     e = engine()
     assert e.model.activations == "int8"
-    ids = ids_of(100, seed=4)
-    whole = e.logits(ids)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert int((whole.argmax(-1) == ref.argmax(-1)).sum()) >= 90
-    e.runner.chunk_size = 9
-    slot = e.slots[0]
-    assert torch.equal(e.runner.prefill(slot, ids[:-5]), whole[-6])
-    for i, t in enumerate(ids[-5:]):
-        assert torch.equal(e.runner.decode(slot, t), whole[len(ids) - 5 + i])
-    base, other = ids_of(130, seed=5), ids_of(130, seed=6)
-    for d in range(0, 131, 13):
-        e.generate(base, max_tokens=1, ignore_eos=True, slot=0)
-        prompt = base[:d] + other[d:]
-        got = e.generate(prompt, max_tokens=2, ignore_eos=True, keep_logits=True, slot=0)
-        cold = e.runner.full_logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
-        assert torch.equal(got.logits, cold), d
-    e2 = engine(slots=4, chunk_size=16)
-    reqs = [(ids_of(n, seed=n), 4) for n in (30, 70, 11)]
-    solo = [alone(e2, p, m)[0] for p, m in reqs]
-    for i, (b, a) in enumerate(zip(together(e2, reqs, [0, 1, 2], budget=32), solo)):
-        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+    assert_int8_exact_on_every_path(hf, e, engine(slots=4, chunk_size=16))
 
 
 def test_moe_blocks_are_refused_by_name(tmp_path):
     """'moe' blocks are not run yet: the folder is refused with a reason, not run wrongly."""
     hf = hf_nemotron(seed=1, layers_block_type=["linear_attention", "moe"], n_routed_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)
-    hf.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
+    save_folder(hf, tmp_path)
     from ternlm.config import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         load_hf_folder(tmp_path, torch.float32)

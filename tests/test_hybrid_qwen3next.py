@@ -8,8 +8,7 @@ model, run again in float64 for the parity bound; the same model written as GGUF
 quantized numbers are put back into transformers (`reference_weights`); our own cold run (a fresh slot, one pass)
 for every reuse, bit for bit.
 
-The parity bound [FP64-BOUND]: our logits' distance from the float64 run at most 4x transformers' own fp32
-distance from it (test_hybrid.py's rule).
+The parity bound [FP64-BOUND] and the checks themselves: tests/hybrid_checks.py.
 """
 from __future__ import annotations
 
@@ -23,14 +22,15 @@ from gguf.quants import dequantize as np_dequantize
 
 from ternlm.config import UnsupportedModelError
 from ternlm.engine import Engine
-from ternlm.kv.record import lcp
 from ternlm.models.deltanet import fused_rows
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.weights import choose_weights
+from hybrid_checks import (DIVERGENCES_200, assert_batched_equals_alone, assert_chunks_match_one_pass,
+                           assert_fp64_parity, assert_greedy_text_matches, assert_int8_exact_on_every_path,
+                           assert_reuse_gives_cold_bits, assert_streamed_experts_give_resident_bits, folder_engine,
+                           save_folder)
 from nemotron_to_gguf import convert
-from test_batching import alone, together
-from test_loaders import _save_tokenizer
 from test_moe import ids_of
 
 # deltanet, attention, deltanet, deltanet: a recurrent layer after an attention one; 2 key heads for 4 value heads
@@ -41,7 +41,6 @@ TINY = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_h
             linear_num_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False, layer_types=KINDS,
             num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             intermediate_size=48, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-PARITY = 4          # [FP64-BOUND]
 
 
 def hf_qwen3next(seed: int = 0, **kw):
@@ -66,26 +65,8 @@ def hf_qwen3next(seed: int = 0, **kw):
 def qwen3next(tmp_path_factory):
     hf = hf_qwen3next(seed=3)
     folder = tmp_path_factory.mktemp("qwen3next")
-    hf.save_pretrained(folder)
-    _save_tokenizer(folder)
+    save_folder(hf, folder)
     return hf, folder
-
-
-def _engine(folder, dtype: str = "float32", **kw) -> Engine:
-    return Engine(load_hf_folder(folder, torch.float32), dtype=dtype, min_reuse=1, **kw)
-
-
-def _parity(hf, ours: torch.Tensor, ids: list[int], label: str) -> None:
-    """[FP64-BOUND] and the same argmax at every position as transformers' fp32 run."""
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-        hf64 = copy.deepcopy(hf).double()
-        hf64.set_experts_implementation("eager")     # its loop over experts: grouped_mm takes no float64
-        ref64 = hf64(torch.tensor([ids])).logits[0]
-    ours_err, hf_err = (ours.double() - ref64).abs().max(), (ref.double() - ref64).abs().max()
-    print(f"{label}: ours {ours_err:.3g}, transformers fp32 {hf_err:.3g} from float64 (scale {ref.abs().max():.3g})")
-    assert 0 < hf_err and ours_err <= PARITY * hf_err
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_fused_rows_undo_transformers_ordering():
@@ -119,24 +100,20 @@ def test_config_and_layers_from_the_folder(qwen3next):
 def test_logits_and_greedy_text_match_transformers(qwen3next):
     """The HF folder: logits within [FP64-BOUND], argmax equal everywhere; greedy decoding gives the same tokens."""
     hf, folder = qwen3next
-    engine = _engine(folder)
+    engine = folder_engine(folder)
     ids = ids_of(150, seed=2)
-    _parity(hf, engine.logits(ids), ids, "hf folder")
-    out = engine.generate(ids[:40], max_tokens=24, ignore_eos=True)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids[:40]]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, 40:]
-    assert out.token_ids == want.tolist()
+    assert_fp64_parity(hf, engine.logits(ids), ids, "hf folder", eager_experts=True)
+    assert_greedy_text_matches(engine, hf, ids[:40], max_tokens=24)
 
 
 def test_router_follows_norm_topk_prob(tmp_path):
     """norm_topk_prob false (transformers' Qwen2MoeTopKRouter: softmax top-k weights as they are): still parity."""
     hf = hf_qwen3next(seed=4, norm_topk_prob=False)
-    hf.save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
-    engine = _engine(tmp_path)
+    save_folder(hf, tmp_path)
+    engine = folder_engine(tmp_path)
     assert not engine.config.norm_topk_prob
     ids = ids_of(60, seed=3)
-    _parity(hf, engine.logits(ids), ids, "norm_topk_prob=false")
+    assert_fp64_parity(hf, engine.logits(ids), ids, "norm_topk_prob=false", eager_experts=True)
 
 
 def test_mtp_block_is_skipped(qwen3next, tmp_path):
@@ -149,14 +126,13 @@ def test_mtp_block_is_skipped(qwen3next, tmp_path):
     save_file({"mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)},
               tmp_path / "m" / "mtp.safetensors")
     ids = ids_of(30, seed=1)
-    assert torch.equal(_engine(tmp_path / "m").logits(ids), _engine(folder).logits(ids))
+    assert torch.equal(folder_engine(tmp_path / "m").logits(ids), folder_engine(folder).logits(ids))
 
 
 @pytest.mark.parametrize("kw", [dict(decoder_sparse_step=2), dict(mlp_only_layers=[1])], ids=["sparse_step", "mlp_only"])
 def test_dense_mlp_layers_are_refused(tmp_path, kw):
     """Dense MLP layers among the expert layers (not in Qwen3-Next-80B's config) are refused by name, not run wrong."""
-    hf_qwen3next(seed=0, **kw).save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
+    save_folder(hf_qwen3next(seed=0, **kw), tmp_path)
     with pytest.raises(UnsupportedModelError, match="decoder_sparse_step"):
         load_hf_folder(tmp_path, torch.float32)
 
@@ -165,48 +141,24 @@ def test_dense_mlp_layers_are_refused(tmp_path, kw):
 def test_chunks_and_decode_give_one_pass_bits(qwen3next, dtype):
     """[RESUME-EXACT]: a prompt in chunks of 7, then decoded token by token, gives the bits of one pass."""
     _, folder = qwen3next
-    engine = _engine(folder, dtype)
+    engine = folder_engine(folder, dtype)
     ids = ids_of(90, seed=5)
-    whole = engine.logits(ids)
-    engine.runner.chunk_size = 7
-    slot = engine.slots[0]
-    assert torch.equal(engine.runner.prefill(slot, ids[:-10]), whole[-11])
-    for i, t in enumerate(ids[-10:]):
-        assert torch.equal(engine.runner.decode(slot, t), whole[len(ids) - 10 + i]), i
-    assert slot.state.pos == len(slot.record) == len(ids)
-
-
-# around the 32-grid's snapshots (31, 32, 33, 64, 65), a prefill's end (200), and spread between
-DIVERGENCES = sorted({0, 1, 2, 5, 17, 31, 32, 33, 47, 63, 64, 65, 100, 127, 128, 150, 199, 200})
+    assert_chunks_match_one_pass(engine, ids, engine.logits(ids), chunk_size=7, tail=10)
 
 
 def test_reuse_at_divergence_points_gives_the_cold_bits(qwen3next):
     """A 200-token conversation, then a prompt that leaves it at d (and one that extends it): the reused run
     (resumed at the latest snapshot <= d) gives the cold run's logits bit for bit, first and decoded tokens."""
     _, folder = qwen3next
-    warm, cold = _engine(folder, state_interval=32), _engine(folder, prefix_reuse=False)
-    base, other = ids_of(200, seed=7), ids_of(200, seed=8)
-    for d in DIVERGENCES:
-        warm.generate(base, max_tokens=1, ignore_eos=True, slot=0)      # the slot holds base (+ snapshots)
-        snaps = set(warm.slots[0].state.snaps) | {warm.slots[0].state.pos}
-        prompt = base[:d] + other[d:] if d < 200 else base + other[:20]
-        k = min(lcp(warm.slots[0].record.fed, prompt), len(prompt) - 1)      # what attention alone would keep
-        expect = max([s for s in snaps if s <= k], default=0)
-        got = warm.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True, slot=0)
-        assert got.cached_tokens == (expect if expect >= 1 else 0), d
-        ref = cold.logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
-        assert torch.equal(got.logits, ref), d
+    warm, cold = folder_engine(folder, state_interval=32), folder_engine(folder, prefix_reuse=False)
+    assert_reuse_gives_cold_bits(warm, cold, ids_of(200, seed=7), ids_of(200, seed=8), DIVERGENCES_200, max_tokens=3)
 
 
 def test_batched_equals_alone(qwen3next):
     """Four requests joining a batch at different steps give each one's tokens and logits alone, bit for bit."""
     _, folder = qwen3next
-    engine = _engine(folder, slots=5, chunk_size=16)
-    reqs = [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)]
-    solo = [alone(engine, p, m)[0] for p, m in reqs]
-    batched = together(engine, reqs, [0, 0, 2, 3], budget=40)
-    for i, (b, a) in enumerate(zip(batched, solo)):
-        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+    engine = folder_engine(folder, slots=5, chunk_size=16)
+    assert_batched_equals_alone(engine, [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)], [0, 0, 2, 3], budget=40)
 
 
 # --- llama.cpp's converter's GGUF files -------------------------------------------------------------------------
@@ -293,11 +245,8 @@ def test_converter_gguf_matches_transformers(qwen3next, converted, outtype, act)
     assert (copied == 0) == (outtype == "f32") and (outtype == "f32" or copied >= 30)
     engine = _gguf_engine(converted[outtype], outtype != "f32", act)
     ids = ids_of(120, seed=2)
-    _parity(hf, engine.logits(ids), ids, outtype)
-    out = engine.generate(ids[:30], max_tokens=16, ignore_eos=True)
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids[:30]]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, 30:]
-    assert out.token_ids == want.tolist()
+    assert_fp64_parity(hf, engine.logits(ids), ids, outtype, eager_experts=True)
+    assert_greedy_text_matches(engine, hf, ids[:30], max_tokens=16)
 
 
 def test_converter_q8_0_int8_is_exact_on_every_path(qwen3next, converted):
@@ -305,45 +254,13 @@ def test_converter_q8_0_int8_is_exact_on_every_path(qwen3next, converted):
     decode == one pass, reuse at divergence points == the cold run, batched == alone, bit for bit."""
     hf = copy.deepcopy(qwen3next[0])
     reference_weights(hf, converted["q8_0"])
-    e = _gguf_engine(converted["q8_0"], True, "int8")
-    ids = ids_of(100, seed=4)
-    whole = e.logits(ids)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    assert int((whole.argmax(-1) == ref.argmax(-1)).sum()) >= 90
-    e.runner.chunk_size = 9
-    slot = e.slots[0]
-    assert torch.equal(e.runner.prefill(slot, ids[:-5]), whole[-6])
-    for i, t in enumerate(ids[-5:]):
-        assert torch.equal(e.runner.decode(slot, t), whole[len(ids) - 5 + i])
-    base, other = ids_of(130, seed=5), ids_of(130, seed=6)
-    for d in range(0, 131, 13):
-        e.generate(base, max_tokens=1, ignore_eos=True, slot=0)
-        prompt = base[:d] + other[d:]
-        got = e.generate(prompt, max_tokens=2, ignore_eos=True, keep_logits=True, slot=0)
-        cold = e.runner.full_logits(prompt + got.token_ids[:-1])[len(prompt) - 1:]
-        assert torch.equal(got.logits, cold), d
-    e2 = _gguf_engine(converted["q8_0"], True, "int8", slots=4, chunk_size=16)
-    reqs = [(ids_of(n, seed=n), 4) for n in (30, 70, 11)]
-    solo = [alone(e2, p, m)[0] for p, m in reqs]
-    for i, (b, a) in enumerate(zip(together(e2, reqs, [0, 1, 2], budget=32), solo)):
-        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+    assert_int8_exact_on_every_path(hf, _gguf_engine(converted["q8_0"], True, "int8"),
+                                    _gguf_engine(converted["q8_0"], True, "int8", slots=4, chunk_size=16))
 
 
 def test_converter_q8_0_streamed_experts_give_the_resident_bits(converted):
     """--expert-cache on the converter's file: experts streamed through a cache of two and a half of them (24 in
     the file) give the resident run's logits bit for bit, one pass and chunks + decode."""
-    from ternlm.models.moe import ExpertStore, StreamedExperts
-    resident = _gguf_engine(converted["q8_0"], True, "int8")
-    assert isinstance(resident.model.experts, ExpertStore)
-    one = resident.model.experts.get(0, 0).nbytes
-    streamed = _gguf_engine(converted["q8_0"], True, "int8", budget=2 * one + one // 2)
-    store = streamed.model.experts
-    assert isinstance(store, StreamedExperts) and len(store) == 0, "nothing converted at load"
-    ids = ids_of(70, seed=3)
-    whole = resident.logits(ids)
-    assert torch.equal(streamed.logits(ids), whole)
-    assert store.stats.misses > 0 and store.stats.evictions > 0
-    streamed.runner.chunk_size = 5
-    assert torch.equal(streamed.runner.prefill(streamed.slots[0], ids[:-1]), whole[-2])
-    assert torch.equal(streamed.runner.decode(streamed.slots[0], ids[-1]), whole[-1])
+    path = converted["q8_0"]
+    assert_streamed_experts_give_resident_bits(_gguf_engine(path, True, "int8"),
+                                               lambda budget: _gguf_engine(path, True, "int8", budget))
