@@ -128,6 +128,19 @@ def test_state_snapshots_grid_and_restore():
         st.restore(100)
 
 
+def test_snapshot_budget_keeps_turn_boundaries_beside_the_newest_grid():
+    """Over the budget, turn boundaries (prefill ends, off the grid) keep up to half of it and the grid the rest,
+    oldest first in each pool, the newest snapshot never: six turns of ~150 tokens, 6 snapshots allowed."""
+    st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=6)
+    for end in (150, 310, 455, 610, 770, 905):                  # each turn's prefill end, with the grid before it
+        for p in st.wants(max(st.snaps, default=0), end, prefill_end=True):
+            st.keep(p, st.conv.clone(), st.ssm.clone())
+        st.pos = end
+    assert sorted(st.snaps) == [455, 610, 770, 832, 896, 905]     # 3 past boundaries + the newest, 2 grid points
+    assert st.resumable(500) == 455 and st.resumable(700) == 610 and st.resumable(800) == 770
+    assert st.resumable(900) == 896
+
+
 # Q4_K needs 256-wide inputs: the same model, wider
 WIDE = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_value_head_dim=64, linear_key_head_dim=64)
 
