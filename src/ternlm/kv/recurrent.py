@@ -146,11 +146,12 @@ class RecurrentState:
     def keep(self, pos: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """A snapshot at `pos` (copies made by the caller). Over max_snapshots one goes, never the newest:
         the oldest turn boundary (a position off the grid: a prefill's end) while boundaries hold more than
-        half the budget, else the oldest grid point. Why two pools: an edit a few turns back diverges just
-        after a past turn's prompt, which only its boundary snapshot reaches closely; an append or a trimmed
-        answer diverges near the end, which the newest grid points serve. With one oldest-first pool (the
-        first cut) the grid evicted every boundary: a 24-layer model holds 13 snapshots in its 256 MiB, 832
-        tokens of grid, so an edit 3 turns back resumed hundreds of tokens early."""
+        half the budget, else the oldest grid point. Why two pools: in a chat that appended turns, an edit a
+        few turns back diverges just after a past turn's prompt, which only that prefill's end reaches
+        closely; an append or a trimmed answer diverges near the end, which the newest grid points serve. With
+        one oldest-first pool the grid evicted every boundary (a 24-layer model holds 13 snapshots in its
+        256 MiB: 832 tokens of grid). It does not help a chat edited every turn: each edit's restore drops the
+        boundaries past it, and the re-prefill leaves only its own end (snapshots at message ends would)."""
         self.snaps[pos] = (conv, ssm)
         while len(self.snaps) > self.max_snapshots:
             newest = max(self.snaps)
