@@ -20,7 +20,7 @@ import torch
 
 from .common import bench_model, command_line, long_chat, median, synthetic_text, write_json
 from .llama_server import ServerTurn, complete_ids
-from .peers import LlamaCppServer, LlamaCppWorker, find_llama_server, free_port, llama_server_argv
+from .peers import LlamaCppServer, LlamaCppWorker, find_llama_server, find_llamacpp, free_port, llama_server_argv
 
 LS_REUSE, LS_NO_REUSE = "llama-server reuse", "llama-server no-reuse"
 TARGET_VS_LLAMA_SERVER = 1 / 3      # issue 46: ternlm's turn 2 at most a third of llama-server's
@@ -82,7 +82,9 @@ def run(args, load_engine) -> dict:
     engine = load_engine(args)
     turn1, turn2 = _turns(engine, args.history_tokens, args.seed)
     _, k = _ttft(engine, turn1, turn2, True)
-    peers_venv = bool(args.llamacpp_python) and Path(args.llamacpp_python).exists()
+    # llama-cpp-python's in-process peer only where that venv can import it (scripts/build-llamacpp's
+    # .venv-peers holds only cmake and ninja: its existence says nothing)
+    peers_venv = bool(args.llamacpp_python) and find_llamacpp(args.llamacpp_python).installed
     binary = llama_server_binary(getattr(args, "llama_server", None))
     n_ctx = max(8192, len(turn2) + 64)
     with ExitStack() as stack:                 # every peer process stops on the way out, pass or fail
