@@ -47,7 +47,7 @@ def test_quick_report_context_and_commands(quick):
     assert rep["host"]["isa_class"] in CLASSES and rep["host"]["compute_class"] == probe().isa_class
     assert f"commit: {rep['commit']}" in md and rep["date"] in md
     assert rep["loadavg"]["start"] >= 0 and f"at start / end: {rep['loadavg']['start']:.1f}" in md
-    assert list(s["parts"]) == list(PARTS)
+    assert list(s["parts"]) == list(DEFAULT_PARTS)
     for part, rows in s["parts"].items():
         assert [r["model"] for r in rows] == ["smollm2-135m"]
         r = rows[0]
@@ -62,7 +62,7 @@ def test_quick_report_context_and_commands(quick):
 
 def test_quick_report_figures_are_the_benchmarks_own(quick):
     out, s, md, _ = quick
-    (e,), (r,), (m,), (t,), (st,), (g,) = (s["parts"][p] for p in PARTS)
+    (e,), (r,), (m,), (t,), (st,), (g,) = (s["parts"][p] for p in DEFAULT_PARTS)
 
     bench = _bench(out, e)
     assert e["figures"]["median_tok_s"] == bench["median_tok_s"] and list(bench["median_tok_s"]) == ["ternlm"]

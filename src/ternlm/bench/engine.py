@@ -38,7 +38,8 @@ def _ternlm(engine, ids: list[int], decode_n: int, before: list[int], traffic: l
     prefill = c.timings.prefill_tokens / c.timings.prefill_s
     used = {"prefill": store.stats.minus(start)} if store is not None else None
     mark = None
-    for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True):
+    # one token a step, speculation off: the figure beside llama-bench's tg (which drafts nothing) is the step's
+    for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True, speculative=False):
         if mark is None and store is not None:    # the first token is out: `before`'s prefill is done
             mark = store.stats.as_dict()
         c = ev

@@ -30,10 +30,10 @@ def run(args, load_engine) -> dict:
     n = args.decode_tokens
     free_tps, json_tps, mask_us = [], [], []
     engine.generate(ids, max_tokens=8)                                  # warm-up, untimed
-    for _ in range(args.repeats):
-        c = engine.generate(ids, max_tokens=n, ignore_eos=True)
+    for _ in range(args.repeats):      # speculation off: what the mask costs a one-token step
+        c = engine.generate(ids, max_tokens=n, ignore_eos=True, speculative=False)
         free_tps.append(c.timings.decode_tokens / c.timings.decode_s)
-        c = engine.generate(ids, max_tokens=n, grammar=spec)
+        c = engine.generate(ids, max_tokens=n, grammar=spec, speculative=False)
         json_tps.append(c.timings.decode_tokens / c.timings.decode_s)
         got = c.token_ids
         con = engine.grammars.constraint(spec)
