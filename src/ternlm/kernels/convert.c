@@ -122,13 +122,19 @@ static void row(int qtype, const TypeInfo *t, const uint8_t *src, int64_t cols, 
             break;
         }
         case T_Q6_K: {
+            /* code i = 128 h + 32 g + l: the low nibble of ql[64 h + 32 (g & 1) + l] (its high nibble for
+             * g >= 2), bits 2g, 2g+1 of qh[32 h + l]. Runs of 32 with constant shifts: the compiler
+             * vectorizes them (one index expression per code ran ~14 cycles a weight, a streamed Q6_K
+             * expert's conversion 10x its Q4_K matrices': benchmarks/RESULTS.md, issue 49). */
             const uint8_t *ql = b, *qh = b + 128;
-            for (int i = 0; i < 256; i++) {
-                const int h = i >> 7, r = i & 127;
-                const uint8_t lo = (ql[h * 64 + (r & 63)] >> ((r >> 6) * 4)) & 0x0F;
-                const uint8_t hi = (qh[h * 32 + (r & 31)] >> ((r >> 5) * 2)) & 0x03;
-                q[i] = (uint8_t)(lo | (hi << 4));
-            }
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++) {
+                    const uint8_t *lq = ql + h * 64 + (g & 1) * 32, *hq = qh + h * 32;
+                    const int ls = (g >> 1) * 4, hs = g * 2;
+                    uint8_t *o = q + h * 128 + g * 32;
+                    for (int l = 0; l < 32; l++)
+                        o[l] = (uint8_t)(((lq[l] >> ls) & 0x0F) | (((hq[l] >> hs) & 0x03) << 4));
+                }
             for (int s = 0; s < 16; s++) scale[(k * 16 + s) * BLK] = b[192 + s];
             sup[k * BLK] = rd16(b + 208);
             break;
@@ -152,35 +158,37 @@ int tq_convert_finite(int qtype, const uint8_t *src, int64_t nblocks) {
 }
 
 /* 16 rows' codes c (row-major, 16 x cols) -> their int layout (qint8.c's top comment; models/qweight.py
- * to_int8 is the reference): out one block's codes, high its high bits (i5x16, i6x16) or NULL. */
+ * to_int8 is the reference): out one block's codes, high its high bits (i5x16, i6x16) or NULL.
+ * Every output unit is one lane's 4 bytes, made from 4-byte words of that lane's codes (SWAR on
+ * little-endian words, byte b of a word = code b; memcpy for the unaligned loads and stores): a lane at a
+ * time, its codes read in order. The per-byte loops with strided reads this replaced ran ~2 GB/s, most of
+ * a streamed expert's miss (benchmarks/RESULTS.md, issue 49). */
+static inline uint32_t ld32(const uint8_t *p) { uint32_t w; memcpy(&w, p, 4); return w; }
+static inline void st32(uint8_t *p, uint32_t w) { memcpy(p, &w, 4); }
+
 static void int_codes(int qtype, const uint8_t *c, int64_t cols, uint8_t *out, uint8_t *high) {
-    if (qtype == T_Q8_0) {                                   /* i8x16: quad t, lane j, byte i = code 4t + i */
-        for (int64_t t = 0; t < cols / 4; t++)
-            for (int j = 0; j < BLK; j++)
-                for (int i = 0; i < 4; i++) out[(t * BLK + j) * 4 + i] = c[j * cols + 4 * t + i];
-        return;
-    }
-    for (int64_t o = 0; o < cols / 8; o++)                   /* octet o: low nibble 8o + i, high 8o + 4 + i */
-        for (int j = 0; j < BLK; j++)
-            for (int i = 0; i < 4; i++)
-                out[(o * BLK + j) * 4 + i] = (uint8_t)((c[j * cols + 8 * o + i] & 0x0F)
-                                                       | (c[j * cols + 8 * o + 4 + i] & 0x0F) << 4);
-    if (qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_Q5_K) {   /* bit s: bit 4 of code 32g + 4s + i */
-        for (int64_t g = 0; g < cols / 32; g++)
-            for (int j = 0; j < BLK; j++)
-                for (int i = 0; i < 4; i++) {
-                    uint8_t v = 0;
-                    for (int s = 0; s < 8; s++) v |= (uint8_t)(((c[j * cols + 32 * g + 4 * s + i] >> 4) & 1) << s);
-                    high[(g * BLK + j) * 4 + i] = v;
-                }
-    } else if (qtype == T_Q6_K) {                            /* bits 2s, 2s+1: bits 4-5 of code 16h + 4s + i */
-        for (int64_t h = 0; h < cols / 16; h++)
-            for (int j = 0; j < BLK; j++)
-                for (int i = 0; i < 4; i++) {
-                    uint8_t v = 0;
-                    for (int s = 0; s < 4; s++) v |= (uint8_t)(((c[j * cols + 16 * h + 4 * s + i] >> 4) & 3) << (2 * s));
-                    high[(h * BLK + j) * 4 + i] = v;
-                }
+    for (int j = 0; j < BLK; j++) {
+        const uint8_t *cj = c + j * cols;
+        if (qtype == T_Q8_0) {                               /* i8x16: quad t, lane j, byte i = code 4t + i */
+            for (int64_t t = 0; t < cols / 4; t++) st32(out + (t * BLK + j) * 4, ld32(cj + 4 * t));
+            continue;
+        }
+        for (int64_t o = 0; o < cols / 8; o++)               /* octet o: low nibble 8o + i, high 8o + 4 + i */
+            st32(out + (o * BLK + j) * 4,
+                 (ld32(cj + 8 * o) & 0x0F0F0F0Fu) | (ld32(cj + 8 * o + 4) & 0x0F0F0F0Fu) << 4);
+        if (qtype == T_Q5_0 || qtype == T_Q5_1 || qtype == T_Q5_K) {   /* bit s: bit 4 of code 32g + 4s + i */
+            for (int64_t g = 0; g < cols / 32; g++) {
+                uint32_t v = 0;
+                for (int s = 0; s < 8; s++) v |= ((ld32(cj + 32 * g + 4 * s) >> 4) & 0x01010101u) << s;
+                st32(high + (g * BLK + j) * 4, v);
+            }
+        } else if (qtype == T_Q6_K) {                        /* bits 2s, 2s+1: bits 4-5 of code 16h + 4s + i */
+            for (int64_t h = 0; h < cols / 16; h++) {
+                uint32_t v = 0;
+                for (int s = 0; s < 4; s++) v |= ((ld32(cj + 16 * h + 4 * s) >> 4) & 0x03030303u) << (2 * s);
+                st32(high + (h * BLK + j) * 4, v);
+            }
+        }
     }
 }
 
