@@ -12,6 +12,9 @@ Contenders (each started fresh, the file's pages dropped from the page cache fir
               see NO_REPACK), its own prefix reuse (Llama.generate keeps the longest common prefix
               of its previous input)
   llama.cpp-repack  the same with llama.cpp's repacking on (its default: experts copied into anonymous memory)
+  llama-server  llama.cpp's own C++ server (scripts/build-llamacpp; what a llama.cpp user runs): mmap, its
+              own defaults (prompt cache on: turn 2 reuses turn 1's prefix), plus --llama-server-args
+              (e.g. --no-repack, -b/-ub); the peer issue 49 asks for
 
 The conversation (identical rendered text for every contender; /v1/completions, greedy, stream):
   turn 1: ChatML user message of ~T1 tokens of words -> max_tokens N answer
@@ -22,7 +25,10 @@ a fixed answer keeps the turn-2 prompt the same bits for all three (reuse = the 
 
 Per turn: TTFT (request sent -> first streamed text), decode tok/s ((last - first text chunk) /
 (chunks - 1)), disk bytes read by the server process (/proc/PID/io read_bytes before/after; page
-faults on a mapping count too), ternlm's `timings.experts` counters. Per run: load time, the
+faults on a mapping count too), ternlm's `timings.experts` counters, and the read/compute overlap for
+every engine: the disk's busy share of the turn (/sys/dev/block/.../stat io_ticks: time with a request in
+flight, any process) and the server's CPU busy share (its threads' utime + stime over wall x --threads);
+ternlm's experts also say how long the step waited for reads and converted (read_wait_us, convert_us). Per run: load time, the
 cgroup's peak charge (memory.max_usage_in_bytes: anon + page cache), failcnt, OOM kills
 (memory.oom_control), the process's VmHWM and whether it died.
 
@@ -50,7 +56,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ternlm.bench.peers import SERVER_MODULE, llamacpp_server_argv, peers_python  # noqa: E402
+from ternlm.bench.peers import (SERVER_MODULE, find_llama_server, llama_server_argv,  # noqa: E402
+                               llamacpp_server_argv, peers_python)
 from ternlm.sizes import parse_size  # noqa: E402
 
 MEMCG = Path("/sys/fs/cgroup/memory")
@@ -172,6 +179,8 @@ class Turn:
     prompt_tokens: int | None
     completion_tokens: int | None
     read_bytes: int                 # /proc/PID/io read_bytes delta: bytes the server pulled off the disk
+    disk_busy: float | None         # share of the turn with a disk request in flight (io_ticks), any process
+    cpu_busy: float                 # the server's CPU seconds over (turn wall time x threads)
     rchar: int                      # bytes its read()/pread() calls returned (page cache or disk)
     cgroup_after: dict
     loadavg: tuple                  # the host's load average when the turn ended (a shared machine)
@@ -179,12 +188,30 @@ class Turn:
     text: str
 
 
-def run_turn(url: str, model: str, prompt: str, max_tokens: int, pid: int, cg: Cgroup, timeout: float) -> Turn:
+def disk_ticks(path: Path) -> int | None:
+    """Milliseconds the block device holding `path` has had a request in flight (io_ticks, the 10th field
+    of /sys/dev/block/MAJ:MIN/stat), or None where there is no such file (an overlay, tmpfs)."""
+    st = os.stat(path).st_dev
+    f = Path(f"/sys/dev/block/{os.major(st)}:{os.minor(st)}/stat")
+    try:
+        return int(f.read_text().split()[9])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU seconds, every thread (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_turn(url: str, model: str, prompt: str, max_tokens: int, pid: int, cg: Cgroup, timeout: float,
+             disk: Path, threads: int) -> Turn:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    io0 = proc_io(pid)
+    io0, cpu0, ticks0 = proc_io(pid), cpu_seconds(pid), disk_ticks(disk)
     t0 = time.perf_counter()
     times, text, usage, timings, done = [], [], None, None, False
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -203,12 +230,14 @@ def run_turn(url: str, model: str, prompt: str, max_tokens: int, pid: int, cg: C
     total = time.perf_counter() - t0
     if not done:                    # a server killed mid-stream closes the stream without [DONE]
         raise ConnectionError(f"stream ended without [DONE] after {len(times)} chunks")
-    io1 = proc_io(pid)
+    io1, cpu1, ticks1 = proc_io(pid), cpu_seconds(pid), disk_ticks(disk)
     n = len(times)
     return Turn(ttft_s=times[0] if times else total, total_s=total, chunks=n,
                 decode_tok_s=(n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else None,
                 prompt_tokens=(usage or {}).get("prompt_tokens"), completion_tokens=(usage or {}).get("completion_tokens"),
                 read_bytes=io1["read_bytes"] - io0["read_bytes"], rchar=io1["rchar"] - io0["rchar"],
+                disk_busy=None if ticks0 is None or ticks1 is None else (ticks1 - ticks0) / 1e3 / total,
+                cpu_busy=(cpu1 - cpu0) / (total * threads),
                 cgroup_after=cg.snapshot(), loadavg=os.getloadavg(), timings=timings, text="".join(text)[:200])
 
 
@@ -224,11 +253,16 @@ NO_REPACK = ("import runpy, sys, llama_cpp.llama_cpp as C\n"
              "C.llama_model_default_params = _params\n"
              "sys.argv[0] = 'llama_cpp.server'\n"
              "runpy.run_module('llama_cpp.server', run_name='__main__')\n")
-LLAMA = ("llama.cpp", "llama.cpp-repack")
-PORTS = {"reuse": 0, "no-reuse": 1, "llama.cpp": 2, "llama.cpp-repack": 3}
+LLAMA = ("llama.cpp", "llama.cpp-repack", "llama-server")
+PORTS = {"reuse": 0, "no-reuse": 1, "llama.cpp": 2, "llama.cpp-repack": 3, "llama-server": 4}
 
 
 def command(kind: str, model: Path, port: int, args) -> list[str]:
+    if kind == "llama-server":
+        binary = args.llama_server or find_llama_server(ROOT)
+        if binary is None:
+            raise SystemExit("no llama-server: build it with scripts/build-llamacpp (~15 min) or give --llama-server")
+        return llama_server_argv(binary, model, args.threads, 1, args.ctx, port) + args.llama_server_args
     if kind in LLAMA:
         # --use_mlock False: llama-server's default; the Python server's default mlock pins the mapping
         return llamacpp_server_argv(str(peers_python(ROOT)), model, args.threads, args.ctx, port,
@@ -236,7 +270,7 @@ def command(kind: str, model: Path, port: int, args) -> list[str]:
                                     run=("-c", NO_REPACK) if kind == "llama.cpp" else SERVER_MODULE)
     cmd = [str(ROOT / ".venv/bin/ternlm"), "serve", "-m", str(model), "--port", str(port), "--threads",
            str(args.threads), "--ctx", str(args.ctx), "--slots", "1", "--expert-cache", args.expert_cache,
-           "--chunk", str(args.chunk), "--cache-ram", "0", "--cache-disk", "0"]
+           "--chunk", args.chunk, "--cache-ram", "0", "--cache-disk", "0"]
     return cmd + (["--no-prefix-kv"] if kind == "no-reuse" else [])
 
 
@@ -277,7 +311,7 @@ def run_contender(kind: str, args, out: Path) -> dict:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_preexec(cg))
     try:
         t0 = time.perf_counter()
-        model = wait_ready(url, proc, args.load_timeout, health=kind not in LLAMA)
+        model = wait_ready(url, proc, args.load_timeout, health=kind not in LLAMA or kind == "llama-server")
         rec["load_s"] = time.perf_counter() - t0
         rec["after_load"] = {"cgroup": cg.snapshot(), "proc": proc_status(proc.pid), "io": proc_io(proc.pid)}
         # ternlm's load hashes the whole file (sha256: the KV namespace) through the page cache; drop
@@ -287,10 +321,12 @@ def run_contender(kind: str, args, out: Path) -> dict:
         rec["after_drop"] = {"cgroup": cg.snapshot()}
         p1, p2 = conversation(args.t1, args.t2)
         for i, prompt in enumerate(() if args.load_only else (p1, p2), 1):
-            turn = run_turn(url, model, prompt, args.max_tokens, proc.pid, cg, args.turn_timeout)
+            turn = run_turn(url, model, prompt, args.max_tokens, proc.pid, cg, args.turn_timeout, args.model,
+                            args.threads)
             rec["turns"].append(asdict(turn))
             print(f"  {name} turn {i}: ttft {turn.ttft_s:.2f} s, decode {turn.decode_tok_s or 0:.2f} tok/s, "
-                  f"read {turn.read_bytes / 1e9:.2f} GB, prompt {turn.prompt_tokens}, "
+                  f"read {turn.read_bytes / 1e9:.2f} GB, disk busy {turn.disk_busy or 0:.0%}, cpu busy "
+                  f"{turn.cpu_busy:.0%}, prompt {turn.prompt_tokens}, "
                   f"experts {(turn.timings or {}).get('experts')}", file=sys.stderr, flush=True)
         rec["proc_end"] = proc_status(proc.pid)
     except Exception as e:                                   # a failed run is a result: record it
@@ -310,6 +346,8 @@ def run_contender(kind: str, args, out: Path) -> dict:
         log.close()
         cg.remove()
     rec["log_tail"] = (out / f"{name}.log").read_text().splitlines()[-30:]
+    rec["chunk_plan"] = next((line.split("prefill chunk: ", 1)[1] for line in (out / f"{name}.log").read_text().splitlines()
+                              if "prefill chunk: " in line), None)
     rec["expert_plan"] = next((line.split("expert cache: ", 1)[1] for line in rec["log_tail"] + (out / f"{name}.log").read_text().splitlines()
                                if "expert cache: " in line), None)
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1))
@@ -342,20 +380,32 @@ def table(out: Path) -> str:
 
         def experts(turn):
             e = ((turn or {}).get("timings") or {}).get("experts")
-            return "-" if not e else f"{e['misses']}/{e['hits'] + e['misses']} miss, {e['bytes_read'] / 1e9:.2f} GB"
+            if not e:
+                return "-"
+            waits = (f", wait {e['read_wait_us'] / 1e6:.1f} s, convert {e['convert_us'] / 1e6:.1f} s"
+                     if "read_wait_us" in e else "")
+            return f"{e['misses']}/{e['hits'] + e['misses']} miss, {e['bytes_read'] / 1e9:.2f} GB{waits}"
+
+        def busy(turn):
+            if not turn or turn.get("cpu_busy") is None:
+                return "-"
+            disk = "-" if turn.get("disk_busy") is None else f"{turn['disk_busy']:.0%}"
+            return f"{disk} / {turn['cpu_busy']:.0%}"
         status = "OOM-killed" if cg.get("oom_kill") else ("died" if r["died"] else ("error" if r["error"] else "ok"))
         rows.append(f"| {r['tag']} | {r['contender']} | {r['cap'] / GiB:.2f} | {r['file_bytes'] / 1e9:.2f} | "
-                    f"{r['expert_cache'] or '-'} | {r['chunk'] or '-'} | {'yes' if r.get('env') else '-'} | "
+                    f"{r['expert_cache'] or '-'} | {(r.get('chunk_plan') or '').split(' ')[0] or r['chunk'] or '-'} | {'yes' if r.get('env') else '-'} | "
                     f"{r.get('load_s', 0):.1f} | "
                     f"{cell(t[0], 'ttft_s')} | {cell(t[1], 'ttft_s')} | {reuse(t[1])} | "
                     f"{cell(t[0], 'decode_tok_s')} | {cell(t[1], 'decode_tok_s')} | "
                     f"{_gb((t[0] or {}).get('read_bytes'))} | {_gb((t[1] or {}).get('read_bytes'))} | "
-                    f"{experts(t[0])} | {experts(t[1])} | {_gb(cg.get('peak'))} | {_gb(hwm)} | "
+                    f"{experts(t[0])} | {experts(t[1])} | {busy(t[0])} | {busy(t[1])} | "
+                    f"{_gb(cg.get('peak'))} | {_gb(hwm)} | "
                     f"{cg.get('failcnt', '-')} | {status} |")
     head = ("| run | contender | cap GiB | file GB | expert cache | chunk | alloc env | load s | turn-1 TTFT s | "
             "turn-2 TTFT s | turn-2 reuse | turn-1 decode tok/s | turn-2 decode tok/s | read GB t1 | "
-            "read GB t2 | experts t1 | experts t2 | cgroup peak GB | VmHWM GB | failcnt | status |\n"
-            "|" + "---|" * 21)
+            "read GB t2 | experts t1 | experts t2 | disk / cpu busy t1 | disk / cpu busy t2 | cgroup peak GB | "
+            "VmHWM GB | failcnt | status |\n"
+            "|" + "---|" * 23)
     return head + "\n" + "\n".join(rows) + "\n"
 
 
@@ -366,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-cache", default="auto")
     ap.add_argument("--contenders", nargs="+", default=["reuse", "no-reuse", "llama.cpp"],
                     choices=list(PORTS))
-    ap.add_argument("--chunk", type=int, default=256, help="ternlm's prefill chunk (--chunk)")
+    ap.add_argument("--chunk", default="auto", help="ternlm's prefill chunk (--chunk N|auto)")
     ap.add_argument("--t1", type=int, default=2000)
     ap.add_argument("--t2", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -380,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="environment for the ternlm contenders (e.g. allocator settings)")
     ap.add_argument("--llama-args", nargs="*", action="extend", default=[], metavar="ARG",
                     help="extra llama_cpp.server flags, e.g. --n_batch 128 (use --llama-args=--n_batch ...)")
+    ap.add_argument("--llama-server", default=None, metavar="BIN",
+                    help="llama.cpp's llama-server (default: the one scripts/build-llamacpp built)")
+    ap.add_argument("--llama-server-args", nargs="*", action="extend", default=[], metavar="ARG",
+                    help="extra llama-server flags (use --llama-server-args=--no-repack, -b ...)")
     ap.add_argument("--load-only", action="store_true", help="start, record the load (and the expert plan), stop")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/moe-capped")
     args = ap.parse_args(argv)

@@ -358,6 +358,70 @@ def test_auto_plan_leaves_room_for_the_prefill_chunk(moe_file, monkeypatch):
     assert real("auto", seen["experts"], others[2048], seen["kv"], avail).budget is not None
 
 
+def test_chunk_auto_plans_more_rows_where_experts_stream(moe_file, monkeypatch):
+    """--chunk auto (chunk_size None): 256 rows where the experts are resident; where they stream, the
+    chunk is planned with the cache (every chunk sweeps the experts again: fewer chunks, fewer reads) and
+    the cache planned again beside that chunk's work. The logits are the resident engine's either way."""
+    import ternlm.engine as engine_mod
+    import ternlm.models.moe as moe
+    real, seen = moe.plan_expert_cache, []
+
+    def recording(requested, experts, others, kv, available):
+        plan = real(requested, experts, others, kv, available)
+        seen.append((experts, others, kv, plan.budget))
+        return plan
+    monkeypatch.setattr(moe, "plan_expert_cache", recording)
+    # the tiny model's experts (~100 KB) are smaller than a real step's work (~3 KB a row): 8 bytes a row
+    monkeypatch.setattr(moe, "step_work_bytes", lambda cfg, rows: 8 * rows)
+    resident = Engine.load(str(moe_file), weights="gguf", expert_cache="auto", ctx=256)
+    assert resident.chunk_size == moe.CHUNK_RESIDENT and resident.expert_plan.budget is None
+    experts, others, kv, _ = seen[-1]
+    # memory for half the experts beside the rest: they stream, with a cache of about half of them
+    room = others + kv + moe.EXPERT_OVERHEAD + others // moe.RESIDENT_SLACK + experts // 2
+    monkeypatch.setattr(engine_mod, "_available_memory", lambda: room + moe.step_work_bytes(resident.config, 256))
+    seen.clear()
+    streamed = Engine.load(str(moe_file), weights="gguf", expert_cache="auto", ctx=256)
+    first, final = seen
+    assert first[3] is not None, "planned at 256 rows first: the experts stream"
+    want = moe.streamed_chunk(streamed.config, first[3])
+    assert streamed.chunk_size == want == 1024           # 8 KB of work <= a quarter of a ~52 KB cache
+    assert final[1] - first[1] == moe.step_work_bytes(streamed.config, want) - moe.step_work_bytes(streamed.config, 256)
+    assert streamed.expert_plan.budget == final[3] < first[3]
+    assert isinstance(streamed.model.experts, StreamedExperts)
+    ids = ids_of(70, seed=3)
+    assert torch.equal(streamed.logits(ids), resident.logits(ids))
+    # an explicit --chunk stays as given
+    seen.clear()
+    assert Engine.load(str(moe_file), weights="gguf", expert_cache="auto", ctx=256, chunk_size=64).chunk_size == 64
+
+
+def test_streamed_chunk_rows():
+    """Powers of two from 256 to 2,048 whose step work is at most a quarter of the cache."""
+    from types import SimpleNamespace
+
+    from ternlm.models.moe import CHUNK_RESIDENT, CHUNK_STREAMED_MAX, step_work_bytes, streamed_chunk
+    cfg = SimpleNamespace(hidden_size=2048, experts_per_token=8, expert_intermediate_size=768, num_heads=32,
+                          num_kv_heads=4, head_dim=128)     # Qwen3-30B-A3B's shapes: ~200 KB a row
+    assert streamed_chunk(cfg, 0) == CHUNK_RESIDENT
+    assert streamed_chunk(cfg, 6 << 30) == CHUNK_STREAMED_MAX
+    for budget in (1 << 28, 1 << 29, 1 << 30):
+        rows = streamed_chunk(cfg, budget)
+        assert rows == CHUNK_RESIDENT or step_work_bytes(cfg, rows) <= budget // 4
+        assert rows == CHUNK_STREAMED_MAX or step_work_bytes(cfg, 2 * rows) > budget // 4
+
+
+def test_miss_times_are_counted_apart_from_the_counts(moe_file):
+    """A streamed miss's wait for its bytes and its conversion are timed (timings' experts, moe_capped), but
+    outside `as_dict`, which runs compare for equality."""
+    streamed = _engine(moe_file, 0)
+    store = streamed.model.experts
+    streamed.logits(ids_of(20, seed=1))
+    snap = store.stats.snapshot()
+    assert set(snap) == set(store.stats.as_dict()) | {"read_wait_us", "convert_us"}
+    assert store.stats.misses > 0 and snap["convert_us"] > 0 and snap["read_wait_us"] >= 0
+    assert store.stats.minus(snap) == dict.fromkeys(snap, 0)
+
+
 def test_a_decode_that_views_the_read_buffer_is_copied_out(tmp_path):
     """[SCRATCH] slabs are read into one reused buffer: a decode that returns a view of the raw bytes
     (a float slab's dequantization can) must not see the next read overwrite it."""

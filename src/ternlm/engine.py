@@ -41,6 +41,7 @@ from .kv.slots import KVShape, Slot
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, Transformer
 from .models.loaded import LoadedModel
+from .models.moe import CHUNK_RESIDENT
 from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Sampler, SamplingParams
 from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
@@ -82,7 +83,7 @@ class StepOutcome:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, *, dtype: torch.dtype | str = "auto", prefix_reuse: bool = True,
-                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int = 256,
+                 min_reuse: int = 16, slots: int = 1, ctx: int | None = None, chunk_size: int | None = None,
                  cache: CacheConfig | None = None, cpu: CpuInfo | None = None,
                  weights: WeightsChoice | None = None, kv_dtype: str = "auto", chat_template: str | None = None,
                  state_interval: int = 64, speculative: bool = True, draft: DrafterFactory | None = None):
@@ -90,7 +91,8 @@ class Engine:
         kernels for (default: this one, probed); it goes into the kernel fingerprint. `weights`: how
         the matrices are held (weights.py; default dense); QWeights in `loaded` stay quantized only
         with a gguf choice. `kv_dtype`: the KV cache's dtype, auto | float32 | float16 (Transformer:
-        auto is float16 where every layer runs fused in C, else float32). `state_interval`: a hybrid model's
+        auto is float16 where every layer runs fused in C, else float32). `chunk_size`: prefill rows a step
+        (None: --chunk auto, CHUNK_RESIDENT here; Engine.load plans more where experts stream). `state_interval`: a hybrid model's
         recurrent snapshots every this many positions (kv/recurrent.py). `speculative`: requests draft
         by prompt lookup and verify (sequence.py; lossless) unless they say otherwise. `draft`: makes each
         speculating request's drafter (drafter.DrafterFactory; default prompt lookup; draft_model.DraftModel: a
@@ -135,7 +137,7 @@ class Engine:
         # the steps each running sequence took part in cost the expert store (`step`)
         self.expert_plan = None
         self._expert_use: "weakref.WeakKeyDictionary[Sequence, dict[str, int]]" = weakref.WeakKeyDictionary()
-        self.runner = Runner(self.model, chunk_size)
+        self.runner = Runner(self.model, CHUNK_RESIDENT if chunk_size is None else chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
         recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
@@ -205,7 +207,8 @@ class Engine:
                 loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
                                    lanes=quantized and wchoice.kernels.lanes,
                                    int8=quantized and wchoice.kernels.lanes and wchoice.kernels.int8,
-                                   expert_budget=_expert_budget(expert_cache, kw, plans))
+                                   expert_budget=_expert_budget(expert_cache, kw, plans,
+                                                                fused=quantized and wchoice.kernels.lanes))
             else:
                 from .models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
@@ -398,7 +401,7 @@ class Engine:
             live.append(i)
         if feeds:
             experts = self.model.experts
-            before = experts.stats.as_dict() if experts is not None else None
+            before = experts.stats.snapshot() if experts is not None else None
             try:
                 results = self.runner.step(feeds)
             except Exception as e:           # the whole forward failed: no record changed
@@ -556,21 +559,34 @@ def _stateful_reach(blocks: list, first_block: int, tail, tail_tokens: int, limi
     return first_block + (ends[-1] if ends else 0), 0
 
 
-def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
+def _expert_budget(requested: "str | int | None", kw: dict, plans: list, fused: bool = False):
     """Engine.load's --expert-cache -> load_gguf's expert_budget: a callable that plans, once the
-    header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx, fp32: the
-    MoE layers run in torch) and the available memory (fit.available_memory where present, else
-    MemAvailable). Side effects: appends the plan to `plans` and logs it."""
-    from .models.moe import plan_expert_cache, step_work_bytes
+    header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx; --kv-dtype auto
+    counted as fit.py counts it: fp16 where the layers run fused in C (`fused`: quantized weights with the
+    native kernels) and no layer is recurrent, else fp32), a prefill step's work (kw's chunk_size rows) and the available memory
+    (fit.available_memory where present, else MemAvailable). With chunk_size None (--chunk auto) and
+    experts streamed, the chunk is planned with the cache (moe.streamed_chunk: fewer sweeps of the
+    experts) and the cache planned again beside that chunk's work. Side effects: appends the plan to
+    `plans`, sets kw["chunk_size"] when it planned one, logs both."""
+    from .models.moe import plan_expert_cache, step_work_bytes, streamed_chunk
 
     def decide(cfg, experts: int, rest: int) -> int | None:
         ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ctx = -(-ctx // ATTN_BLOCK) * ATTN_BLOCK
-        kv_elem = 2 if kw.get("kv_dtype") == "float16" else 4
+        kv_dtype = kw.get("kv_dtype", "auto")
+        if kv_dtype == "auto":                  # Transformer._choose_kv_dtype, as fit.budget_for foresees it
+            kv_dtype = "float16" if fused and not cfg.recurrent_layers else "float32"
+        kv_elem = 2 if kv_dtype == "float16" else 4
         kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
-        work = step_work_bytes(cfg, kw.get("chunk_size", 256))
-        plan = plan_expert_cache(requested, experts, rest + work, kv,
-                                 _available_memory() if requested == "auto" else None)
+        available = _available_memory() if requested == "auto" else None
+        auto = kw.get("chunk_size") is None
+        rows = CHUNK_RESIDENT if auto else kw["chunk_size"]
+        plan = plan_expert_cache(requested, experts, rest + step_work_bytes(cfg, rows), kv, available)
+        if auto and plan.budget is not None and cfg.num_experts:
+            rows = streamed_chunk(cfg, plan.budget)
+            plan = plan_expert_cache(requested, experts, rest + step_work_bytes(cfg, rows), kv, available)
+            kw["chunk_size"] = rows
+            log.info("prefill chunk: %d rows (--chunk auto: experts stream, each chunk sweeps them)", rows)
         plans.append(plan)
         if cfg.num_experts:
             log.info("expert cache: %s", plan.reason)

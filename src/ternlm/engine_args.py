@@ -32,7 +32,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
     p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--chunk", type=int, default=256, help="prefill chunk size in tokens (256: best measured)")
+    p.add_argument("--chunk", type=chunk_arg, default=None, metavar="N|auto",
+                   help="prefill rows a step: auto (default: 256, best measured; where a mixture of experts "
+                        "streams its experts, up to 2048 planned with the expert cache: each chunk reads the "
+                        "experts again) | N")
     p.add_argument("--state-interval", type=int, default=64,
                    help="hybrid models (qwen35): snapshot each slot's recurrent state every N positions (and at "
                         "each prefill's end); reuse resumes at the latest one before a divergence (default 64)")
@@ -83,3 +86,16 @@ def load_engine(args, slots: int = 1):
                          chat_template=args.chat_template, expert_cache=args.expert_cache)
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: labels and result files name what ran
     return engine
+
+
+def chunk_arg(text: str) -> int | None:
+    """--chunk's value: a positive number of rows, or None for "auto" (Engine.load plans it). Pure."""
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of tokens or auto") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: at least 1")
+    return n

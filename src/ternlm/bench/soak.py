@@ -244,7 +244,7 @@ def serve_args(args, cache_dir: Path, *, reuse: bool = True) -> list[str]:
     reuse=False, the cold server's (prefix reuse and both tiers off)."""
     out = ["-m", args.model, "--dtype", args.dtype, "--weights", getattr(args, "weights", "auto"),
            "--kv-dtype", getattr(args, "kv_dtype", "auto"),
-           "--min-reuse", str(args.min_reuse), "--chunk", str(args.chunk),
+           "--min-reuse", str(args.min_reuse), "--chunk", "auto" if args.chunk is None else str(args.chunk),
            "--slots", str(args.slots), "--cache-dir", str(cache_dir)]
     if args.ctx:
         out += ["--ctx", str(args.ctx)]

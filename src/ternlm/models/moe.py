@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -76,14 +77,24 @@ class ExpertStats:
     rows: int = 0
     evictions: int = 0          # experts a streamed store read and dropped to stay within its budget: evicted
                                 # from its LRU tail, or served and not kept (so held = misses - evictions)
+    # Where a streamed miss's time goes on the caller's thread (the step's critical path), microseconds:
+    # waiting for its bytes (the reader threads' reads not yet done, or a pread) and converting them into
+    # the kernels' layout. Wall time, so not part of `as_dict` (runs that must count the same compare that).
+    read_wait_us: int = 0
+    convert_us: int = 0
 
     def as_dict(self) -> dict[str, int]:
+        """The counts: the same in every run that asks for the same experts in the same order."""
         return dict(hits=self.hits, misses=self.misses, bytes_read=self.bytes_read,
                     bytes_used=self.bytes_used, rows=self.rows, evictions=self.evictions)
 
+    def snapshot(self) -> dict[str, int]:
+        """The counts and the miss times (timings and `bench engine` report both)."""
+        return self.as_dict() | dict(read_wait_us=self.read_wait_us, convert_us=self.convert_us)
+
     def minus(self, before: dict[str, int]) -> dict[str, int]:
-        """These counters less an earlier `as_dict()`: what happened in between."""
-        return {k: v - before.get(k, 0) for k, v in self.as_dict().items()}
+        """These counters less an earlier `snapshot()` (or `as_dict()`): what happened in between."""
+        return {k: v - before.get(k, 0) for k, v in self.snapshot().items()}
 
 
 @dataclass
@@ -426,17 +437,23 @@ class StreamedExperts:
         if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
             raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
         slabs = self._slabs[key]
+        t0 = time.perf_counter()
         buf, views = self._direct.take(key, slabs) if self._direct is not None else (None, None)
+        waited = time.perf_counter() - t0
         parts = []
         try:
             for i, slab in enumerate(slabs):
+                t1 = time.perf_counter()
                 raw = torch.from_numpy(self._pread(slab) if views is None else views[i])
+                waited += time.perf_counter() - t1
                 w = self._decode(raw, slab) if into is None else self._decode(raw, slab, out=into[i])
                 parts.append(_not_viewing(w, raw))                   # [SCRATCH] before the buffer is reused
                 self.stats.bytes_read += slab.length
         finally:
             if buf is not None:
                 self._direct.release(buf)
+        self.stats.read_wait_us += int(waited * 1e6)
+        self.stats.convert_us += int((time.perf_counter() - t0 - waited) * 1e6)
         build = self._build[key[0]]
         return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
 
@@ -649,6 +666,24 @@ def step_work_bytes(cfg, rows: int) -> int:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_row = 4 * (3 * h + qkv + cfg.num_heads * cfg.head_dim + k * (3 * inter + h))
     return rows * per_row
+
+
+CHUNK_RESIDENT = 256         # prefill rows a step (--chunk auto) where no expert streams: best measured (dense)
+CHUNK_STREAMED_MAX = 2048    # --chunk auto's most rows a step where experts stream (streamed_chunk)
+
+
+def streamed_chunk(cfg, budget: int) -> int:
+    """--chunk auto where experts stream from the file: the prefill rows of a step. Why more than
+    CHUNK_RESIDENT: every step sweeps the experts its rows use, and a few hundred rows use nearly all of
+    them, so a prompt's misses (reads and conversions) scale with its chunks, not its tokens (the whole
+    Qwen3-30B-A3B file under 8 GiB: turn 1 of ~2,000 tokens read 122.8 GB in 8 sweeps of 256 rows,
+    benchmarks/RESULTS.md). The step's working memory (step_work_bytes) comes out of the expert cache's room,
+    so: the most rows, a power of two from CHUNK_RESIDENT to CHUNK_STREAMED_MAX, whose work is at most a
+    quarter of `budget` (the cache planned at CHUNK_RESIDENT rows). Pure."""
+    rows = CHUNK_RESIDENT
+    while rows < CHUNK_STREAMED_MAX and step_work_bytes(cfg, 2 * rows) <= budget // 4:
+        rows *= 2
+    return rows
 
 
 @dataclass(frozen=True)

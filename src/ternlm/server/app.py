@@ -67,7 +67,7 @@ class ServeConfig:
     min_reuse: int = 16
     slots: int = 4
     ctx: int | None = 8192
-    chunk_size: int = 256
+    chunk_size: int | None = None       # prefill rows a step; None: auto (Engine.load plans it)
     threads: int | None = None
     api_keys: tuple[str, ...] = ()
     admin_keys: tuple[str, ...] = ()  # API keys that also see every tenant's slots in /slots
@@ -98,7 +98,7 @@ class ServeConfig:
             raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; choose auto, float32 or float16")
         checks = [(self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
                   (self.step_tokens >= 1, "step_tokens must be >= 1"),
-                  (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size >= 1, "chunk must be >= 1"),
+                  (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size is None or self.chunk_size >= 1, "chunk must be >= 1"),
                   (self.ctx is None or self.ctx >= 2, "ctx must be >= 2"),
                   (self.threads is None or self.threads >= 1, "threads must be >= 1"),
                   (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
