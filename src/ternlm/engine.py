@@ -207,8 +207,7 @@ class Engine:
                 loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
                                    lanes=quantized and wchoice.kernels.lanes,
                                    int8=quantized and wchoice.kernels.lanes and wchoice.kernels.int8,
-                                   expert_budget=_expert_budget(expert_cache, kw, plans,
-                                                                fused=quantized and wchoice.kernels.lanes))
+                                   expert_budget=_expert_budget(expert_cache, kw, plans))
             else:
                 from .models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
@@ -559,11 +558,10 @@ def _stateful_reach(blocks: list, first_block: int, tail, tail_tokens: int, limi
     return first_block + (ends[-1] if ends else 0), 0
 
 
-def _expert_budget(requested: "str | int | None", kw: dict, plans: list, fused: bool = False):
+def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
     """Engine.load's --expert-cache -> load_gguf's expert_budget: a callable that plans, once the
-    header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx; --kv-dtype auto
-    counted as fit.py counts it: fp16 where the layers run fused in C (`fused`: quantized weights with the
-    native kernels) and no layer is recurrent, else fp32), a prefill step's work (kw's chunk_size rows) and the available memory
+    header is read, from the experts' and the rest's bytes, the KV budget (slots x ctx at fp32's size:
+    a slot's growth peak), a prefill step's work (kw's chunk_size rows) and the available memory
     (fit.available_memory where present, else MemAvailable). With chunk_size None (--chunk auto) and
     experts streamed, the chunk is planned with the cache (moe.streamed_chunk: fewer sweeps of the
     experts) and the cache planned again beside that chunk's work. Side effects: appends the plan to
@@ -573,10 +571,11 @@ def _expert_budget(requested: "str | int | None", kw: dict, plans: list, fused: 
     def decide(cfg, experts: int, rest: int) -> int | None:
         ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ctx = -(-ctx // ATTN_BLOCK) * ATTN_BLOCK
-        kv_dtype = kw.get("kv_dtype", "auto")
-        if kv_dtype == "auto":                  # Transformer._choose_kv_dtype, as fit.budget_for foresees it
-            kv_dtype = "float16" if fused and not cfg.recurrent_layers else "float32"
-        kv_elem = 2 if kv_dtype == "float16" else 4
+        # fp32's size even where the KV will be fp16 (--kv-dtype auto with the layers fused): a slot grows
+        # by copying into buffers twice the size, so at its last doubling it holds 1.5x its full KV, and
+        # counting the fp16 KV at its size left a 2,048-row chunk's process under an 8 GiB cgroup cap
+        # OOM-killed in turn 2 (issue 49's probe, 2026-12-04); fp32's 2x kept it ~0.5 GB under the cap
+        kv_elem = 4
         kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
         available = _available_memory() if requested == "auto" else None
         auto = kw.get("chunk_size") is None
