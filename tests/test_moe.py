@@ -312,3 +312,5 @@ def test_bench_engine_reports_expert_traffic_per_prefill_and_per_decoded_token(t
             slab = sum(s.length for s in engine.model.experts._slabs[(0, 0)])
             assert p["hits"] == d["hits"] == 0 and d["misses"] == per_row     # one row: k distinct experts a layer
             assert p["bytes_read"] == p["misses"] * slab and d["bytes_read"] == d["misses"] * slab
+            # the misses' time on the step's path, within the prefill's
+            assert 0 < p["read_wait_us"] + p["convert_us"] <= e["prefill_s"] * 1e6

@@ -30,18 +30,19 @@ def _prompt_ids(engine, n: int) -> list[int]:
 def _ternlm(engine, ids: list[int], decode_n: int, before: list[int], traffic: list[dict]) -> tuple[float, float]:
     """(prefill tok/s of ids, decode tok/s after the prompt `before`) through the engine API, reuse off.
     Side effect (a mixture of experts): appends to `traffic` the expert store's counters (moe.ExpertStats)
-    of the prefill of ids and of the decode steps alone (after `before`'s prefill), with decode_tokens."""
+    of the prefill of ids and of the decode steps alone (after `before`'s prefill), with decode_tokens and
+    the prefill's seconds (its share spent waiting for expert reads: the read/compute overlap)."""
     engine.prefix_reuse = False
     store = engine.model.experts
-    start = store.stats.as_dict() if store is not None else None
+    start = store.stats.snapshot() if store is not None else None
     c = engine.generate(ids, max_tokens=1)
     prefill = c.timings.prefill_tokens / c.timings.prefill_s
-    used = {"prefill": store.stats.minus(start)} if store is not None else None
+    used = {"prefill": store.stats.minus(start), "prefill_s": c.timings.prefill_s} if store is not None else None
     mark = None
     # one token a step, speculation off: the figure beside llama-bench's tg (which drafts nothing) is the step's
     for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True, speculative=False):
         if mark is None and store is not None:    # the first token is out: `before`'s prefill is done
-            mark = store.stats.as_dict()
+            mark = store.stats.snapshot()
         c = ev
     if used is not None:
         traffic.append(used | {"decode": store.stats.minus(mark), "decode_tokens": c.timings.decode_tokens})
@@ -56,7 +57,8 @@ def _expert_traffic(traffic: list[dict], prompt_tokens: int) -> dict | None:
     prefill = {k: sum(t["prefill"][k] for t in traffic) / n for k in traffic[0]["prefill"]}
     tokens = sum(t["decode_tokens"] for t in traffic)
     decode = {k: sum(t["decode"][k] for t in traffic) / max(tokens, 1) for k in traffic[0]["decode"]}
-    return {"per_prefill": prefill, "prefill_tokens": prompt_tokens, "per_decode_token": decode}
+    return {"per_prefill": prefill, "prefill_tokens": prompt_tokens, "per_decode_token": decode,
+            "prefill_s": sum(t["prefill_s"] for t in traffic) / n}
 
 
 def _print_experts(e: dict, engine) -> None:
@@ -67,6 +69,10 @@ def _print_experts(e: dict, engine) -> None:
     print(f"\nternlm experts ({held}): per prefill of {e['prefill_tokens']} tokens: hits {p['hits']:.0f}, "
           f"misses {p['misses']:.0f}, read {p['bytes_read'] / _MIB:.1f} MiB; per decoded token: hits {d['hits']:.1f}, "
           f"misses {d['misses']:.1f}, read {d['bytes_read'] / _MIB:.2f} MiB")
+    if st["streamed"]:     # the steps' wait for reads and conversions, against the prefill's time
+        print(f"ternlm misses on the step's path: prefill waited {p['read_wait_us'] / 1e3:.0f} ms for reads and "
+              f"converted {p['convert_us'] / 1e3:.0f} ms of {e['prefill_s'] * 1e3:.0f} ms; a decoded token "
+              f"{d['read_wait_us'] / 1e3:.1f} / {d['convert_us'] / 1e3:.1f} ms")
 
 
 def _transformers(model, ids: list[int], decode_n: int, before: list[int]) -> tuple[float, float]:
