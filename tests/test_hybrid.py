@@ -114,8 +114,8 @@ def test_state_snapshots_grid_and_restore():
     pos itself or the latest snapshot at or before k; restoring drops what lies past; the oldest snapshot
     goes first over the limit."""
     st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=3)
-    assert st.wants(0, 200, prefill_end=True) == [64, 128, 192, 200]
-    assert st.wants(64, 65, prefill_end=False) == [] and st.wants(127, 128, prefill_end=False) == [128]
+    assert st.wants(0, [5] * 200, prefill_end=True) == [64, 128, 192, 200]
+    assert st.wants(64, [5], prefill_end=False) == [] and st.wants(127, [5], prefill_end=False) == [128]
     for p in (64, 128, 192):
         st.keep(p, torch.full_like(st.conv, p), torch.full_like(st.ssm, p))
     st.pos = 200
@@ -133,7 +133,8 @@ def test_snapshot_budget_keeps_turn_boundaries_beside_the_newest_grid():
     oldest first in each pool, the newest snapshot never: six turns of ~150 tokens, 6 snapshots allowed."""
     st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=6)
     for end in (150, 310, 455, 610, 770, 905):                  # each turn's prefill end, with the grid before it
-        for p in st.wants(max(st.snaps, default=0), end, prefill_end=True):
+        start = max(st.snaps, default=0)
+        for p in st.wants(start, [5] * (end - start), prefill_end=True):
             st.keep(p, st.conv.clone(), st.ssm.clone())
         st.pos = end
     assert sorted(st.snaps) == [455, 610, 770, 832, 896, 905]     # 3 past boundaries + the newest, 2 grid points

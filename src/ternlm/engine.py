@@ -38,6 +38,7 @@ from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
 from .kv.recurrent import recurrent_shape
 from .kv.slots import KVShape, Slot
+from .message_marks import message_marks
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, Transformer
 from .models.loaded import LoadedModel
@@ -139,7 +140,10 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
         recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
-        self.slots = [Slot(i, shape, recurrent=recurrent, state_interval=state_interval) for i in range(slots)]
+        # ... and the token that opens every message: its slots snapshot the state before each one fed
+        self.message_marks = message_marks(self.chat_template, self.tokenizer) if recurrent else frozenset()
+        self.slots = [Slot(i, shape, recurrent=recurrent, state_interval=state_interval, marks=self.message_marks)
+                      for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).

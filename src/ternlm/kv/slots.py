@@ -40,13 +40,16 @@ class Slot:
     """One KV sequence. Not thread-safe: whoever holds the slot is its only user."""
 
     def __init__(self, index: int, shape: KVShape, initial_capacity: int = 256,
-                 recurrent: RecurrentShape | None = None, state_interval: int = 64):
+                 recurrent: RecurrentShape | None = None, state_interval: int = 64,
+                 marks: frozenset[int] = frozenset()):
+        """recurrent, state_interval, marks: a hybrid model's recurrent state, its snapshot grid and the
+        message-start token ids it snapshots before (kv/recurrent.py)."""
         self.index = index
         self.shape = shape
         self.record = PrefixRecord()
         self.last_used = 0.0                 # time.monotonic() of the last release, for LRU
         # a hybrid model's recurrent layers: their state after the record's last position, and snapshots
-        self.state = RecurrentState(recurrent, state_interval) if recurrent is not None else None
+        self.state = RecurrentState(recurrent, state_interval, marks=marks) if recurrent is not None else None
         self._allocate(shape.round_up(min(initial_capacity, shape.max_capacity)))
 
     @property
