@@ -219,6 +219,12 @@ def test_lesser_isa_builds(march, isa, tmp_path):
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
 
 
+def _slot_kv_per_token(path) -> int:
+    """K and V bytes of one token in an engine's slot on this file (fp32 activations: the torch layers)."""
+    slot = Engine.load(str(path), dtype="float32").slots[0]
+    return (slot.k.nbytes + slot.v.nbytes) // slot.capacity
+
+
 def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
     """The memory fit counts each slot's recurrent state with as many snapshots as it may keep, and its KV at
     fp32 (hybrid layers run in torch); `ternlm info -m` reports a snapshot's bytes and a token's share; a
@@ -232,9 +238,12 @@ def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
     shape = recurrent_shape(load_gguf(path, torch.float32).config)
     b = budget_for(str(path), slots=3, ctx=512)
     assert b.state_per_slot == shape.nbytes * (1 + RecurrentState.snapshots_for(shape)) > 0
-    assert b.kv_per_token == 4 * 2 * 4 * 2 * 16                      # 4 layers' K and V, 2 heads of 16, fp32
+    # the one attention layer's K and V (2 heads of 16, fp32): the 3 DeltaNet layers hold no KV, the engine's
+    # slot neither
+    assert b.kv_per_token == 1 * 2 * 2 * 16 * 4 == _slot_kv_per_token(path)
     info = recurrent_info(str(path), 64)
     assert info["snapshot_bytes"] == shape.nbytes and info["recurrent_layers"] == 3
+    assert info["attention_layers"] == 1 and info["kv_bytes_per_token"] == b.kv_per_token
     tight = b.model + b.overhead + b.kv + b.state_per_slot * 2         # room for 2 of the 3 slots
     fit = check(b, Available(tight, "test"), slots_flag=True)
     assert not fit.ok and "--slots 2" in fit.line

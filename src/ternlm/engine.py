@@ -138,7 +138,9 @@ class Engine:
         self._expert_use: "weakref.WeakKeyDictionary[Sequence, dict[str, int]]" = weakref.WeakKeyDictionary()
         self.runner = Runner(self.model, chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
-        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
+        # K and V of the attention layers only: a hybrid model's recurrent layers keep a state instead
+        shape = KVShape(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx,
+                        ATTN_BLOCK)
         recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
         # ... and the token that opens every message: its slots snapshot the state before each one fed
         self.message_marks = message_marks(self.chat_template, self.tokenizer) if recurrent else frozenset()
@@ -156,7 +158,7 @@ class Engine:
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
         if cache is not None and prefix_reuse:
-            ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, cfg.head_dim,
                                   self.kv_dtype, recurrent.shapes if recurrent is not None else None)
             self.store = TieredStore.from_config(ident, cache)
         self.drafts = draft if draft is not None else PromptLookups()
@@ -571,7 +573,7 @@ def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
         ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         ctx = -(-ctx // ATTN_BLOCK) * ATTN_BLOCK
         kv_elem = 2 if kw.get("kv_dtype") == "float16" else 4
-        kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
+        kv = len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
         work = step_work_bytes(cfg, kw.get("chunk_size", 256))
         plan = plan_expert_cache(requested, experts, rest + work, kv,
                                  _available_memory() if requested == "auto" else None)

@@ -89,7 +89,9 @@ def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float3
             "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2"}[cfg.kind(cfg.recurrent_layers[0])],
             "snapshot_bytes": shape.nbytes, "state_interval": state_interval, "snapshot_budget": SNAPSHOT_BUDGET,
             "snapshot_bytes_per_token": shape.nbytes / state_interval,
-            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)}
+            "attention_layers": len(cfg.attention_layers),
+            "kv_bytes_per_token": kv_bytes_per_token(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim,
+                                                     kv_dtype)}
 
 
 def _print(info: dict, out) -> None:

@@ -197,7 +197,7 @@ class Runner:
         m = self.model
         cfg = m.cfg
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
+        k = torch.zeros(len(cfg.attention_layers), cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
         v = torch.zeros_like(k)
         shape = recurrent_shape(cfg)
         state = RecurrentState(shape) if shape is not None else None     # a hybrid model's, from position 0

@@ -25,7 +25,7 @@ class ContextOverflow(ValueError):
 
 @dataclass(frozen=True)
 class KVShape:
-    layers: int
+    layers: int                # attention layers (config.attention_layers): a hybrid model's others hold no KV
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -58,7 +58,7 @@ class Slot:
 
     def _allocate(self, capacity: int) -> None:
         s = self.shape
-        # k, v: (layers, kv_heads, capacity, head_dim)
+        # k, v: (attention layers, kv_heads, capacity, head_dim)
         self.k = torch.zeros(s.layers, s.kv_heads, capacity, s.head_dim, dtype=s.dtype)
         self.v = torch.zeros_like(self.k)
         self._clear()  # new buffers hold nothing the record could describe
