@@ -18,7 +18,8 @@ Per turn: prompt tokens, tokens each engine processed (ternlm: timings.prompt_n;
 timings.prompt_n, with cache_n), client TTFT (first streamed text) and server-side prefill. Checked every
 turn: ternlm's processed <= prompt - LCP + --state-interval, LCP = the common prefix of the prompt with the
 slot's record (previous prompt + the ids it kept); a hybrid slot resumes at the latest state snapshot at or
-before the LCP, and snapshots stand on that grid and at each prefill's end ([RESUME-AT-SNAPSHOT]). Also
+before the LCP, and snapshots stand on that grid, at each prefill's end and at each message start it fed
+([RESUME-AT-SNAPSHOT]). Also
 what vLLM's rule would reuse (VLLM_RULE below). Summary: total TTFT ternlm / llama-server (target <= 3/4),
 turns where ternlm processed more than llama-server (target: none), answers reuse == no-reuse.
 

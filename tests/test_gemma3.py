@@ -300,7 +300,8 @@ def test_native_window_rows_do_not_depend_on_the_call(tmp_path):
         k_cache: torch.Tensor
         v_cache: torch.Tensor
 
-    cfg = dataclasses.make_dataclass("C", [("num_layers", int), ("num_kv_heads", int), ("head_dim", int)])(1, KV, D)
+    cfg = dataclasses.make_dataclass("C", [("num_layers", int), ("attention_layers", tuple), ("num_kv_heads", int),
+                                           ("head_dim", int)])(1, (0,), KV, D)
 
     def run(start: int, T: int) -> torch.Tensor:
         table = segment_table([Seg(start, T, k, v)], cfg)

@@ -114,8 +114,8 @@ def test_state_snapshots_grid_and_restore():
     pos itself or the latest snapshot at or before k; restoring drops what lies past; the oldest snapshot
     goes first over the limit."""
     st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=3)
-    assert st.wants(0, 200, prefill_end=True) == [64, 128, 192, 200]
-    assert st.wants(64, 65, prefill_end=False) == [] and st.wants(127, 128, prefill_end=False) == [128]
+    assert st.wants(0, [5] * 200, prefill_end=True) == [64, 128, 192, 200]
+    assert st.wants(64, [5], prefill_end=False) == [] and st.wants(127, [5], prefill_end=False) == [128]
     for p in (64, 128, 192):
         st.keep(p, torch.full_like(st.conv, p), torch.full_like(st.ssm, p))
     st.pos = 200
@@ -133,7 +133,8 @@ def test_snapshot_budget_keeps_turn_boundaries_beside_the_newest_grid():
     oldest first in each pool, the newest snapshot never: six turns of ~150 tokens, 6 snapshots allowed."""
     st = RecurrentState(RecurrentShape(1, 4, 3, 2, 2, 2), interval=64, max_snapshots=6)
     for end in (150, 310, 455, 610, 770, 905):                  # each turn's prefill end, with the grid before it
-        for p in st.wants(max(st.snaps, default=0), end, prefill_end=True):
+        start = max(st.snaps, default=0)
+        for p in st.wants(start, [5] * (end - start), prefill_end=True):
             st.keep(p, st.conv.clone(), st.ssm.clone())
         st.pos = end
     assert sorted(st.snaps) == [455, 610, 770, 832, 896, 905]     # 3 past boundaries + the newest, 2 grid points
@@ -218,6 +219,12 @@ def test_lesser_isa_builds(march, isa, tmp_path):
     assert run_built_for(march, _ISA_SCRIPT, tmp_path) == [isa, "ok"]
 
 
+def _slot_kv_per_token(path) -> int:
+    """K and V bytes of one token in an engine's slot on this file (fp32 activations: the torch layers)."""
+    slot = Engine.load(str(path), dtype="float32").slots[0]
+    return (slot.k.nbytes + slot.v.nbytes) // slot.capacity
+
+
 def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
     """The memory fit counts each slot's recurrent state with as many snapshots as it may keep, and its KV at
     fp32 (hybrid layers run in torch); `ternlm info -m` reports a snapshot's bytes and a token's share; a
@@ -231,9 +238,12 @@ def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
     shape = recurrent_shape(load_gguf(path, torch.float32).config)
     b = budget_for(str(path), slots=3, ctx=512)
     assert b.state_per_slot == shape.nbytes * (1 + RecurrentState.snapshots_for(shape)) > 0
-    assert b.kv_per_token == 4 * 2 * 4 * 2 * 16                      # 4 layers' K and V, 2 heads of 16, fp32
+    # the one attention layer's K and V (2 heads of 16, fp32): the 3 DeltaNet layers hold no KV, the engine's
+    # slot neither
+    assert b.kv_per_token == 1 * 2 * 2 * 16 * 4 == _slot_kv_per_token(path)
     info = recurrent_info(str(path), 64)
     assert info["snapshot_bytes"] == shape.nbytes and info["recurrent_layers"] == 3
+    assert info["attention_layers"] == 1 and info["kv_bytes_per_token"] == b.kv_per_token
     tight = b.model + b.overhead + b.kv + b.state_per_slot * 2         # room for 2 of the 3 slots
     fit = check(b, Available(tight, "test"), slots_flag=True)
     assert not fit.ok and "--slots 2" in fit.line

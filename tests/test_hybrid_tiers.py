@@ -173,3 +173,49 @@ def test_n_choices_fork_the_recurrent_state(folder, cold):
         assert out.error is None
         got = next((ev for ev in out.events if hasattr(ev, "cached_tokens")), None)
     _check_cold(got, prompt, cold)
+
+
+def _old_layout(path, layers: int) -> None:
+    """Rewrite a block file as the engine wrote it before its KV held attention layers only: K and V of every
+    layer (the recurrent ones zeros), the same key, ids and state."""
+    b = decode(bytearray(path.read_bytes()))
+    full = (layers,) + tuple(b.meta.shape[1:])
+    k, v = torch.zeros(full, dtype=b.k.dtype), torch.zeros(full, dtype=b.v.dtype)
+    k[-b.k.shape[0]:], v[-b.v.shape[0]:] = b.k, b.v
+    header, payload = encode(b.meta.__class__(**{**b.meta.__dict__, "shape": full}), k, v, b.state)
+    path.write_bytes(b"".join([header, *payload]))
+
+
+def test_kv_holds_the_attention_layers_only(folder, cold, tmp_path):
+    """A hybrid slot's K and V hold its attention layers only (1 of this model's 4: 3 DeltaNet layers keep a state
+    instead), and so does every tier entry: a 64-token block's payload is that KV plus the state. Blocks a disk tier
+    holds in the old layout (every layer's K and V) are refused and recomputed, never misread: the answer is cold's."""
+    cache = CacheConfig(ram_bytes=64 << 20, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
+    first = _engine(folder, cache=cache)
+    cfg, slot = first.config, first.slots[0]
+    assert cfg.attention_layers == (3,) and cfg.num_layers == 4
+    assert tuple(slot.k.shape) == (1, cfg.num_kv_heads, slot.capacity, cfg.head_dim) == tuple(slot.v.shape)
+    per_token = 2 * 1 * cfg.num_kv_heads * cfg.head_dim * 4                # K and V, one layer, fp32
+    assert slot.k.nbytes + slot.v.nbytes == per_token * slot.capacity
+    first.generate(BASE, max_tokens=1, ignore_eos=True, slot=0)
+    first.store.save(slot)
+    state = slot.state.shape.nbytes
+    for e in first.store.ram.oldest_first():
+        n = len(e.meta.ids)
+        assert tuple(e.k.shape) == (1, cfg.num_kv_heads, n, cfg.head_dim)
+        header, payload = encode(e.meta, e.k, e.v, e.state)
+        assert sum(len(p) for p in payload) == per_token * n + state     # was 4x the KV: every layer's
+    assert first.persist_cache() >= 300 // B
+    first.store.close(10)
+    files = sorted((tmp_path / "kv").rglob("*.tkv"))
+    assert files
+    for f in files:
+        _old_layout(f, cfg.num_layers)
+    second = _engine(folder, cache=cache)
+    try:
+        prompt = BASE + OTHER[:30]
+        got = second.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True)
+        assert got.cached_tokens == 0
+        _check_cold(got, prompt, cold)
+    finally:
+        second.store.close(10)

@@ -139,7 +139,7 @@ def test_many_sequences_in_one_call_equal_each_alone():
 
     from ternlm.models.llama import Segment, segment_table
     torch.manual_seed(3)
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64)
+    cfg = SimpleNamespace(num_layers=2, attention_layers=(0, 1), num_kv_heads=3, head_dim=64)
     segs = [Segment(start, n, torch.randn(2, 3, cap, 64), torch.randn(2, 3, cap, 64))
             for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512), (12, 1, 256)]]
     M = sum(s.length for s in segs)
@@ -169,7 +169,7 @@ def test_lone_row_of_one_kv_head_splits_its_heads_with_the_same_bits():
 
     from ternlm.models.llama import Segment, segment_table
     g = torch.Generator().manual_seed(5)
-    cfg = SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=256)
+    cfg = SimpleNamespace(num_layers=1, attention_layers=(0,), num_kv_heads=1, head_dim=256)
     cap, start = 3000, 2999                      # one row at position 2999: all 3,000 keys
     k, v = torch.randn(1, 1, cap, 256, generator=g), torch.randn(1, 1, cap, 256, generator=g)
     q = torch.randn(4, 1, 256, generator=g)
@@ -192,7 +192,7 @@ def fp16_segments_check(kn) -> None:
     from types import SimpleNamespace
 
     from ternlm.models.llama import Segment, segment_table
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64)
+    cfg = SimpleNamespace(num_layers=2, attention_layers=(0, 1), num_kv_heads=3, head_dim=64)
     g = torch.Generator().manual_seed(11)
     caches = [(start, n, torch.randn(2, 3, cap, 64, generator=g).half(), torch.randn(2, 3, cap, 64, generator=g).half())
               for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512)]]

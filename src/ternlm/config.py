@@ -112,6 +112,12 @@ class ModelConfig:
         """The layers with a recurrent state, in order (their index into a slot's RecurrentState)."""
         return tuple(i for i in range(self.num_layers) if self.kind(i) in RECURRENT_KINDS)
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with attention, in order: their index here is their place in a slot's KV (kv/slots.py),
+        so a hybrid model's KV holds no recurrent or feed-forward-only layer. Every layer when no layer_kinds."""
+        return tuple(i for i in range(self.num_layers) if self.kind(i) == "attention")
+
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window; 0: full causal attention."""
         return self.layer_windows[layer] if self.layer_windows else 0

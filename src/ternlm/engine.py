@@ -38,6 +38,7 @@ from .kv.placement import Placement, plan_placement
 from .kv.record import Reuse, decide_reuse
 from .kv.recurrent import recurrent_shape
 from .kv.slots import KVShape, Slot
+from .message_marks import message_marks
 from .kv.store import CacheConfig, StoreIdentity, TieredStore
 from .models.llama import ATTN_BLOCK, Transformer
 from .models.loaded import LoadedModel
@@ -139,9 +140,14 @@ class Engine:
         self._expert_use: "weakref.WeakKeyDictionary[Sequence, dict[str, int]]" = weakref.WeakKeyDictionary()
         self.runner = Runner(self.model, CHUNK_RESIDENT if chunk_size is None else chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
-        shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx, ATTN_BLOCK)
+        # K and V of the attention layers only: a hybrid model's recurrent layers keep a state instead
+        shape = KVShape(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx,
+                        ATTN_BLOCK)
         recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
-        self.slots = [Slot(i, shape, recurrent=recurrent, state_interval=state_interval) for i in range(slots)]
+        # ... and the token that opens every message: its slots snapshot the state before each one fed
+        self.message_marks = message_marks(self.chat_template, self.tokenizer) if recurrent else frozenset()
+        self.slots = [Slot(i, shape, recurrent=recurrent, state_interval=state_interval, marks=self.message_marks)
+                      for i in range(slots)]
         # What the KV depends on besides token ids: the weights, the config as loaded, and the kernels
         # (dtype, kernel path, torch version, CPU class): two hosts sharing a cache directory, or one
         # host after a torch upgrade, must never load each other's KV (the bits may differ).
@@ -154,7 +160,7 @@ class Engine:
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
         if cache is not None and prefix_reuse:
-            ident = StoreIdentity(loaded.sha256, str(dtype), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+            ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, cfg.head_dim,
                                   self.kv_dtype, recurrent.shapes if recurrent is not None else None)
             self.store = TieredStore.from_config(ident, cache)
         self.drafts = draft if draft is not None else PromptLookups()
@@ -576,7 +582,7 @@ def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
         # counting the fp16 KV at its size left a 2,048-row chunk's process under an 8 GiB cgroup cap
         # OOM-killed in turn 2 (issue 49's probe, 2026-12-04); fp32's 2x kept it ~0.5 GB under the cap
         kv_elem = 4
-        kv = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
+        kv = len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * 2 * kv_elem * ctx * kw.get("slots", 1)
         available = _available_memory() if requested == "auto" else None
         auto = kw.get("chunk_size") is None
         rows = CHUNK_RESIDENT if auto else kw["chunk_size"]

@@ -9,7 +9,7 @@ What a configuration needs (`Budget`), in bytes, each part at its steady-state m
   model     --weights gguf: the file's size (its blocks are kept, repacked for the kernels);
             dense: parameters x 2 (bf16/fp16) or 4 (fp32), a tied embedding twice (lm_head is its own
             packed copy)
-  KV        layers x kv_heads x head_dim x 2 (K and V) x bytes per element (fp32 4, fp16 2)
+  KV        attention layers x kv_heads x head_dim x 2 (K and V) x bytes per element (fp32 4, fp16 2)
             x ctx (rounded up to the attention block, as slots allocate) x slots
   RAM tier  serve's --cache-ram (the tier fills up to its budget), when prefix reuse is on
   overhead  OVERHEAD + model / 8: tokenizer, RoPE tables, the kernels' layouts, allocator slack. Measured
@@ -53,7 +53,7 @@ class DoesNotFit(ValueError):
 class Budget:
     """What one configuration needs, in parts. Pure data."""
     model: int               # bytes the weights take in memory
-    kv_per_token: int        # bytes of K and V for one token of one slot, all layers
+    kv_per_token: int        # bytes of K and V for one token of one slot, every attention layer
     ctx: int                 # tokens a slot may grow to (already rounded up to ATTN_BLOCK)
     slots: int
     ram_tier: int = 0        # serve's --cache-ram budget; 0 where there is no RAM tier
@@ -92,7 +92,8 @@ class Fit:
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> int:
-    """K and V of one token in one slot, all layers, as kv/slots.py allocates them."""
+    """K and V of one token in one slot, `layers` attention layers (config.attention_layers: a hybrid model's
+    recurrent layers hold none), as kv/slots.py allocates them."""
     return layers * kv_heads * head_dim * 2 * KV_ELEMENT_BYTES[kv_dtype]
 
 
@@ -306,16 +307,17 @@ def _state_bytes(cfg) -> int:
 
 
 def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int]:
-    """(layers, kv_heads, head_dim, context, parameters, tied embedding's parameters or 0, bytes of
-    expert tensors, a slot's recurrent state bytes) from the GGUF header (FastGGUFReader maps the file; reads no tensor data)."""
+    """(attention layers (a slot's KV holds no other), kv_heads, head_dim, context, parameters, tied embedding's
+    parameters or 0, bytes of expert tensors, a slot's recurrent state bytes) from the GGUF header
+    (FastGGUFReader maps the file; reads no tensor data)."""
     from .models.gguf import FastGGUFReader, config_from_gguf
     reader = FastGGUFReader(path)
     cfg = config_from_gguf(reader)
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
     tied = sizes.get("token_embd.weight", 0) if cfg.tie_word_embeddings else 0
     experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
-    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied,
-            experts, _state_bytes(cfg))
+    return (len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()),
+            tied, experts, _state_bytes(cfg))
 
 
 def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int]:
@@ -326,7 +328,8 @@ def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int]:
         sizes |= _safetensors_sizes(file)
     cfg = config_from_hf(json.loads((folder / "config.json").read_text()), set(sizes))
     tied = sizes.get("model.embed_tokens.weight", 0) if cfg.tie_word_embeddings else 0
-    return (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()), tied, 0,
+    return (len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()),
+            tied, 0,
             _state_bytes(cfg))
 
 

@@ -89,7 +89,9 @@ def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float3
             "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2"}[cfg.kind(cfg.recurrent_layers[0])],
             "snapshot_bytes": shape.nbytes, "state_interval": state_interval, "snapshot_budget": SNAPSHOT_BUDGET,
             "snapshot_bytes_per_token": shape.nbytes / state_interval,
-            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)}
+            "attention_layers": len(cfg.attention_layers),
+            "kv_bytes_per_token": kv_bytes_per_token(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim,
+                                                     kv_dtype)}
 
 
 def _print(info: dict, out) -> None:
@@ -134,10 +136,10 @@ def _print(info: dict, out) -> None:
         from .sizes import format_size
         lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers {r.get('recurrent_kind', 'gated DeltaNet')} · "
                      f"{format_size(r['snapshot_bytes'])} a state snapshot, one every {r['state_interval']} positions "
-                     f"and at each prefill's end: {format_size(int(r['snapshot_bytes_per_token']))} a token, up to "
-                     f"{format_size(r['snapshot_budget'])} a slot (the newest kept) · KV "
-                     f"{format_size(r['kv_bytes_per_token'])} a token (every layer's cache is allocated, the "
-                     f"recurrent layers' unused)")
+                     f"and at each prefill's end and message start: {format_size(int(r['snapshot_bytes_per_token']))} "
+                     f"a token on the grid, up to {format_size(r['snapshot_budget'])} a slot (the newest kept) · KV "
+                     f"{format_size(r['kv_bytes_per_token'])} a token (the {r['attention_layers']} attention layers' "
+                     f"only)")
     print("\n".join(lines), file=out)
 
 

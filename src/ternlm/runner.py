@@ -52,14 +52,17 @@ class Feed:
 
 def _captures(f: Feed) -> dict | None:
     """The recurrent snapshots a feed's step takes (kv/recurrent.py `wants`: the grid's positions it
-    crosses, and its end when it ends a prefill, i.e. a multi-token feed that asks for logits), as empty
-    tensors the recurrent layers fill; None without a recurrent state."""
+    crosses, its end when it ends a prefill, i.e. a multi-token feed that asks for logits, and the state
+    before each message-start token it feeds), as tensors the recurrent layers fill; None without a
+    recurrent state. A mark at the feed's start is the live state itself: copied here, the layers never
+    write a capture at the start (they fill positions in (start, end])."""
     st = f.slot.state
     if st is None:
         return None
     start = len(f.slot.record)
-    want = st.wants(start, start + len(f.ids), prefill_end=len(f.ids) > 1 and f.logits != "none")
-    return {p: (torch.empty_like(st.conv), torch.empty_like(st.ssm)) for p in want} or None
+    want = st.wants(start, f.ids, prefill_end=len(f.ids) > 1 and f.logits != "none")
+    return {p: (st.conv.clone(), st.ssm.clone()) if p == start
+            else (torch.empty_like(st.conv), torch.empty_like(st.ssm)) for p in want} or None
 
 
 class Runner:
@@ -194,7 +197,7 @@ class Runner:
         m = self.model
         cfg = m.cfg
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
+        k = torch.zeros(len(cfg.attention_layers), cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
         v = torch.zeros_like(k)
         shape = recurrent_shape(cfg)
         state = RecurrentState(shape) if shape is not None else None     # a hybrid model's, from position 0

@@ -84,7 +84,7 @@ def layer_spec(kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor, ml
     if cfg.hidden_size % 16 or inter % 16 or d % 16 or d > 256 or cfg.num_heads % cfg.num_kv_heads:
         return f"shapes layer.c does not take (hidden {cfg.hidden_size}, intermediate {inter}, head_dim {d})"
     spec = _Layer(hidden=cfg.hidden_size, inter=inter, H=cfg.num_heads, KV=cfg.num_kv_heads, D=d,
-                  index=layer.index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
+                  index=layer.kv_index, eps=cfg.rms_norm_eps, in_norm=_ptr_of(layer.input_norm),
                   post_norm=_ptr_of(layer.post_norm), q_norm=_ptr_of(layer.q_norm),
                   k_norm=_ptr_of(layer.k_norm), cos=cos.data_ptr(), sin=sin.data_ptr(), **projs,
                   act=ACT_CODE[cfg.mlp_act], attn_out_norm=_ptr_of(layer.attn_out_norm),

@@ -2,9 +2,10 @@
 
 Why snapshots: attention KV can be cut back to any prefix, a recurrent layer's state cannot (it folds every
 token in). So the slot keeps the state at the end of its record (`pos`) and copies of it at earlier
-positions: every `interval` absolute positions (the grid) and at the end of each prefill. Reuse resumes
-from the latest of those at or before the divergence ([RESUME-AT-SNAPSHOT]); at most the grid's interval of
-tokens (plus what was decoded since the last snapshot) is prefilled again. The scan takes the same per-token
+positions: every `interval` absolute positions (the grid), at the end of each prefill, and before every
+message-start token fed (`marks`: the chat template's, message_marks.py), where an edit of that message
+diverges. Reuse resumes from the latest of those at or before the divergence ([RESUME-AT-SNAPSHOT]); at
+most the grid's interval of tokens (plus what was decoded since the last snapshot) is prefilled again. The scan takes the same per-token
 steps on every path (kernels/recurrent.c [RESUME-EXACT]), so a resumed state has the cold run's bits.
 
 Invariant: `pos == len(record)` whenever the slot is idle, and the state (and every snapshot at s) describes
@@ -29,11 +30,6 @@ class RecurrentShape:
     heads: int           # value heads Hv | Mamba-2 heads H
     key_dim: int         # dk | head_dim P
     value_dim: int       # dv | d_state N
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(conv, ssm) tensor shapes: what a stored entry's state must have (kv/blockfile.BlockMeta.state)."""
-        return (self.layers, self.conv_dim, self.conv_keep), (self.layers, self.heads, self.key_dim, self.value_dim)
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -67,13 +63,16 @@ SNAPSHOT_BUDGET = 256 << 20
 class RecurrentState:
     """One slot's recurrent state. Not thread-safe: the slot's holder is its only user."""
 
-    def __init__(self, shape: RecurrentShape, interval: int = 64, max_snapshots: int | None = None):
-        """max_snapshots: None = as many as SNAPSHOT_BUDGET holds (at least 2, at most 4096)."""
+    def __init__(self, shape: RecurrentShape, interval: int = 64, max_snapshots: int | None = None,
+                 marks: frozenset[int] = frozenset()):
+        """max_snapshots: None = as many as SNAPSHOT_BUDGET holds (at least 2, at most 4096). marks: token ids
+        that open a message (message_marks.py); the state before each one fed is snapshot (`wants`)."""
         if max_snapshots is None:
             max_snapshots = self.snapshots_for(shape)
         if interval < 1 or max_snapshots < 1:
             raise ValueError("state interval and max snapshots must be >= 1")
         self.shape, self.interval, self.max_snapshots = shape, interval, max_snapshots
+        self.marks = frozenset(marks)
         s = shape
         self.conv = torch.zeros(s.layers, s.conv_dim, s.conv_keep)            # (R, conv_dim, K - 1), oldest first
         self.ssm = torch.zeros(s.layers, s.heads, s.key_dim, s.value_dim)     # (R, Hv, dk, dv)
@@ -137,21 +136,29 @@ class RecurrentState:
             del self.snaps[s]
         self.keep(k, self.conv.clone(), self.ssm.clone())
 
-    def wants(self, start: int, end: int, prefill_end: bool) -> list[int]:
-        """Positions in (start, end] whose state a step over [start, end) should copy: the grid's multiples,
-        and `end` itself at the end of a prefill. Pure."""
-        grid = list(range((start // self.interval + 1) * self.interval, end + 1, self.interval))
-        return grid + ([end] if prefill_end and end not in grid and end > start else [])
+    def wants(self, start: int, ids: list[int], prefill_end: bool) -> list[int]:
+        """Positions a step feeding `ids` at [start, end) should snapshot, ascending: the grid's multiples in
+        (start, end], `end` itself at the end of a prefill, and each p whose fed token is a mark (the state
+        before a message starts), at most the newest max_snapshots // 2 of them (the boundary pool's share:
+        keep() would drop older ones at once, and each costs a state's bytes during the step). A mark at
+        `start` itself is wanted only when the live state is there (pos == start): the caller copies it, the
+        step does not cross it. Pure."""
+        end = start + len(ids)
+        grid = range((start // self.interval + 1) * self.interval, end + 1, self.interval)
+        marks = [start + i for i, t in enumerate(ids) if t in self.marks and (i or self.pos == start)]
+        marks = marks[-(self.max_snapshots // 2):] if self.max_snapshots // 2 else []
+        return sorted(set(grid) | set(marks) | ({end} if prefill_end and end > start else set()))
 
     def keep(self, pos: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """A snapshot at `pos` (copies made by the caller). Over max_snapshots one goes, never the newest:
-        the oldest turn boundary (a position off the grid: a prefill's end) while boundaries hold more than
-        half the budget, else the oldest grid point. Why two pools: in a chat that appended turns, an edit a
-        few turns back diverges just after a past turn's prompt, which only that prefill's end reaches
-        closely; an append or a trimmed answer diverges near the end, which the newest grid points serve. With
-        one oldest-first pool the grid evicted every boundary (a 24-layer model holds 13 snapshots in its
-        256 MiB: 832 tokens of grid). It does not help a chat edited every turn: each edit's restore drops the
-        boundaries past it, and the re-prefill leaves only its own end (snapshots at message ends would)."""
+        the oldest boundary (a position off the grid: a prefill's end or a message start) while boundaries
+        hold more than half the budget, else the oldest grid point. Why two pools: an edit a few messages
+        back diverges just after that message's start, which only a boundary reaches closely; an append or a
+        trimmed answer diverges near the end, which the newest grid points (and the last prefill's end)
+        serve. With one oldest-first pool the grid evicted every boundary (a 24-layer model holds 13
+        snapshots in its 256 MiB: 832 tokens of grid). Oldest first in each pool: edits and appends land
+        near the end of a chat, and a restore drops what lies past it, so the newest boundaries are the
+        ones a chat edited every turn needs (each re-prefill snapshots the message starts it feeds)."""
         self.snaps[pos] = (conv, ssm)
         while len(self.snaps) > self.max_snapshots:
             newest = max(self.snaps)

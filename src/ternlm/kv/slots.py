@@ -25,7 +25,7 @@ class ContextOverflow(ValueError):
 
 @dataclass(frozen=True)
 class KVShape:
-    layers: int
+    layers: int                # attention layers (config.attention_layers): a hybrid model's others hold no KV
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -40,13 +40,16 @@ class Slot:
     """One KV sequence. Not thread-safe: whoever holds the slot is its only user."""
 
     def __init__(self, index: int, shape: KVShape, initial_capacity: int = 256,
-                 recurrent: RecurrentShape | None = None, state_interval: int = 64):
+                 recurrent: RecurrentShape | None = None, state_interval: int = 64,
+                 marks: frozenset[int] = frozenset()):
+        """recurrent, state_interval, marks: a hybrid model's recurrent state, its snapshot grid and the
+        message-start token ids it snapshots before (kv/recurrent.py)."""
         self.index = index
         self.shape = shape
         self.record = PrefixRecord()
         self.last_used = 0.0                 # time.monotonic() of the last release, for LRU
         # a hybrid model's recurrent layers: their state after the record's last position, and snapshots
-        self.state = RecurrentState(recurrent, state_interval) if recurrent is not None else None
+        self.state = RecurrentState(recurrent, state_interval, marks=marks) if recurrent is not None else None
         self._allocate(shape.round_up(min(initial_capacity, shape.max_capacity)))
 
     @property
@@ -55,7 +58,7 @@ class Slot:
 
     def _allocate(self, capacity: int) -> None:
         s = self.shape
-        # k, v: (layers, kv_heads, capacity, head_dim)
+        # k, v: (attention layers, kv_heads, capacity, head_dim)
         self.k = torch.zeros(s.layers, s.kv_heads, capacity, s.head_dim, dtype=s.dtype)
         self.v = torch.zeros_like(self.k)
         self._clear()  # new buffers hold nothing the record could describe

@@ -50,7 +50,7 @@ class StoreIdentity:
     """What every stored block of this engine shares (written into each block file's header)."""
     model_sha256: str
     dtype: str                       # compute dtype, e.g. "torch.bfloat16"
-    layers: int
+    layers: int                      # attention layers: the slot's KV (a stored block of another count is refused)
     kv_heads: int
     head_dim: int
     kv_dtype: str = "float32"

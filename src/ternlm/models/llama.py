@@ -137,11 +137,11 @@ def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v
 
 def segment_table(segments: list["Segment"], cfg: ModelConfig, kv_dtype: torch.dtype = KV_DTYPE) -> torch.Tensor:
     """(n, 6) int64 for kernels/attention.c's tq_attention_segments: per segment its first row, rows,
-    start position, cache capacity and the addresses of its K and V caches (layers, KV, cap, D) of
+    start position, cache capacity and the addresses of its K and V caches (attention layers, KV, cap, D) of
     kv_dtype. Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
     rows, r0 = [], 0
     for s in segments:
-        shape = (cfg.num_layers, cfg.num_kv_heads, s.k_cache.shape[2], cfg.head_dim)
+        shape = (len(cfg.attention_layers), cfg.num_kv_heads, s.k_cache.shape[2], cfg.head_dim)
         check(s.k_cache.dtype == s.v_cache.dtype == kv_dtype and s.k_cache.is_contiguous()
               and s.v_cache.is_contiguous() and tuple(s.k_cache.shape) == tuple(s.v_cache.shape) == shape
               and s.start + s.length <= shape[2], "native attention: a segment's caches do not fit")
@@ -170,7 +170,7 @@ class Segment:
     chunk that does not end the prompt: the LM head is skipped)."""
     start: int
     length: int
-    k_cache: torch.Tensor     # (layers, kv_heads, capacity, head_dim), capacity >= start + length
+    k_cache: torch.Tensor     # (attention layers, kv_heads, capacity, head_dim), capacity >= start + length
     v_cache: torch.Tensor
     logits: str = "last"
     # hybrid models (deltanet.py): the sequence's kv/recurrent.RecurrentState at `start`, advanced by the
@@ -186,8 +186,8 @@ class _Part:
     r1: int
     start: int
     bias: torch.Tensor | None  # (T, S) from causal_bias; None with the native attention
-    k_cache: torch.Tensor     # (kv_heads, capacity, head_dim)
-    v_cache: torch.Tensor
+    k_cache: torch.Tensor | None    # (kv_heads, capacity, head_dim); None: a layer without attention
+    v_cache: torch.Tensor | None
     state: object = None      # Segment.state, Segment.captures (recurrent layers)
     captures: dict | None = None
 
@@ -206,7 +206,10 @@ class Layer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
-        self.index = index              # this layer's place in the slots' caches (native attention)
+        self.index = index              # this layer's place in the model (the expert store's key)
+        # its place in the slots' caches, which hold attention layers only (config.attention_layers); None:
+        # a recurrent or feed-forward-only layer, no KV
+        self.kv_index = cfg.attention_layers.index(index) if cfg.kind(index) == "attention" else None
         self.window = cfg.window(index)  # attention window, 0: full [SWA-KV]
         self.q_scale = cfg.q_scale
         self.rope = 0                   # which of the model's RoPE tables (Transformer.ropes) this layer reads
@@ -341,7 +344,7 @@ class Layer(nn.Module):
         H, M, D = q.shape
         qs = (q.to(KV_DTYPE) * self.q_scale).contiguous()    # the same scaling as `attention`
         out = torch.empty(M, H * D, dtype=KV_DTYPE)
-        self.kernels.attention_segments(table.data_ptr(), table.shape[0], self.index, qs.data_ptr(), M, H,
+        self.kernels.attention_segments(table.data_ptr(), table.shape[0], self.kv_index, qs.data_ptr(), M, H,
                                         self.cfg.num_kv_heads, D, out.data_ptr(), torch.get_num_threads(),
                                         window=self.window)
         return out
@@ -500,7 +503,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, start: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 all_logits: bool = False, state=None) -> torch.Tensor:
         """x: (T, hidden) input embeddings of positions [start, start + T).
-        k_cache/v_cache: (layers, kv_heads, capacity >= start + T, head_dim).
+        k_cache/v_cache: (attention layers, kv_heads, capacity >= start + T, head_dim): config.attention_layers.
         Returns fp32 logits (T, vocab) when all_logits, else (1, vocab) for the last position only
         (a 1024-token prefill would otherwise spend more on the LM head than on attention).
         Side effect: writes K/V of positions [start, start + T) into the caches; nothing else.
@@ -535,9 +538,11 @@ class Transformer(nn.Module):
             if self.cfg.recurrent_layers and (s.state is None or s.state.pos != s.start):
                 raise ValueError(f"a hybrid model's segment at {s.start} needs its recurrent state there "
                                  f"(state at {getattr(s.state, 'pos', None)})")
-            for i, layer_parts in enumerate(parts):
-                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias[self.layers[i].window],
-                                         s.k_cache[i], s.v_cache[i], s.state, s.captures))
+            for layer, layer_parts in zip(self.layers, parts):
+                kv = layer.kv_index                              # None: no attention, no KV of its own
+                layer_parts.append(_Part(r0, r0 + s.length, s.start, bias[layer.window],
+                                         None if kv is None else s.k_cache[kv], None if kv is None else s.v_cache[kv],
+                                         s.state, s.captures))
             r0 += s.length
         table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
