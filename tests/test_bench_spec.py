@@ -17,7 +17,7 @@ import pytest
 
 from ternlm.bench import peers, spec, spec_edits
 from ternlm.bench.spec_stream import Answer
-from ternlm.bench.spec_summary import TERNLM_OFF, TERNLM_ON, identity, markdown, part, ratios
+from ternlm.bench.spec_summary import TERNLM_DRAFT, TERNLM_OFF, TERNLM_ON, identity, markdown, part, ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = peers.find_llama_server(ROOT)
@@ -63,6 +63,19 @@ def test_the_identity_check_fails_on_a_difference():
                                                          "mt_max_tokens": 8}, "parts": {"mtbench": p | {"ratios": ratios(p, 0.95)}}}
     md = markdown(result)
     assert "**MISMATCH**" in md and "a required pair answered differently" in md
+
+
+def test_a_draft_model_is_a_third_ternlm_contender_held_to_the_same_text():
+    field = spec.contenders(None, [], "qwen2.5-coder-0.5b")
+    assert [(c.label, c.spec, c.extra) for c in field][2] == (TERNLM_DRAFT, "auto", ("--draft-model", "qwen2.5-coder-0.5b"))
+    assert len(spec.contenders(None, [])) == 2
+    runs = {TERNLM_OFF: [[_answer("a")]], TERNLM_ON: [[_answer("a", drafted=3)]], TERNLM_DRAFT: [[_answer("b", drafted=2)]]}
+    p = part(runs, [(TERNLM_ON, TERNLM_OFF, True), (TERNLM_DRAFT, TERNLM_OFF, True)])
+    p["ratios"] = ratios(p, 2.5)
+    assert p["ratios"]["draft_over_off_server_tok_s"] == 1.0
+    md = markdown({"model": "m", "command": "c", "settings": {"threads": 1, "repeats": 1, "mt_questions": 1,
+                                                              "mt_max_tokens": 8}, "parts": {"mtbench": p}})
+    assert "ternlm draft model / off, decode tok/s: **x1.00**" in md and "**MISMATCH**: ternlm draft model" in md
 
 
 def test_llama_spec_types_are_read_from_its_help(tmp_path):

@@ -39,6 +39,25 @@ def test_budget_parts_by_hand():
     assert b.total == GiB + 3584 * MiB + 2 * GiB + 384 * MiB
 
 
+def test_a_draft_model_adds_its_weights_and_kv_by_hand():
+    """qwen2.5-coder-0.5b drafting for the 1.5b: 24 layers x 2 kv heads x 64 dims x (K, V) x fp16 per token of each
+    (paired) slot, counted at the target's context; one fixed overhead, model / 8 over both models."""
+    draft_kv = 24 * 2 * 64 * 2 * 2
+    b = Budget(model=1 * GiB, kv_per_token=QWEN15_KV, ctx=32768, slots=4, draft_model=512 * MiB,
+               draft_kv_per_token=draft_kv)
+    assert b.kv == (28_672 + 12_288) * 32_768 * 4 == 5 * GiB
+    assert b.overhead == OVERHEAD + 1536 * MiB // 8 == 448 * MiB
+    assert b.total == 1536 * MiB + 5 * GiB + 448 * MiB
+    f = check(b, Available(4 * GiB, "MemAvailable"), slots_flag=True)
+    # KV room: 4 GiB - 1.5 GiB - 448 MiB = 2,112 MiB; / (40,960 x 4) = 13,516 tokens -> 13,312; 1,280 MiB a slot
+    assert f.line == ("needs ~6.9 GiB (model 1.0 GiB + draft model 512.0 MiB + KV 5.0 GiB for 4 slots x 32768 tokens "
+                      "(both) + 448.0 MiB overhead), 4.0 GiB available (MemAvailable): try --ctx 13312 or --slots 1 "
+                      "(--no-fit-check loads anyway)")
+    alone = check(Budget(model=1 * GiB, kv_per_token=QWEN15_KV, ctx=32768, slots=1, draft_model=3 * GiB,
+                         draft_kv_per_token=draft_kv), Available(4 * GiB, "x"), slots_flag=True)
+    assert ": the models alone need ~4.8 GiB: try a smaller model"   # 4 GiB + 256 + 512 MiB in alone.line
+
+
 def test_refusal_is_one_line_with_the_ctx_that_fits():
     b = Budget(model=1 * GiB, kv_per_token=QWEN15_KV, ctx=32768, slots=4)
     f = check(b, MEM, slots_flag=True)
@@ -87,12 +106,12 @@ def test_fits_exactly_and_unknown_memory_is_not_refused():
 @settings(max_examples=500, deadline=None)
 @given(model=st.integers(1, 8 * GiB), kvpt=st.integers(1024, 1 << 20), ctx=st.integers(1, 512).map(lambda k: k * 256),
        slots=st.integers(1, 64), tier=st.sampled_from([0, 512 * MiB, 2 * GiB]), avail=st.integers(0, 64 * GiB),
-       slots_flag=st.booleans())
-def test_every_suggestion_fits_and_is_smaller(model, kvpt, ctx, slots, tier, avail, slots_flag):
+       slots_flag=st.booleans(), draft=st.sampled_from([(0, 0), (100 * MiB, 4096), (2 * GiB, 1 << 18)]))
+def test_every_suggestion_fits_and_is_smaller(model, kvpt, ctx, slots, tier, avail, slots_flag, draft):
     """Property: whatever it refuses, each option it names fits when applied (an option may set two or
     three flags: `--cache-ram 0 --ctx N`, `--slots 1 --ctx N`), and "the model alone" is said only when
     not one block of tokens fits (in one slot where --slots can change, else in each)."""
-    b = Budget(model, kvpt, ctx, slots, tier)
+    b = Budget(model, kvpt, ctx, slots, tier, draft_model=draft[0], draft_kv_per_token=draft[1])
     f = check(b, Available(avail, "x"), slots_flag=slots_flag)
     assert f.ok == (b.total <= avail)
     if f.ok:
@@ -112,10 +131,11 @@ def test_every_suggestion_fits_and_is_smaller(model, kvpt, ctx, slots, tier, ava
                 assert flag == "--cache-ram" and (value == "0" or value.endswith("MiB"))
                 new["ram_tier"] = int(value.removesuffix("MiB")) * MiB
                 assert new["ram_tier"] < tier
-        assert check(Budget(model, kvpt, **new), Available(avail, "x")).ok, (option, f.line)
+        assert check(Budget(model, kvpt, **new, draft_model=draft[0], draft_kv_per_token=draft[1]),
+                     Available(avail, "x")).ok, (option, f.line)
     if not options:
-        assert "the model alone needs" in f.line
-        assert model + b.overhead + kvpt * 256 * (1 if slots_flag else slots) > avail
+        assert "alone need" in f.line
+        assert model + draft[0] + b.overhead + (kvpt + draft[1]) * 256 * (1 if slots_flag else slots) > avail
 
 
 def test_tier_and_kv_together_when_neither_alone_fits():
@@ -236,6 +256,20 @@ def test_require_fit_raises_one_line(monkeypatch, smollm2_gguf):
     with pytest.raises(DoesNotFit, match=r"4 slots x 8192 tokens.*: try --ctx 2048 or --slots 1 \("):
         require_fit("smollm2-135m", weights="gguf", slots=4, slots_flag=True)
     assert require_fit("smollm2-135m", weights="gguf", ctx=2048, slots=4).ok
+
+
+def test_require_fit_counts_the_draft_model(monkeypatch, smollm2_gguf):
+    """smollm2 drafting for itself: its file and its KV twice; a memory that fits the model alone refuses the pair,
+    naming a --ctx that fits both."""
+    one = budget_for("smollm2-135m", weights="gguf", ctx=2048, slots=4)
+    two = budget_for("smollm2-135m", weights="gguf", ctx=2048, slots=4, draft_model="smollm2-135m")
+    assert (two.model, two.draft_model, two.draft_kv_per_token) == (one.model, one.model, one.kv_per_token)
+    assert two.kv == 2 * one.kv and two.total == one.total + one.model + one.kv + one.model // 8
+    between = (one.total + two.total) // 2
+    monkeypatch.setattr(fit, "available_memory", lambda: Available(between, "MemAvailable"))
+    assert require_fit("smollm2-135m", weights="gguf", ctx=2048, slots=4).ok
+    with pytest.raises(DoesNotFit, match=r"draft model .* \(both\) .*: try --ctx \d+ or --slots \d \("):
+        require_fit("smollm2-135m", weights="gguf", ctx=2048, slots=4, slots_flag=True, draft_model="smollm2-135m")
 
 
 def test_what_the_check_cannot_read_is_left_to_the_load(tmp_path):

@@ -3,7 +3,8 @@
 Why: prompt lookup (drafter.py) drafts only text the conversation already holds; a small model of the same
 family (qwen2.5-coder-0.5b for the 1.5b) guesses fresh text too. Its guesses are verified exactly as prompt
 lookup's are (sequence.py `_verify`: a drafted token is kept only if it is the token the target samples there),
-so the answer cannot change; a draft model costs only time, its k one-token steps per draft.
+so the answer cannot change; a draft model costs only time: per engine step, one small forward per draft position
+for all the step's drafting requests together (draft_batch.py), not one per request.
 
 The draft model is an Engine of its own, with its own slots, records and reuse: draft slot i serves the request
 in target slot i, so a conversation's next turn reuses the draft model's KV as it reuses the target's. Its record
@@ -11,6 +12,9 @@ follows [RECORD-WHERE-FED]: drafting k tokens feeds the request's not-yet-seen t
 first draft in chunks), then k - 1 drafted tokens one by one; `verified` cuts the draft slot back to what the
 target kept, so the record vouches only for tokens that were fed and kept. No tiers: a draft slot's KV lives in
 its slot only.
+
+A failing draft model (an exception in its forward, its slot's context) never fails a request: `draft_many` resets
+the draft slots it was feeding and re-raises, and the engine lets those requests go on without drafts (Engine.step).
 
 Same tokenizer means the same token list and special ids (not the same name): ids are what the drafter hands
 the target. A hybrid draft model is refused (its recurrent state cannot be cut back past rejected tokens).
@@ -21,9 +25,8 @@ drafter per request keeps the pacing (drafter.DraftPace) and the draft slot's bo
 """
 from __future__ import annotations
 
-import torch
-
-from .drafter import DraftPace
+from .draft_batch import Lane, draft_together
+from .drafter import DraftAsk, DraftPace
 from .invariants import check
 from .kv.record import decide_reuse
 from .kv.slots import Slot
@@ -79,20 +82,34 @@ class DraftModel:
         self.vocab = min(self.vocab, target.config.vocab_size)   # a draft id must be a target id
 
     def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> "ModelDrafter":
-        return ModelDrafter(self.engine, self.engine.slots[slot], prompt, self.engine.namespace(cache_salt),
-                            self.vocab)
+        return ModelDrafter(self, self.engine.slots[slot], prompt, self.engine.namespace(cache_salt))
+
+    def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]:
+        """Each ask's greedy draft (asks' drafters: ModelDrafters of this factory, distinct slots), the draft
+        model's steps batched over all of them (draft_batch.py: one forward per draft position). Side effects:
+        feeds and records the draft slots; on an exception, resets every asking drafter's slot (empty record:
+        nothing half-fed is ever reused) and re-raises."""
+        lanes = [a.drafter.lane(a.limit) for a in asks]       # a paused drafter: a lane of k = 0, drafts []
+        try:
+            draft_together(self.engine.runner, [lane for lane in lanes if lane.k], self.vocab,
+                           self.engine.tokenizer.stop_ids)
+        except Exception:
+            for a in asks:
+                a.drafter.fail()
+            raise
+        return [lane.out for lane in lanes]
 
 
 class ModelDrafter:
     """One request's drafter on one draft slot (drafter.Drafter's interface). Not thread-safe: the request's
-    sequence is its only user, on the engine's thread. Invariant between calls, once `draft` ran: the slot's
+    sequence is its only user, on the engine's thread. Invariant between calls, once a draft ran: the slot's
     record is a prefix of `tokens` plus at most the last draft's tokens (`verified` cuts those back)."""
 
-    def __init__(self, engine, slot: Slot, tokens: list[int], namespace: bytes, vocab: int):
-        self.engine = engine                      # the draft model's engine.Engine
+    def __init__(self, factory: DraftModel, slot: Slot, tokens: list[int], namespace: bytes):
+        self.factory = factory
+        self.engine = factory.engine              # the draft model's engine.Engine
         self.slot = slot
         self.namespace = namespace
-        self.vocab = vocab                        # draft only ids < vocab (the target's too)
         self.tokens: list[int] = list(tokens)
         self.pace = DraftPace(FIRST_DRAFT, MAX_DRAFT, MISSES_BEFORE_PAUSE, PAUSE)
         self._placed = False                      # the slot's reuse decided (first draft)
@@ -105,26 +122,20 @@ class ModelDrafter:
         self.pace.advanced(len(tokens))
 
     def draft(self, limit: int) -> list[int]:
-        """Up to min(limit, the adaptive length) tokens the draft model would say next, greedily; [] when
-        paused, limit < 1 or the draft model's context is full. Side effects: feeds the draft slot the tokens it
-        has not seen (one step; on the first draft after reusing what the slot's record shares with them), then
-        each drafted token but the last (one-token steps), recording each [RECORD-WHERE-FED]."""
+        """This request's draft alone: the factory's batched draft of one (`draft_many`). Side effects: its."""
+        return self.factory.draft_many([DraftAsk(self, limit)])[0]
+
+    def lane(self, limit: int) -> Lane:
+        """This request's part of a batched draft (draft_batch.Lane): the tokens its slot has not seen and up to
+        min(limit, the adaptive length) tokens to draft; k = 0 (nothing to do) when paused, limit < 1 or the
+        draft model's context is full. Side effects: places the slot (`_sync`) when k > 0."""
         n = len(self.tokens)
         k = min(limit, self.pace.length, self.engine.ctx - n + 1)   # feeds n + k - 1 positions
         if k < 1 or self.pace.paused:
-            return []
+            return Lane(self.slot, [], 0)
         self._sync()
-        runner, slot = self.engine.runner, self.slot
-        logits = runner.prefill(slot, self.tokens[len(slot.record):])   # (vocab,) after tokens[-1]
         self._drafted_from = n
-        stops = self.engine.tokenizer.stop_ids
-        out: list[int] = []
-        while True:
-            tok = int(torch.argmax(logits[:self.vocab]))
-            out.append(tok)
-            if len(out) == k or tok in stops:     # nothing after a stop token is ever verified
-                return out
-            logits = runner.decode(slot, tok)
+        return Lane(self.slot, self.tokens[len(self.slot.record):], k)   # >= 1 id: _sync leaves one
 
     def verified(self, drafted: int, accepted: int) -> None:
         """How the last draft fared: the draft slot keeps the tokens it was fed that the target kept, the rest
@@ -132,6 +143,12 @@ class ModelDrafter:
         if drafted > 0:
             self.slot.truncate(min(len(self.slot.record), self._drafted_from + accepted))
         self.pace.verified(drafted, accepted)
+
+    def fail(self) -> None:
+        """A batched draft this drafter was part of raised: empty the slot's record (whatever was half-fed is
+        never reused); the engine drops this drafter. Side effect: the slot."""
+        self.slot.reset(self.namespace)
+        self.reused = 0
 
     def _sync(self) -> None:
         """Make the slot's record a prefix of `tokens` that leaves at least one token to feed (fresh logits).

@@ -13,6 +13,7 @@ one-token drafts.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 MAX_NGRAM = 4            # longest suffix looked up (longer: fewer, better drafts)
@@ -25,7 +26,8 @@ MAX_PAUSE = 128
 
 
 class Drafter(Protocol):
-    """What a Sequence asks of its drafter (sequence.py `_draft`, `_verify`); one per request."""
+    """What a Sequence asks of its drafter (sequence.py `draft_ask`, `_verify`); one per request. `draft` drafts
+    for this request alone; a step drafts for all its requests at once through the factory's `draft_many`."""
     tokens: list[int]                  # the request's tokens the drafter has seen: prompt, then output
 
     def extend(self, tokens: list[int]) -> None: ...
@@ -33,21 +35,37 @@ class Drafter(Protocol):
     def verified(self, drafted: int, accepted: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class DraftAsk:
+    """One request's call for a draft after a step (Sequence.draft_ask): its drafter, already told the tokens the
+    request produced, and the most tokens the draft may hold (what the answer and the context leave room for)."""
+    drafter: Drafter
+    limit: int                         # >= 1
+
+
 class DrafterFactory(Protocol):
-    """Engine(draft=...): makes each speculating request's drafter. `check(target)` raises ValueError when it
-    cannot draft for that engine (Engine.__init__ calls it once); `__call__(slot, prompt, cache_salt)` is called
-    by Engine.open with the request's slot index (a draft model pairs its own slot i with it)."""
+    """Engine(draft=...): makes each speculating request's drafter and drafts for a step's requests together.
+    `check(target)` raises ValueError when it cannot draft for that engine (Engine.__init__ calls it once);
+    `__call__(slot, prompt, cache_salt)` is called by Engine.open with the request's slot index (a draft model
+    pairs its own slot i with it); `draft_many(asks)` returns one draft per ask, in order (a draft model: one
+    forward per draft position for all of them). If it raises, the engine drops the asking requests' drafters
+    (they go on without drafts); a factory that holds state for them cleans it up before raising."""
     def check(self, target) -> None: ...
     def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> Drafter: ...
+    def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]: ...
 
 
 class PromptLookups:
-    """The default factory: every request drafts by prompt lookup."""
+    """The default factory: every request drafts by prompt lookup (no model work: one request after another)."""
     def check(self, target) -> None:
         pass
 
     def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> "PromptLookup":
         return PromptLookup(prompt)
+
+    def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]:
+        """Each ask's lookup draft. Pure (PromptLookup.draft)."""
+        return [a.drafter.draft(a.limit) for a in asks]
 
 
 class DraftPace:

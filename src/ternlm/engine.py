@@ -165,6 +165,7 @@ class Engine:
             self.store = TieredStore.from_config(ident, cache)
         self.drafts = draft if draft is not None else PromptLookups()
         self.drafts.check(self)                  # a draft model of another tokenizer: refused here
+        self._draft_failures = 0                 # draft_many calls that raised (`_draft`)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -389,10 +390,12 @@ class Engine:
     def step(self, work: list[tuple[Sequence, int]]) -> list[StepOutcome]:
         """One forward pass: each (sequence, count) feeds its next `count` pending ids (distinct
         slots). Returns one outcome per item, in order. Side effects: writes each slot's KV and
-        record (runner.step, [RECORD-WHERE-FED]); each sequence samples and advances.
+        record (runner.step, [RECORD-WHERE-FED]); each sequence samples and advances; then the
+        speculating ones get their next drafts, all together (`_draft`).
         Isolation: a sequence that cannot run (context overflow) or whose hook or sampling raises
         fails alone; if the forward itself raises, every sequence of the step fails and no record
-        changed. A failed sequence is closed."""
+        changed; a drafter that raises costs its sequences their drafts, not their answers. A failed
+        sequence is closed."""
         outcomes: list[StepOutcome | None] = [None] * len(work)
         feeds, live = [], []
         for i, (seq, count) in enumerate(work):
@@ -432,7 +435,31 @@ class Engine:
                     log.info("%s", reuse_line(seq.reuse, seq.n, seq.timings, seq.restored))
                 if seq.done and self.store is not None:
                     self.store.publish(seq.slot)   # shared tier: another replica may take the next turn
+            self._draft([work[i][0] for i in live])
         return outcomes
+
+    def _draft(self, seqs: list[Sequence]) -> None:
+        """Draft for every sequence of a step that asks (Sequence.draft_ask), in one call to the factory: a
+        draft model then runs one forward per draft position for all of them (draft_model.py), not per
+        sequence. A drafter that raises (a draft model's forward, its context) never fails a request: the
+        askers go on without drafts (Sequence.stop_drafting; timings.draft_failed), logged with its traceback
+        the first time. Side effects: the drafters', each asker's pending ids."""
+        asking = [(seq, ask) for seq in seqs if (ask := seq.draft_ask()) is not None]
+        if not asking:
+            return
+        try:
+            drafts = self.drafts.draft_many([ask for _, ask in asking])
+        except Exception as e:           # speed only: the answers never depended on the drafts
+            if not self._draft_failures:
+                log.warning("drafting failed; %d request(s) go on without drafts", len(asking), exc_info=True)
+            else:
+                log.warning("drafting failed again (%s); %d request(s) go on without drafts", e, len(asking))
+            self._draft_failures += 1
+            for seq, _ in asking:
+                seq.stop_drafting()
+            return
+        for (seq, _), draft in zip(asking, drafts):
+            seq.add_draft(draft)
 
     def expert_stats(self) -> dict | None:
         """A mixture of experts' store counters since load (hits, misses, bytes_read, bytes_used,

@@ -74,7 +74,7 @@ def load_engine(args, slots: int = 1):
     if not args.no_fit_check:      # refuse in one line before any weight is read (fit.py)
         from .fit import require_fit
         require_fit(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype, ctx=args.ctx,
-                    expert_cache=args.expert_cache,
+                    expert_cache=args.expert_cache, draft_model=getattr(args, "draft_model", None),
                     slots=slots)
     engine = Engine.load(args.model, dtype=args.dtype, weights=args.weights, kv_dtype=args.kv_dtype,
                          activations=getattr(args, "activations", "auto"),

@@ -12,6 +12,10 @@ What a configuration needs (`Budget`), in bytes, each part at its steady-state m
   KV        attention layers x kv_heads x head_dim x 2 (K and V) x bytes per element (fp32 4, fp16 2)
             x ctx (rounded up to the attention block, as slots allocate) x slots
   RAM tier  serve's --cache-ram (the tier fills up to its budget), when prefix reuse is on
+  draft     --draft-model: its weights (as the target's, same --weights) and its KV, one slot per target
+            slot; a draft slot holds the target's tokens (plus a draft), so its KV counts at the target's
+            context too (an overestimate where the draft model's own context is shorter); its engine has no
+            tiers; one OVERHEAD for the process, model / 8 over both models' weights
   overhead  OVERHEAD + model / 8: tokenizer, RoPE tables, the kernels' layouts, allocator slack. Measured
             steady RSS added by a load, KV aside: smollm2 (94 MiB file) +28 MiB over the file, qwen2.5
             0.5b (469 MiB) +94, 1.5b (1,066 MiB) +216 (--weights gguf); dense smollm2 fp32 +46, qwen 0.5b
@@ -59,22 +63,35 @@ class Budget:
     ram_tier: int = 0        # serve's --cache-ram budget; 0 where there is no RAM tier
     dense: bool = False      # dense weights: --weights gguf is a smaller choice to suggest (GGUF models)
     state_per_slot: int = 0  # a hybrid model's recurrent state and its snapshots, at most, per slot (kv/recurrent.py)
+    draft_model: int = 0     # --draft-model: bytes its weights take (0: none)
+    draft_kv_per_token: int = 0   # its K and V per token of one (paired) slot, all its layers
 
     def __post_init__(self) -> None:
-        if min(self.model, self.kv_per_token, self.ctx, self.slots) < 1 or self.ram_tier < 0:
+        if min(self.model, self.kv_per_token, self.ctx, self.slots) < 1 or \
+                min(self.ram_tier, self.draft_model, self.draft_kv_per_token) < 0:
             raise ValueError(f"invalid budget {self}")
 
     @property
+    def weights(self) -> int:
+        """Both models' weights."""
+        return self.model + self.draft_model
+
+    @property
+    def kv_token(self) -> int:
+        """K and V of one token of one slot, with its draft slot's."""
+        return self.kv_per_token + self.draft_kv_per_token
+
+    @property
     def kv(self) -> int:
-        return self.kv_per_token * self.ctx * self.slots
+        return self.kv_token * self.ctx * self.slots
 
     @property
     def overhead(self) -> int:
-        return OVERHEAD + self.model // 8
+        return OVERHEAD + self.weights // 8
 
     @property
     def total(self) -> int:
-        return self.model + self.kv + self.state_per_slot * self.slots + self.ram_tier + self.overhead
+        return self.weights + self.kv + self.state_per_slot * self.slots + self.ram_tier + self.overhead
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,8 @@ def check(budget: Budget, available: Available, slots_flag: bool = False) -> Fit
     of 1,024, or of 256 below that) and --slots that would, and a --cache-ram where the tier is the
     difference; else that the model alone is too large."""
     b = budget
-    parts = f"model {_gib(b.model)} + KV {_gib(b.kv)} for {_n(b.slots, 'slot')} x {b.ctx} tokens"
+    parts = f"model {_gib(b.model)}" + (f" + draft model {_gib(b.draft_model)}" if b.draft_model else "")
+    parts += f" + KV {_gib(b.kv)} for {_n(b.slots, 'slot')} x {b.ctx} tokens" + (" (both)" if b.draft_model else "")
     if b.state_per_slot:
         parts += f" + recurrent state {_gib(b.state_per_slot * b.slots)}"
     if b.ram_tier:
@@ -130,15 +148,16 @@ def check(budget: Budget, available: Available, slots_flag: bool = False) -> Fit
 
 def _suggest(b: Budget, available: int, slots_flag: bool) -> str:
     """`try A or B (...)`: each option alone makes the budget fit (tests/test_fit.py checks it)."""
-    tries = _kv_tries(b, available - b.model - b.overhead - b.ram_tier, slots_flag)   # the tier as set
-    tier_room = available - b.model - b.overhead - b.kv - b.state_per_slot * b.slots   # KV as set
+    tries = _kv_tries(b, available - b.weights - b.overhead - b.ram_tier, slots_flag)   # the tier as set
+    tier_room = available - b.weights - b.overhead - b.kv - b.state_per_slot * b.slots   # KV as set
     if b.ram_tier and tier_room >= 0:
         tries.append(f"--cache-ram {tier_room // (256 << 20) * 256}MiB")
     if not tries and b.ram_tier:   # neither alone: a smaller KV with no tier at all
-        tries = [f"--cache-ram 0 {t}" for t in _kv_tries(b, available - b.model - b.overhead, slots_flag)]
+        tries = [f"--cache-ram 0 {t}" for t in _kv_tries(b, available - b.weights - b.overhead, slots_flag)]
     if not tries:                  # not one block of tokens per slot beside the model, even without a tier
         smaller = "--weights gguf or a smaller model" if b.dense else "a smaller model"
-        return f"the model alone needs ~{_gib(b.model + b.overhead)}: try {smaller} (--no-fit-check loads anyway)"
+        alone = "the models alone need" if b.draft_model else "the model alone needs"
+        return f"{alone} ~{_gib(b.weights + b.overhead)}: try {smaller} (--no-fit-check loads anyway)"
     return f"try {' or '.join(tries)} (--no-fit-check loads anyway)"
 
 
@@ -147,11 +166,11 @@ def _kv_tries(b: Budget, kv_room: int, slots_flag: bool) -> list[str]:
     fits in kv_room bytes; where neither does, one slot with the largest --ctx."""
     tries = []
     state = b.state_per_slot
-    if (ctx := _round_ctx((kv_room - state * b.slots) // (b.kv_per_token * b.slots))) > 0:
+    if (ctx := _round_ctx((kv_room - state * b.slots) // (b.kv_token * b.slots))) > 0:
         tries.append(f"--ctx {ctx}")
-    if slots_flag and (slots := kv_room // (b.kv_per_token * b.ctx + state)) >= 1:
+    if slots_flag and (slots := kv_room // (b.kv_token * b.ctx + state)) >= 1:
         tries.append(f"--slots {slots}")
-    if not tries and slots_flag and b.slots > 1 and (ctx := _round_ctx((kv_room - state) // b.kv_per_token)) > 0:
+    if not tries and slots_flag and b.slots > 1 and (ctx := _round_ctx((kv_room - state) // b.kv_token)) > 0:
         tries.append(f"--slots 1 --ctx {ctx}")    # neither alone: one slot, shorter
     return tries
 
@@ -262,13 +281,15 @@ def _stat(path: Path, key: str, default: int | None = 0) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dtype: str = "auto",
-               ctx: int | None = None, slots: int = 1, ram_tier: int = 0, expert_cache: str = "auto") -> Budget:
+               ctx: int | None = None, slots: int = 1, ram_tier: int = 0, expert_cache: str = "auto",
+               draft_model: str | None = None) -> Budget:
     """The Budget of loading `model` (registry name, .gguf path, HF folder) with these flags, resolved
     as Engine.load resolves them. Side effects: a registry model not yet cached is fetched (with
     progress, as the load would); --weights may build the native kernels (cached; kernels/build.py).
     Raises what the load would for a bad name or flag (ValueError and its subclasses).
     Mixture-of-experts files: the experts count only as `--expert-cache` keeps them (resident: all; a
-    size: that many bytes; auto: nothing, since the engine then keeps what fits and streams the rest)."""
+    size: that many bytes; auto: nothing, since the engine then keeps what fits and streams the rest).
+    draft_model: its weights and its slots' KV are added (the module docstring's "draft"), resolved the same way."""
     from .cpu import choose_dtype, probe
     from .models.registry import REGISTRY, cached_file, resolve
     from .weights import choose_weights
@@ -293,8 +314,11 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     # a model whose layers stay in torch gets fp32, twice this: rare, and the load logs why.
     kv = kv_dtype if kv_dtype != "auto" else ("float32" if dense or recurrent else "float16")
     tokens = slot_tokens(min(ctx or max_ctx, max_ctx))          # Engine: min(ctx or the model's, the model's)
+    draft = budget_for(draft_model, dtype=dtype, weights=weights, kv_dtype=kv_dtype, ctx=ctx, slots=slots) \
+        if draft_model is not None else None     # Engine.load: the same flags, its own engine, no tiers
     return Budget(model_bytes, kv_bytes_per_token(layers, kv_heads, head_dim, kv), tokens, slots, ram_tier,
-                  dense=dense and kind == "gguf", state_per_slot=recurrent)
+                  dense=dense and kind == "gguf", state_per_slot=recurrent,
+                  draft_model=draft.model if draft else 0, draft_kv_per_token=draft.kv_per_token if draft else 0)
 
 
 def _state_bytes(cfg) -> int:

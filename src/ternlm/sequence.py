@@ -16,6 +16,10 @@ only while it equals the token sampled before it. The first row that differs end
 the next pending one, and the rows after it, fed drafts the model did not produce, are cut from the slot's
 record (Slot.truncate) before anything can store or reuse them. A verify row has exactly the bits of a one-row
 decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for token, on or off.
+
+Drafting happens between steps, for all of a step's sequences at once (Engine.step: `draft_ask` from each, the
+factory's `draft_many` for all, `add_draft` to each), so a draft model runs one forward per draft position for the
+whole batch. A drafter that fails is dropped (`stop_drafting`): the request goes on plain.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from .grammar import Constraint
 from .invariants import check
 from .kv.record import Reuse
 from .kv.slots import Slot
-from .drafter import Drafter
+from .drafter import DraftAsk, Drafter
 from .runner import Embed
 from .sampling import Sampler
 
@@ -44,6 +48,7 @@ class Timings:
     ttft_s: float = 0.0          # request start -> first sampled token
     drafted: int = 0             # speculative decoding: drafted tokens verified
     accepted: int = 0            # ... and those the model produced itself (kept)
+    draft_failed: bool = False   # its drafter failed mid-request: it went on without drafts
 
 
 @dataclass(frozen=True)
@@ -161,16 +166,35 @@ class Sequence:
         asked for ((1, vocab) for "last", (count, vocab) for "all"), None for "none". Returns the events for
         the caller: Deltas, and when the request is over, a final flush Delta (if text was held back) and
         the Completion. Side effects: samples, runs on_chunk while prefilling (it may raise); after a
-        verify step cuts the rejected draft rows from the slot's record; drafts the next pending ids."""
+        verify step cuts the rejected draft rows from the slot's record. Drafts nothing: see `draft_ask`."""
         fed = self.pending[:count]
         del self.pending[:count]
         if not self.prefilling and count > 1:
             events = self._verify(fed[1:], logits)
         else:
             events = self._step(count, logits)
-        if not self.done and not self.prefilling and self.drafter is not None:
-            self._draft()
         return events
+
+    def draft_ask(self) -> DraftAsk | None:
+        """After `accept`: what this sequence asks its drafter for (a draft after the pending token, no longer
+        than the answer and the context leave room for), or None (plain, done, prefilling, no room). Side
+        effect: tells the drafter the tokens produced since it last heard (Drafter.extend)."""
+        if self.done or self.prefilling or self.drafter is None:
+            return None
+        self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
+        room = min(self.limits.max_tokens - len(self.out_ids), self.limits.ctx - len(self.slot.record)) - 1
+        return DraftAsk(self.drafter, room) if room >= 1 else None
+
+    def add_draft(self, draft: list[int]) -> None:
+        """Append the drafter's answer to `draft_ask` after the pending token: the next step feeds and verifies
+        it (`_verify`). Side effect: pending."""
+        check(len(self.pending) == 1 and not self.done, "a draft follows exactly one pending token")
+        self.pending += draft
+
+    def stop_drafting(self) -> None:
+        """The drafter failed (Engine.step): drop it, go on plain decoding, and say so in the timings."""
+        self.drafter = None
+        self.timings.draft_failed = True
 
     def _step(self, count: int, logits: torch.Tensor | None) -> list[Delta | Completion]:
         """A prefill chunk or a one-token decode step."""
@@ -209,13 +233,6 @@ class Sequence:
         self.timings.accepted += taken
         self.drafter.verified(k, taken)
         return events
-
-    def _draft(self) -> None:
-        """Append a draft after the pending token (prompt lookup, drafter.py, or a draft model, draft_model.py),
-        no longer than the answer and the context leave room for."""
-        self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
-        room = min(self.limits.max_tokens - len(self.out_ids), self.limits.ctx - len(self.slot.record)) - 1
-        self.pending += self.drafter.draft(room)
 
     def _sample(self, logits: torch.Tensor, unverified: int = 0) -> list[Delta | Completion]:
         """Sample the next token from one row's logits (vocab,); `unverified`: rows fed after this one in

@@ -142,7 +142,8 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                                      "MT-Bench chats (ternlm only). Decode tok/s (server timings and client "
                                      "clock), total time, drafted/accepted; medians over --repeats; JSON and "
                                      "markdown in --out. Exit 1 if ternlm's text with speculation differs from "
-                                     "without. --speculative is ignored: both always run.")
+                                     "without. --speculative is ignored: both always run; --draft-model adds a third "
+                                     "ternlm drafting with that model (its text must equal off's too).")
     engine_args(p)
     p.set_defaults(slots=1)
     p.add_argument("--parts", default="edit,mtbench", help="comma list: edit,mtbench")

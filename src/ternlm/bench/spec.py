@@ -4,7 +4,8 @@ never changes an answer.
 Two parts. `edit`: a code-editing replay (spec_edits.py) where every answer is the whole file with one small
 change, which prompt lookup should draft almost entirely. `mtbench`: MT-Bench chats, fresh text with little to
 look up, where drafting must back off (ternlm on / off >= 0.95). Contenders, one run, the same GGUF and the
-same prompt ids: ternlm with speculation off and on (`ternlm serve --speculative off|auto`), and llama.cpp's
+same prompt ids: ternlm with speculation off and on (`ternlm serve --speculative off|auto`), with --draft-model a
+third ternlm drafting with that small model (`ternlm serve --draft-model`: batched drafts), and llama.cpp's
 own `llama-server` without speculation and with each n-gram --spec-type its --help lists (read, not assumed:
 builds differ), its draft/accept counts from its answers' timings. llama-server runs the edit part only.
 
@@ -27,8 +28,8 @@ from .multiturn import ServeProcess, load_conversations, ternlm_serve_args
 from .peers import LlamaCppServer, find_llama_server, free_port, llama_server_argv
 from .spec_edits import SOURCE, conversation, expected
 from .spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, served_model, stream_ids
-from .spec_summary import LLAMA_NONE, TARGET_CHAT, TARGET_EDIT, TERNLM_OFF, TERNLM_ON, all_required_identical, \
-    markdown, part, ratios
+from .spec_summary import LLAMA_NONE, TARGET_CHAT, TARGET_EDIT, TERNLM_DRAFT, TERNLM_OFF, TERNLM_ON, \
+    all_required_identical, markdown, part, ratios
 
 MT_BENCH = Path(__file__).resolve().parents[3] / "tests" / "data" / "mt_bench_question.jsonl"
 PARTS = ("edit", "mtbench")
@@ -39,6 +40,7 @@ class Contender:
     label: str
     kind: str       # TERNLM | LLAMA_SERVER
     spec: str       # ternlm: "auto" | "off"; llama-server: a --spec-type ("none": no speculation)
+    extra: tuple[str, ...] = ()   # more `ternlm serve` flags (--draft-model NAME)
 
 
 def llama_spec_types(binary: str) -> list[str]:
@@ -49,8 +51,10 @@ def llama_spec_types(binary: str) -> list[str]:
     return [t for t in m.group(1).split(",") if t.startswith("ngram")] if m else []
 
 
-def contenders(binary: str | None, spec_types: list[str]) -> list[Contender]:
+def contenders(binary: str | None, spec_types: list[str], draft_model: str | None = None) -> list[Contender]:
     out = [Contender(TERNLM_OFF, TERNLM, "off"), Contender(TERNLM_ON, TERNLM, "auto")]
+    if draft_model:
+        out.append(Contender(TERNLM_DRAFT, TERNLM, "auto", ("--draft-model", draft_model)))
     if binary:
         out += [Contender(f"llama-server {t}", LLAMA_SERVER, t) for t in ["none", *spec_types]]
     return out
@@ -63,7 +67,7 @@ def serving(c: Contender, args, gguf: Path | None, n_ctx: int, logs: Path):
     if c.kind == TERNLM:
         proc = None
         try:
-            proc = ServeProcess([*ternlm_serve_args(args, not args.no_prefix_kv), "--speculative", c.spec],
+            proc = ServeProcess([*ternlm_serve_args(args, not args.no_prefix_kv), "--speculative", c.spec, *c.extra],
                                 logs / f"{c.label.replace(' ', '-')}.log")
             proc.wait_ready()
             base = f"http://127.0.0.1:{proc.port}"
@@ -144,7 +148,7 @@ def run(args) -> int:
     questions = pick_questions(args.mt_questions) if "mtbench" in parts else []
     n_ctx = -(-(max(map(len, edit_ids), default=2048) + max(args.max_tokens, args.mt_max_tokens) + 64) // 256) * 256
     args.ctx = args.ctx or n_ctx
-    field = contenders(binary, spec_types)
+    field = contenders(binary, spec_types, getattr(args, "draft_model", None))
     print(f"{m.label}: {len(field)} contenders ({', '.join(c.label for c in field)}); parts {', '.join(parts)}; "
           f"edit prompts {[len(x) for x in edit_ids]} tokens; {args.repeats} repeat(s)"
           + (f"\n{note}" if note else ""), flush=True)
@@ -207,7 +211,7 @@ def _spec_types(binary: str, asked: str | None) -> list[str]:
 
 
 def _result(args, m, parts, edit_runs, chat_runs, source, binary, spec_types, note, questions) -> dict:
-    required = [(TERNLM_ON, TERNLM_OFF, True)]
+    required = [(TERNLM_ON, TERNLM_OFF, True), (TERNLM_DRAFT, TERNLM_OFF, True)]   # the draft pair: with --draft-model
     info = [(c, LLAMA_NONE, False) for c in edit_runs if c.startswith("llama-server ") and c != LLAMA_NONE]
     info += [(TERNLM_OFF, LLAMA_NONE, False)]
     out_parts = {}
@@ -218,7 +222,7 @@ def _result(args, m, parts, edit_runs, chat_runs, source, binary, spec_types, no
         p = part(chat_runs, required)
         out_parts["mtbench"] = p | {"ratios": ratios(p, TARGET_CHAT)}
     return {"command": command_line(), "model": m.label, "model_path": str(m.path), "dtype": args.dtype,
-            "settings": {"threads": args.threads, "repeats": args.repeats, "turns": args.turns,
+            "settings": {"threads": args.threads, "draft_model": getattr(args, "draft_model", None), "repeats": args.repeats, "turns": args.turns,
                          "max_tokens": args.max_tokens, "mt_questions": len(questions),
                          "mt_max_tokens": args.mt_max_tokens, "ctx": args.ctx, "prefix_reuse": not args.no_prefix_kv,
                          "edit_source": str(SOURCE.relative_to(SOURCE.parents[2])),

@@ -10,6 +10,7 @@ from .spec_edits import answered_file
 from .spec_stream import Answer
 
 TERNLM_OFF, TERNLM_ON = "ternlm spec off", "ternlm spec on"
+TERNLM_DRAFT = "ternlm draft model"      # `--draft-model`: speculation with a small model's drafts
 LLAMA_NONE = "llama-server none"
 TARGET_EDIT = 2.5     # issue 48: ternlm on / off decode tok/s on the code-editing replay (qwen2.5-coder-1.5b)
 TARGET_CHAT = 0.95    # ... and on fresh text (MT-Bench): speculation must back off, not cost
@@ -93,7 +94,8 @@ def part(runs: dict[str, list[list[Answer]]], pairs: list[tuple[str, str, bool]]
 
 
 def ratios(p: dict, target: float) -> dict:
-    """ternlm on / off (server and client decode tok/s, total time), and on / the best llama-server."""
+    """ternlm on / off (server and client decode tok/s, total time), the draft model's / off (with --draft-model),
+    and on / the best llama-server."""
     c = p["contenders"]
     out: dict = {}
     if TERNLM_ON in c and TERNLM_OFF in c:
@@ -103,6 +105,9 @@ def ratios(p: dict, target: float) -> dict:
         out["off_over_on_wall_s"] = off["wall_s"] / on["wall_s"] if on["wall_s"] else None
         r = out["on_over_off_server_tok_s"]
         out["target"] = {"min": target, "met": None if r is None else r >= target}
+    if TERNLM_DRAFT in c and TERNLM_OFF in c:
+        d, off_s = c[TERNLM_DRAFT]["median"]["server_tok_s"], c[TERNLM_OFF]["median"]["server_tok_s"]
+        out["draft_over_off_server_tok_s"] = d / off_s if d and off_s else None
     llama = {n: row["median"]["server_tok_s"] for n, row in c.items() if n.startswith("llama-server")
              and row["median"]["server_tok_s"]}
     if llama:
@@ -153,6 +158,8 @@ def _part_md(title: str, p: dict, target: float, what: str) -> list[str]:
         lines.append(f"- ternlm on / off, decode tok/s: **x{r['on_over_off_server_tok_s']:.2f}** (server), "
                      f"x{_f(r['on_over_off_client_tok_s'], 2)} (client); total time off / on x{_f(r['off_over_on_wall_s'], 2)}; "
                      f"target >= {target}: {'met' if met else 'MISSED'}")
+    if r.get("draft_over_off_server_tok_s") is not None:
+        lines.append(f"- ternlm draft model / off, decode tok/s: **x{r['draft_over_off_server_tok_s']:.2f}** (server)")
     if "llama_server_best" in r:
         b = r["llama_server_best"]
         lines.append(f"- best llama-server: {b['contender']} at {b['server_tok_s']:.1f} tok/s"

@@ -108,7 +108,7 @@ def cmd_serve(args) -> int:
         from ..fit import require_fit
         require_fit(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
                     ctx=config.ctx, slots=config.slots, ram_tier=config.cache_ram if config.prefix_reuse else 0,
-                    expert_cache=config.expert_cache, slots_flag=True)
+                    expert_cache=config.expert_cache, draft_model=config.draft_model, slots_flag=True)
     if config.cache_dir and config.cache_disk > 0 and config.prefix_reuse:
         from pathlib import Path
 

@@ -116,6 +116,9 @@ class Metrics:
         self.accepted_tokens = Counter("ternlm_spec_accepted_tokens",
                                        "speculative decoding: drafted tokens the model produced itself (kept)",
                                        registry=r)
+        self.draft_failures = Counter("ternlm_spec_draft_failures",
+                                      "speculative decoding: requests whose drafter failed (a draft model's error); "
+                                      "they went on without drafts, same answer", registry=r)
         self.reuse_ratio = Histogram("ternlm_reuse_ratio", "per request: cached_tokens / prompt_tokens",
                                      buckets=_RATIO, registry=r)
         self.prefill_seconds = Histogram("ternlm_prefill_seconds", "prefill time per request",
@@ -161,6 +164,8 @@ class Metrics:
             self.completion_tokens.inc(len(c.token_ids))
             self.drafted_tokens.inc(t.drafted)
             self.accepted_tokens.inc(t.accepted)
+            if t.draft_failed:
+                self.draft_failures.inc()
             self.reuse_ratio.observe(c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0)
             self.prefill_seconds.observe(t.prefill_s)
             self.decode_seconds.observe(t.decode_s)
