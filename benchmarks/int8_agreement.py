@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -87,6 +88,15 @@ def _scored(logits: torch.Tensor, n_ctx: int) -> torch.Tensor:
     return logits[n_ctx // 2:n_ctx - 1]
 
 
+def _nll(logits: torch.Tensor, seq: list[int], n_ctx: int | None) -> tuple[float, int]:
+    """Summed negative log-likelihood and count of the scored next tokens: every one after the first (bench),
+    or tokens n_ctx/2 + 1 .. n_ctx - 1 of the chunk from rows n_ctx/2 .. n_ctx - 2 (llama-perplexity's)."""
+    first = 0 if n_ctx is None else n_ctx // 2
+    rows, targets = logits[first:len(seq) - 1], torch.tensor(seq[first + 1:])
+    lp = torch.log_softmax(rows.double(), dim=-1)
+    return float(-lp.gather(1, targets.unsqueeze(1)).sum()), len(targets)
+
+
 def _streams(engine, ids: list[int], base: dict | None) -> dict[str, list[list[int]]]:
     out = {"bench": [ids]}
     if base is not None:
@@ -94,17 +104,19 @@ def _streams(engine, ids: list[int], base: dict | None) -> dict[str, list[list[i
     return out
 
 
-def _top(engine, seqs: list[list[int]], n_ctx: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Argmax of each position (bench) or of llama-perplexity's scored positions (llama), concatenated, and
-    the gap between the top two logits there (how near a tie the reference's choice is)."""
-    tops, gaps = [], []
+def _top(engine, seqs: list[list[int]], n_ctx: int | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Argmax of each position (bench) or of llama-perplexity's scored positions (llama), concatenated, the
+    gap between the top two logits there (how near a tie the reference's choice is), and the mean NLL (_nll)."""
+    tops, gaps, nll, count = [], [], 0.0, 0
     for s in seqs:
         with torch.inference_mode():
             lg = engine.logits(s)
         two = (lg if n_ctx is None else _scored(lg, n_ctx)).topk(2, dim=-1)
+        a, b = _nll(lg, s, n_ctx)
+        nll, count = nll + a, count + b
         tops.append(two.indices[:, 0])
         gaps.append(two.values[:, 0] - two.values[:, 1])
-    return torch.cat(tops), torch.cat(gaps)
+    return torch.cat(tops), torch.cat(gaps), nll / count
 
 
 def _score(top: torch.Tensor, ref_top: torch.Tensor, ref_gap: torch.Tensor) -> dict:
@@ -124,36 +136,42 @@ def run(args) -> dict:
     ids = _text_ids(ref, args.tokens)
     streams = _streams(ref, ids, base)
     n_ctx = {"bench": None, "llama": base["n_ctx"] if base else None}
-    ref_top, ref_gap = {}, {}
+    ref_top, ref_gap, ref_nll = {}, {}, {}
     for k, v in streams.items():
-        ref_top[k], ref_gap[k] = _top(ref, v, n_ctx[k])
+        ref_top[k], ref_gap[k], ref_nll[k] = _top(ref, v, n_ctx[k])
     del ref
     engines = {act: Engine.load(args.model, weights="gguf", activations=act, prefix_reuse=False)
                for act in ("int8", "fp32")}
     heads = {act: e.runner.model.lm_head for act, e in engines.items()}
-    res = {"model": args.model, "tokens": {k: int(v.numel()) for k, v in ref_top.items()}, "agreement": {}}
+    res = {"model": args.model, "tokens": {k: int(v.numel()) for k, v in ref_top.items()}, "agreement": {},
+           "dense_perplexity": {k: math.exp(v) for k, v in ref_nll.items()}}
     for layers, e in engines.items():
         model = e.runner.model
         for name, seqs in streams.items():
-            cap = _Capture(heads[layers])
-            model.lm_head = cap
-            try:
-                for s in seqs:
+            hidden = []                          # per sequence: (len, hidden), its head's input rows
+            for s in seqs:
+                cap = _Capture(heads[layers])
+                model.lm_head = cap
+                try:
                     with torch.inference_mode():
                         e.logits(s)
-            finally:
-                model.lm_head = heads[layers]
+                finally:
+                    model.lm_head = heads[layers]
+                hidden.append(torch.cat(cap.inputs))
             for head_act, head in heads.items():
-                tops = []
-                for h in cap.inputs:
+                tops, nll, count = [], 0.0, 0
+                for h, seq in zip(hidden, seqs):
                     with torch.inference_mode():
                         lg = head(h).float()
                     if model.cfg.final_logit_softcap:    # as the model's forward does after its head
                         lg = torch.tanh(lg / model.cfg.final_logit_softcap) * model.cfg.final_logit_softcap
                     tops.append((lg if n_ctx[name] is None else _scored(lg, n_ctx[name])).argmax(-1))
+                    a, b = _nll(lg, seq, n_ctx[name])
+                    nll, count = nll + a, count + b
                 top = torch.cat(tops)
                 key = f"{name}: layers {layers}, lm_head {head_act}"
                 res["agreement"][key] = _score(top, ref_top[name], ref_gap[name])
+                res["agreement"][key]["perplexity_ratio"] = math.exp(nll / count - ref_nll[name])
     if base is not None:
         llama_top = torch.from_numpy(base["top"].reshape(-1).astype(np.int64))
         res["agreement"]["llama: ternlm dense fp32 vs llama.cpp's F32 base"] = _score(
@@ -162,7 +180,8 @@ def run(args) -> dict:
         near = (f" · where they differ the reference's top-2 logit gap is {v['flip_gap_median']:.3f} median, "
                 f"{v['flip_gap_max']:.3f} max ({v['share_below_max_flip_gap']:.1%} of positions have a gap that small)"
                 if v["flips"] else "")
-        print(f"{args.model}: {k}: {v['agreement']:.2%} of {res['tokens'][k.split(':')[0]]}{near}")
+        ppl = f" · perplexity {v['perplexity_ratio'] - 1:+.3%} vs dense" if "perplexity_ratio" in v else ""
+        print(f"{args.model}: {k}: {v['agreement']:.2%} of {res['tokens'][k.split(':')[0]]}{ppl}{near}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1) + "\n")
