@@ -322,6 +322,41 @@ def test_direct_reads_give_the_page_cache_reads_bytes(tmp_path):
     plain.close()
 
 
+def test_prefetch_reads_a_layer_before_its_hint_and_the_hint_keeps_those_reads(tmp_path, monkeypatch):
+    """[PREFETCH] a layer's experts not held are read ahead before its routing; its hint (here every other
+    expert, ascending) keeps the reads it wants going and drops the others: each wanted expert's slabs are
+    read once, the bytes are the page cache path's, the counters those of the same gets unhinted."""
+    from ternlm.models import moe
+    layers, experts = 3, 20
+    reads = []
+    real = moe._pread_direct
+    monkeypatch.setattr(moe, "_pread_direct",                      # (aligned offset, bytes needed): one a slab
+                        lambda fd, off, view, need: (reads.append((off, need)), real(fd, off, view, need)))
+    direct, _ = _fake_store(tmp_path, layers, experts, 4 * 3 * 64, direct=True)
+    (tmp_path / "plain").mkdir()
+    plain, _ = _fake_store(tmp_path / "plain", layers, experts, 4 * 3 * 64, direct=False)
+    assert direct._direct is not None
+    for l in range(layers):
+        reads.clear()
+        direct.prefetch(l)
+        assert direct._direct._inflight, "reads started before the layer's hint"
+        assert len(direct._advised) == min(moe.READ_AHEAD, experts - sum(k[0] == l for k in direct._pinned))
+        want = list(range(0, experts, 2))
+        direct.read_ahead(l, want)
+        assert all(k[0] == l and k[1] % 2 == 0 for k in direct._advised)
+        for e in want:
+            a, b = direct.get(l, e, 1), plain.get(l, e, 1)
+            assert all(torch.equal(x, y) for x, y in zip(a.gate_up + a.down, b.gate_up + b.down))
+        lo = lambda x: x.offset - x.offset % moe.DIRECT_ALIGN      # noqa: E731
+        wanted = {(lo(x), x.offset + x.length - lo(x)) for e in want for x in direct._slabs[(l, e)]}
+        assert wanted <= set(reads)                # every wanted slab read ...
+        assert all(reads.count(o) == 1 for o in wanted)   # ... once: the hint kept the prefetch's reads
+    direct.prefetch(layers)                        # past the last layer: nothing
+    assert direct.stats.as_dict() == plain.stats.as_dict()
+    direct.close()
+    plain.close()
+
+
 def test_plan_expert_cache():
     G = 1 << 30
     assert plan_expert_cache(5 * G, 10 * G, G, G, None).budget == 5 * G

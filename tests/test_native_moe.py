@@ -160,10 +160,13 @@ def test_held_experts_first_gives_the_same_bits(q8_moe, monkeypatch):
     engine = _load(path, 0)
     store, hints = engine.model.experts, []
     store.holds = lambda layer, e: e % 3 == 1                     # as if 1, 4, 7 were held
-    real = store.read_ahead
+    real, guess, guessed = store.read_ahead, store.prefetch, []
     store.read_ahead = lambda layer, experts: (hints.append(list(experts)), real(layer, experts))
+    store.prefetch = lambda layer: (guessed.append(layer), guess(layer))
     assert torch.equal(engine.logits(ids), plain)
     assert hints and all(h == sorted(h, key=lambda e: (e % 3 != 1, e)) for h in hints)
+    # [PREFETCH] 60 rows x 2 of 8 experts: every layer guesses the next, reads only (the same bits above)
+    assert guessed == list(range(1, engine.config.num_layers + 1))
     assert any(h[0] % 3 == 1 and h != sorted(h) for h in hints)
 
 

@@ -131,6 +131,8 @@ class NativeMoELayer:
             ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
             got = [store.get(layer, e, n) for e, n in zip(ids, ns)]    # alive until the call returns: a
             # served-not-kept expert (and its _Expert) may have no other owner
+            if store.streamed and g0 + group >= len(used) and M * k >= PREFETCH_ROWS * E:
+                store.prefetch(layer + 1)     # [PREFETCH] the next layer will use ~every expert: no bits change
             pairs = sorted(zip(ids, (_native_expert(ex) for ex in got)))    # layer.c takes a group ascending
             table = torch.tensor(list(zip(*pairs)), dtype=torch.int64)    # (2, n): indices; _Expert addresses
             if lib.tq_moe_experts(h.data_ptr(), M, hid, self.inter, k, route.data_ptr(), weights.data_ptr(),
@@ -170,6 +172,11 @@ def _held_first(store, layer: int, used: list[int], counts: list[int]) -> tuple[
     held = [holds(layer, e) for e in used]
     order = [i for i, h in enumerate(held) if h] + [i for i, h in enumerate(held) if not h]
     return [used[i] for i in order], [counts[i] for i in order]
+
+
+# [PREFETCH] (models/moe.py): a step whose rows pick at least this many times as many experts as a layer has
+# uses nearly all of them (each unused with probability ~e^-PREFETCH_ROWS at k << E); decode steps never guess.
+PREFETCH_ROWS = 8
 
 
 def _in_use() -> int:

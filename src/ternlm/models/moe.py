@@ -112,6 +112,9 @@ class ExpertStore:
     def read_ahead(self, layer: int, experts: list[int]) -> None:
         """A hint (StreamedExperts'): nothing to read here."""
 
+    def prefetch(self, layer: int) -> None:
+        """A guess (StreamedExperts'): nothing to read here."""
+
     def of_layer(self, layer: int) -> list[Expert]:
         """Every expert of `layer` held here (no counter changes): what a caller checks before running them."""
         return [e for (li, _), e in self._experts.items() if li == layer]
@@ -180,7 +183,9 @@ class StreamedExperts:
     routing); the store asks the kernel to start reading the slabs of the next READ_AHEAD of them not
     held (posix_fadvise WILLNEED: asynchronous, into the page cache, where the miss's pread finds them and
     drops them), topping the window up as gets come. One pread at a time read 0.9-1.0 GB/s cold here; 8
-    experts ahead 1.7-1.8 GB/s, and the reads overlap the conversion and the products.
+    experts ahead 1.7-1.8 GB/s, and the reads overlap the conversion and the products. [PREFETCH] Before a
+    layer is routed, a caller whose step uses nearly every expert may have its experts not held read ahead
+    (`prefetch`), so the disk does not idle through the layer's attention.
 
     Direct reads [DIRECT] (where the file system takes O_DIRECT, the default): the window's experts are read
     by reader threads straight into reused aligned buffers (`_DirectReader`) instead of advised into the page
@@ -236,6 +241,7 @@ class StreamedExperts:
         self._unkept: deque[Expert] = deque(maxlen=EXPERTS_IN_USE)   # the last served unkept, held [RING]
         self._build: dict[int, Build] = {}
         layers = {layer for layer, _ in slabs}
+        self._layer_experts = {li: sorted(e for lj, e in slabs if lj == li) for li in layers}   # [PREFETCH]
         self._share = self._keep // max(len(layers), 1)              # each layer's pinned bytes, at most
         self._pinned: dict[tuple[int, int], Expert] = {}
         self._pinned_layer = dict.fromkeys(layers, 0)                # layer -> its pinned bytes
@@ -259,13 +265,35 @@ class StreamedExperts:
     # ---- the interface -----------------------------------------------------------------------------
     def read_ahead(self, layer: int, experts: list[int]) -> None:
         """A hint [READ-AHEAD]: `experts` of `layer` are asked for next, in this order (a previous hint
-        is dropped). Side effect: the slabs of the first READ_AHEAD not held start being read: by the reader
-        threads [DIRECT], else posix_fadvise(WILLNEED); no counter changes. A hint not followed costs its
-        reads (direct: waited for when it leaves the window) or clean page cache."""
+        is dropped; the reads it started that this one wants too go on, moved into this order). Side effect:
+        the slabs of the first READ_AHEAD not held start being read: by the reader threads [DIRECT], else
+        posix_fadvise(WILLNEED); no counter changes. A hint not followed costs its reads (direct: waited for
+        when it leaves the window) or clean page cache."""
+        self._hint(layer, experts)
+
+    def _hint(self, layer: int, experts: list[int]) -> None:
+        """read_ahead's work (prefetch's too: a caller watching read_ahead sees the routed hints only)."""
         held = lambda k: k in self._pinned or k in self._tail      # noqa: E731
-        self._ahead = deque(k for k in ((layer, e) for e in experts) if not held(k))
-        self._unadvise(len(self._advised))
+        order = {k: i for i, k in enumerate(k for k in ((layer, e) for e in experts) if not held(k))}
+        going = sorted((k for k in self._advised if k in order), key=order.__getitem__)
+        for key in self._advised:                                    # the rest leave the window unread
+            if key not in order and self._direct is not None:
+                self._direct.drop(key)
+        self._advised, kept = deque(going), set(going)
+        self._ahead = deque(k for k in order if k not in kept)
         self._advise()
+
+    def prefetch(self, layer: int) -> None:
+        """A guess [PREFETCH]: `layer`'s experts not held, ascending, are read ahead as `read_ahead` would
+        before its routing is known. The caller guesses so where a step's rows use nearly every expert of a
+        layer (238 rows of 8 of 128: each expert unused with probability (120/128)^238 ~ 2e-7), and says so
+        once the layer before has got its last experts: the reads then run under that layer's last products
+        and this layer's attention, when the disk would idle (on the capped benchmark's turn 2, attention
+        over ~2,200 positions takes tens of ms a layer). The layer's own hint, once routed, keeps the reads
+        it wants ([READ-AHEAD]); held ones run first, misses then ascend: the order read here."""
+        experts = self._layer_experts.get(layer)
+        if experts:
+            self._hint(layer, experts)
 
     def _advise(self) -> None:
         while self._ahead and len(self._advised) < READ_AHEAD:
@@ -635,7 +663,8 @@ def _not_viewing(w, raw: torch.Tensor):
     return type(w)(w.fmt, *(own(t) for t in (w.codes, w.scale, w.bias, w.high, w.sup)))
 
 
-READ_AHEAD = 8      # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD])
+READ_AHEAD = 24     # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD]): a
+                    # [PREFETCH] runs under a layer's attention, ~50 ms of reads at 1.5 GB/s (8 was 15 ms)
 READERS = 4         # threads reading slabs with O_DIRECT (StreamedExperts [DIRECT]): reads in flight at once
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and buffers (4 KiB: any block size up to it)
 EXPERTS_IN_USE = 8  # experts from `get` a caller uses at once; a not-kept one is valid for this many more
@@ -648,7 +677,7 @@ EXPERTS_IN_USE = 8  # experts from `get` a caller uses at once; a not-kept one i
 # step's work, and the cgroup peaked 230 MB under the cap. others // RESIDENT_SLACK more covers an error in
 # the resident parts' estimate and keeps the process's VmHWM, which counts ~110 MB of shared libraries'
 # pages that the cgroup does not, under the cap too.
-EXPERT_OVERHEAD = 176 << 20
+EXPERT_OVERHEAD = (176 + 48) << 20     # + 48 MiB: READ_AHEAD 8 -> 24, 16 more direct buffers of ~2.9 MB
 RESIDENT_SLACK = 8
 
 
