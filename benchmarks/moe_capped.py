@@ -307,7 +307,10 @@ def run_contender(kind: str, args, out: Path) -> dict:
     drop_file_pages(args.model)
     cg = Cgroup.create(f"ternlm-moe-capped-{kind}-{os.getpid()}", args.cap)   # this run's own: never another's
     log = open(out / f"{name}.log", "w")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **(dict(args.env) if kind not in LLAMA else {}))
+    env = dict(os.environ, **(dict(args.env) if kind not in LLAMA else {}))
+    if args.omp_wait == "passive":          # both engines alike; "default" leaves OpenMP spinning, as users run
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    rec["omp_wait"] = args.omp_wait
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_preexec(cg))
     try:
         t0 = time.perf_counter()
@@ -434,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp's llama-server (default: the one scripts/build-llamacpp built)")
     ap.add_argument("--llama-server-args", nargs="*", action="extend", default=[], metavar="ARG",
                     help="extra llama-server flags (use --llama-server-args=--no-repack, -b ...)")
+    ap.add_argument("--omp-wait", choices=["passive", "default"], default="passive",
+                    help="OMP_WAIT_POLICY for every contender: PASSIVE (this script's figures so far) or the "
+                         "OpenMP default (spinning: what users get)")
     ap.add_argument("--load-only", action="store_true", help="start, record the load (and the expert plan), stop")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/moe-capped")
     args = ap.parse_args(argv)
