@@ -160,6 +160,29 @@ def test_hf_folder_matches_transformers(tmp_path):
     assert close(engine.logits(ids), ref) <= 2e-5                                           # native window
 
 
+def test_vision_language_folder_runs_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (Gemma 3 >= 4B on the Hub: language_model.model.*, a SigLIP
+    vision_tower.* and multi_modal_projector.* beside it, text_config inside config.json) loads as its language
+    model, text only, and matches transformers' vision-language model on text input."""
+    import transformers as tf
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=16, patch_size=4)
+    cfg = tf.Gemma3Config(text_config=tf.Gemma3TextConfig(**GEMMA).to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(5)
+    hf = tf.Gemma3ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():       # as gemma() does, the language model's weights only
+        for n, p in hf.named_parameters():
+            if "language_model" in n:
+                p.add_(torch.randn_like(p) * 0.1) if n.endswith("norm.weight") else p.mul_(4.0)
+    hf.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    loaded = load_hf_folder(tmp_path, torch.float32)
+    assert loaded.config.arch == "gemma3" and loaded.config.num_layers == GEMMA["num_hidden_layers"]
+    ids = ids_of(60)
+    assert close(_engine(loaded, quantized=False).logits(ids), hf_logits(hf, ids)) <= 2e-5
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
 def test_gguf_matches_transformers(quantized, tmp_path):
     hf = gemma(seed=5)

@@ -304,8 +304,8 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     dense = wchoice.mode != "gguf"
     elem = WEIGHT_BYTES[choose_dtype(wchoice.dtype, probe()).dtype]
     shape = _gguf_shape(path) if kind == "gguf" else _hf_shape(path)
-    layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes, recurrent = shape
-    model_bytes = (params + tied_embed) * elem if dense else path.stat().st_size
+    layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes, recurrent, aside = shape
+    model_bytes = (params + tied_embed) * elem if dense else path.stat().st_size - aside
     if expert_bytes and expert_cache != "resident":
         from .sizes import parse_size
         kept = 0 if expert_cache == "auto" else min(parse_size(expert_cache), expert_bytes)
@@ -330,31 +330,35 @@ def _state_bytes(cfg) -> int:
     return shape.nbytes * (1 + RecurrentState.snapshots_for(shape))
 
 
-def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int]:
+def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int, int]:
     """(attention layers (a slot's KV holds no other), kv_heads, head_dim, context, parameters, tied embedding's
-    parameters or 0, bytes of expert tensors, a slot's recurrent state bytes) from the GGUF header
-    (FastGGUFReader maps the file; reads no tensor data)."""
+    parameters or 0, bytes of expert tensors, a slot's recurrent state bytes, bytes of the blocks set aside
+    ([MTP-ASIDE]: in the file, never loaded)) from the GGUF header (FastGGUFReader maps the file; reads no tensor
+    data)."""
     from .models.gguf import FastGGUFReader, config_from_gguf
     reader = FastGGUFReader(path)
     cfg = config_from_gguf(reader)
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
     tied = sizes.get("token_embd.weight", 0) if cfg.tie_word_embeddings else 0
     experts = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name)
+    aside = sum(int(t.n_bytes) for t in reader.mtp_tensors)
     return (len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()),
-            tied, experts, _state_bytes(cfg))
+            tied, experts, _state_bytes(cfg), aside)
 
 
-def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int]:
+def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int, int]:
     """The same from config.json and the safetensors files' JSON headers (no tensor is read)."""
-    from .models.hf import config_from_hf
+    from .models.hf import config_from_hf, run_name, text_part
+    outer = json.loads((folder / "config.json").read_text())
+    text = text_part(outer)          # a vision-language folder: its language model (what loads)
     sizes: dict[str, int] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        sizes |= _safetensors_sizes(file)
-    cfg = config_from_hf(json.loads((folder / "config.json").read_text()), set(sizes))
+        sizes |= {name: n for stored, n in _safetensors_sizes(file).items()
+                  if (name := run_name(stored, text is not outer)) is not None}
+    cfg = config_from_hf(text, set(sizes))
     tied = sizes.get("model.embed_tokens.weight", 0) if cfg.tie_word_embeddings else 0
     return (len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings, sum(sizes.values()),
-            tied, 0,
-            _state_bytes(cfg))
+            tied, 0, _state_bytes(cfg), 0)
 
 
 def _safetensors_sizes(file: Path) -> dict[str, int]:

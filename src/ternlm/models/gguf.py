@@ -65,6 +65,26 @@ class FastGGUFReader(GGUFReader):
 
     def __init__(self, path: os.PathLike[str] | str):
         super().__init__(path, mode="c")
+        self.mtp_tensors = self._set_aside_mtp_blocks()
+
+    def _set_aside_mtp_blocks(self) -> list[ReaderTensor]:
+        """[MTP-ASIDE] A file with multi-token-prediction blocks (`{arch}.nextn_predict_layers` = n: llama.cpp's
+        converter appends them as the last n of block_count's blocks, e.g. Qwen3.5's and Qwen3-Next's own
+        checkpoints converted without --no-mtp) runs its first block_count - n blocks only, as llama.cpp does
+        for the main model. Those blocks' tensors move from ``tensors`` to the returned list, so every reader
+        of ``tensors`` (config, the tensor check, the loader, the expert slabs, the fit check) sees the main
+        model alone. Side effect: ``self.tensors`` loses them."""
+        arch = self.get_field("general.architecture")
+        nextn = arch is not None and self.get_field(f"{arch.contents()}.nextn_predict_layers")
+        if not nextn or not int(nextn.contents()):
+            return []
+        first = int(_field(self, f"{arch.contents()}.block_count")) - int(nextn.contents())
+        aside = [t for t in self.tensors if (m := _LAYER_RE.fullmatch(t.name)) and int(m.group(1)) >= first]
+        names = {t.name for t in aside}
+        self.tensors = [t for t in self.tensors if t.name not in names]
+        log.info("%d multi-token-prediction block(s) (%d tensors) set aside: the main model's %d blocks run",
+                 int(nextn.contents()), len(aside), first)
+        return aside
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         """The base class's parts for an array of strings or scalars, built in one loop.
@@ -424,7 +444,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     context = int(_field(reader, f"{arch}.context_length"))
     window = _field(reader, f"{arch}.attention.sliding_window", None)
-    layers = int(_field(reader, f"{arch}.block_count"))
+    # [MTP-ASIDE]: the last nextn_predict_layers blocks are multi-token prediction, not the main model's
+    layers = int(_field(reader, f"{arch}.block_count")) - int(_field(reader, f"{arch}.nextn_predict_layers", 0))
     kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
     moe = _moe_from_gguf(reader, arch, names)
     if reader.get_field(f"{arch}.ssm.conv_kernel") is not None:     # recurrent layers: a hybrid file
@@ -467,6 +488,8 @@ def _hybrid_from_gguf(reader: GGUFReader, arch: str, layers: int) -> dict:
     field = reader.get_field(f"{arch}.attention.recurrent_layers")
     if field is not None:
         recurrent = [bool(x) for x in field.contents()]
+        if len(recurrent) == int(_field(reader, f"{arch}.block_count")):     # it names the MTP blocks too
+            recurrent = recurrent[:layers]
     else:
         every = int(_field(reader, f"{arch}.full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(layers)]

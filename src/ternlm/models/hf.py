@@ -67,7 +67,45 @@ _MIXTRAL_RE = re.compile(r"block_sparse_moe\.(gate|experts\.(\d+)\.w([123]))\.we
 _MIXTRAL_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 # Buffers some old checkpoints saved alongside the weights; recomputed by the engine, so skipped. mtp.*: the
 # multi-token-prediction block of Qwen3-Next / Qwen3.5 checkpoints, which transformers skips too (not run here).
-_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq|mtp\..*")
+_IGNORED_RE = re.compile(r".*rotary_emb\.inv_freq|(model\.)?mtp\..*")
+
+
+# Vision-language checkpoints (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration,
+# Gemma3ForConditionalGeneration: the Hub's Qwen3.5 and Gemma 3 >= 4B folders): the language model's weights
+# under one of these prefixes, the vision tower's and projector's under the others, not run here (text only).
+_LANGUAGE_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                      ("language_model.lm_head.", "lm_head."))
+_VISION_RE = re.compile(r"(model\.)?(visual|vision_tower|multi_modal_projector|vision_model|embed_vision)\..*")
+
+
+def text_part(cfg: dict) -> dict:
+    """config.json -> the language model's config: a vision-language config's `text_config` (its
+    `tie_word_embeddings` from the outer config, whose lm_head it is), any other config as it is. Pure."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or not any(a.endswith("ForConditionalGeneration")
+                                             for a in cfg.get("architectures") or ()):
+        return cfg
+    out = dict(text)
+    if "tie_word_embeddings" in cfg:
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    out.setdefault("architectures", [])
+    return out
+
+
+def run_name(stored: str, vision_language: bool) -> str | None:
+    """A checkpoint parameter's name as the text model runs it (a vision-language checkpoint's language model
+    prefix dropped), or None for what is not loaded: the vision tower and projector, the MTP block, rotary
+    buffers (_IGNORED_RE). Pure."""
+    name = stored
+    if vision_language:
+        for prefix, ours in _LANGUAGE_PREFIXES:
+            if stored.startswith(prefix):
+                name = ours + stored[len(prefix):]
+                break
+        else:
+            if _VISION_RE.fullmatch(stored):
+                return None
+    return None if _IGNORED_RE.fullmatch(name) else name
 
 
 def _arch(cfg: dict) -> str:
@@ -439,20 +477,24 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype) -> LoadedMo
     folder = Path(path)
     t0 = time.perf_counter()
     raw_config = (folder / "config.json").read_bytes()
-    cfg = json.loads(raw_config)
+    outer = json.loads(raw_config)
+    cfg = text_part(outer)
+    vision_language = cfg is not outer
     _arch(cfg)  # fail on an unsupported architecture before touching gigabytes of weights
     files = _safetensors_files(folder)
-    log.info("loading %s: %s, %d safetensors file(s) -> %s", folder, cfg.get("model_type"), len(files), dtype)
+    log.info("loading %s: %s, %d safetensors file(s) -> %s%s", folder, cfg.get("model_type"), len(files), dtype,
+             " (the language model of a vision-language checkpoint: text only)" if vision_language else "")
 
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as st:
-            for name in st.keys():
-                if _IGNORED_RE.fullmatch(name):
+            for stored in st.keys():
+                name = run_name(stored, vision_language)
+                if name is None:
                     continue
                 if name in weights:
                     raise UnsupportedModelError(f"parameter {name} appears in more than one shard ({file.name})")
-                weights[name] = st.get_tensor(name).to(dtype)
+                weights[name] = st.get_tensor(stored).to(dtype)
     t_weights = time.perf_counter()
 
     config = config_from_hf(cfg, set(weights))
