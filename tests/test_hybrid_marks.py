@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ternlm.engine import Engine
 from ternlm.kv.recurrent import RecurrentShape, RecurrentState
 from ternlm.message_marks import message_marks
-from ternlm.models.hf import load_hf_folder
 from ternlm.tokenizer import Tokenizer
+from hybrid_checks import folder_engine
 from test_hybrid import hf_qwen35
 from test_loaders import TEMPLATE as NO_MARK_TEMPLATE
 
@@ -46,10 +45,6 @@ def folder(tmp_path_factory):
     return path
 
 
-def _engine(folder, **kw) -> Engine:
-    return Engine(load_hf_folder(folder, torch.float32), dtype="float32", min_reuse=1, **kw)
-
-
 def _chat(n: int, edited: int | None = None) -> list[dict]:
     """n messages (system, then user/assistant alternating), 7-30 words each; `edited`: that message's content
     gets a word in front (an edit that diverges right after its role)."""
@@ -73,7 +68,7 @@ def test_the_template_s_message_start_token_is_found(folder):
     assert message_marks(NO_MARK_TEMPLATE, tok) == frozenset()             # messages open with plain text
     only_users = "{% for m in messages %}{% if m.role == 'user' %}<|im_start|>{% endif %}{{ m.content }} {% endfor %}"
     assert message_marks(only_users, tok) == frozenset()                   # the assistant's start is no mark
-    dense = _engine(folder)
+    dense = folder_engine(folder)
     assert dense.message_marks == {mark} and dense.slots[0].state.marks == {mark}
 
 
@@ -98,7 +93,7 @@ def test_prefill_snapshots_every_message_start_and_an_edit_resumes_there(folder)
     """A 9-message chat prefilled in chunks (one chunk starting on a message start: the live-state copy) holds a
     snapshot before every message-start token; editing message i of it reuses exactly up to message i's start,
     with the cold run's bits; the re-prefill snapshots the starts it feeds again."""
-    warm, cold = _engine(folder, state_interval=4096), _engine(folder, prefix_reuse=False)
+    warm, cold = folder_engine(folder, state_interval=4096), folder_engine(folder, prefix_reuse=False)
     mark = warm.tokenizer.token_to_id("<|im_start|>")
     base = warm.apply_chat_template(_chat(9))
     starts = _starts(base, mark)
@@ -117,7 +112,7 @@ def test_prefill_snapshots_every_message_start_and_an_edit_resumes_there(folder)
 def test_a_tight_budget_keeps_the_newest_message_starts(folder):
     """With 8 snapshots allowed, a long chat's prefill keeps the newest 4 message starts (the boundary pool's half)
     and its end; an edit of the 3rd-from-last message still resumes at its start."""
-    warm, cold = _engine(folder, state_interval=4096), _engine(folder, prefix_reuse=False)
+    warm, cold = folder_engine(folder, state_interval=4096), folder_engine(folder, prefix_reuse=False)
     mark = warm.tokenizer.token_to_id("<|im_start|>")
     warm.slots[0].state.max_snapshots = 8
     base = warm.apply_chat_template(_chat(12))

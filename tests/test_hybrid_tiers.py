@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from redis_proc import RedisProc
-from ternlm.engine import Engine
 from ternlm.kv.blockfile import BadBlock, decode, encode
 from ternlm.kv.blocks import BLOCK_TOKENS
 from ternlm.kv.record import lcp
 from ternlm.kv.store import CacheConfig
-from ternlm.models.hf import load_hf_folder
+from hybrid_checks import folder_engine
 from test_hybrid import hf_qwen35
 from test_loaders import _save_tokenizer
 from test_moe import ids_of
@@ -38,13 +37,9 @@ def folder(tmp_path_factory):
     return path
 
 
-def _engine(folder, **kw) -> Engine:
-    return Engine(load_hf_folder(folder, torch.float32), dtype="float32", min_reuse=1, **kw)
-
-
 @pytest.fixture(scope="module")
 def cold(folder):
-    return _engine(folder, prefix_reuse=False)
+    return folder_engine(folder, prefix_reuse=False)
 
 
 def _diverging(d: int) -> list[int]:
@@ -78,7 +73,7 @@ def test_reuse_from_a_tier_at_every_divergence_gives_the_cold_bits(folder, cold,
     disk (RAM budget 0: every entry written, read back and verified): every 3rd and every block edge."""
     cache = CacheConfig(ram_bytes=64 << 20) if tier == "ram" else \
         CacheConfig(ram_bytes=0, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
-    warm = _engine(folder, cache=cache)
+    warm = folder_engine(folder, cache=cache)
     try:
         for d in (range(301) if tier == "ram" else _stride(3)):
             warm.generate(BASE, max_tokens=1, ignore_eos=True, slot=0)
@@ -97,7 +92,7 @@ def test_reuse_from_a_tier_at_every_divergence_gives_the_cold_bits(folder, cold,
 def test_entries_carry_the_state_at_their_end(folder, tmp_path):
     """Stored blocks and the tail carry the slot's state at their end (the grid snapshot, the live state), the
     same bits; a disk file round-trips them; an entry whose state has another shape is refused."""
-    warm = _engine(folder, cache=CacheConfig(ram_bytes=64 << 20))
+    warm = folder_engine(folder, cache=CacheConfig(ram_bytes=64 << 20))
     warm.generate(BASE, max_tokens=1, ignore_eos=True, slot=0)
     st = warm.slots[0].state
     saved = warm.store.save(warm.slots[0])
@@ -120,12 +115,12 @@ def test_restart_serves_the_conversation_from_disk(folder, cold, tmp_path):
     """A conversation persisted at shutdown is served by a fresh engine from the disk tier: the next turn
     prefills only its new tail (the tail entry's state resumes at the record's end) and answers as cold."""
     cache = CacheConfig(ram_bytes=64 << 20, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
-    first = _engine(folder, cache=cache)
+    first = folder_engine(folder, cache=cache)
     one = first.generate(BASE, max_tokens=5, ignore_eos=True)
     record = list(first.slots[0].record.fed)
     assert first.persist_cache() >= 300 // B
     first.store.close(10)
-    second = _engine(folder, cache=cache)
+    second = folder_engine(folder, cache=cache)
     try:
         prompt = BASE + one.token_ids + OTHER[:30]
         got = second.generate(prompt, max_tokens=4, ignore_eos=True, keep_logits=True)
@@ -140,7 +135,7 @@ def test_redis_replica_resumes_at_the_published_blocks(folder, cold):
     serves prompts leaving BASE at several points from Redis, as cold."""
     with RedisProc() as redis:
         cache = CacheConfig(ram_bytes=64 << 20, redis_url=redis.url)
-        a, b = _engine(folder, cache=cache), _engine(folder, cache=cache)
+        a, b = folder_engine(folder, cache=cache), folder_engine(folder, cache=cache)
         try:
             a.generate(BASE, max_tokens=1, ignore_eos=True)
             assert a.store.flush(10)
@@ -160,7 +155,7 @@ def test_redis_replica_resumes_at_the_published_blocks(folder, cold):
 def test_n_choices_fork_the_recurrent_state(folder, cold):
     """n > 1 on a hybrid model: choice 1 forks choice 0's slot at the latest position where it holds the
     state (its grid snapshot below the prompt's end) and answers as a lone cold request would."""
-    engine = _engine(folder, slots=2)
+    engine = folder_engine(folder, slots=2)
     prompt = ids_of(150, seed=11)
     lead = engine.open(prompt, max_tokens=3, ignore_eos=True, slot=0, keep_logits=True)
     while lead.prefilling:
@@ -191,7 +186,7 @@ def test_kv_holds_the_attention_layers_only(folder, cold, tmp_path):
     instead), and so does every tier entry: a 64-token block's payload is that KV plus the state. Blocks a disk tier
     holds in the old layout (every layer's K and V) are refused and recomputed, never misread: the answer is cold's."""
     cache = CacheConfig(ram_bytes=64 << 20, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
-    first = _engine(folder, cache=cache)
+    first = folder_engine(folder, cache=cache)
     cfg, slot = first.config, first.slots[0]
     assert cfg.attention_layers == (3,) and cfg.num_layers == 4
     assert tuple(slot.k.shape) == (1, cfg.num_kv_heads, slot.capacity, cfg.head_dim) == tuple(slot.v.shape)
@@ -211,7 +206,7 @@ def test_kv_holds_the_attention_layers_only(folder, cold, tmp_path):
     assert files
     for f in files:
         _old_layout(f, cfg.num_layers)
-    second = _engine(folder, cache=cache)
+    second = folder_engine(folder, cache=cache)
     try:
         prompt = BASE + OTHER[:30]
         got = second.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True)
