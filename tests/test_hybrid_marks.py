@@ -123,3 +123,37 @@ def test_a_tight_budget_keeps_the_newest_message_starts(folder):
     got = warm.generate(prompt, max_tokens=2, ignore_eos=True, keep_logits=True, slot=0)
     assert got.cached_tokens == starts[9]
     assert torch.equal(got.logits, cold.logits(prompt + got.token_ids[:-1])[len(prompt) - 1:])
+
+
+
+def test_a_tier_reaching_less_far_than_the_slot_does_not_replace_it(folder):
+    """Issue 47's edit replay, turn 25 of 30 (--tiers): the edit diverged 6 tokens after its message's start, a
+    block edge fell between the two, so the tiers offered more than the slot's resume point (the message-start
+    snapshot) -- but the slot held no snapshot at that block's start, and the tiers' states reached only an early
+    block: the placement dropped the slot's prefix for the tiers' shorter one (192 of 9,282 tokens reused). Here in
+    small: marks at 64 (a block edge: the tier's block [0, 64) carries the state there, the slot has since dropped
+    it) and 124, the prompt diverging at 130, past the edge 128; no grid. The slot's snapshot at 124 must be what
+    resumes, with the cold run's bits."""
+    from ternlm.kv.store import CacheConfig
+    warm = folder_engine(folder, state_interval=4096, cache=CacheConfig(ram_bytes=64 << 20))
+    cold = folder_engine(folder, prefix_reuse=False)
+    try:
+        mark = warm.tokenizer.token_to_id("<|im_start|>")
+        words = [warm.tokenizer.token_to_id(f"w{i % 200}") for i in range(400)]
+        base = words[:300]
+        for p in (64, 124, 210, 230):
+            base[p] = mark
+        warm.slots[0].state.max_snapshots = 4         # over it, the oldest message start (64) goes first
+        warm.generate(base[:200], max_tokens=1, ignore_eos=True, slot=0)
+        base[199] = words[250]                        # resumes at 124; [0, 200) goes to the tier, state at 64
+        warm.generate(base, max_tokens=1, ignore_eos=True, slot=0)
+        warm.store.flush(10)
+        snaps = set(warm.slots[0].state.snaps)
+        assert 124 in snaps and 64 not in snaps
+        assert any(e.state is not None and len(e.meta.ids) == 64 for e in warm.store.ram.oldest_first())
+        prompt = base[:130] + words[300:340]
+        got = warm.generate(prompt, max_tokens=3, ignore_eos=True, keep_logits=True, slot=0)
+        assert got.cached_tokens == 124, got.reuse.why
+        assert torch.equal(got.logits, cold.logits(prompt + got.token_ids[:-1])[len(prompt) - 1:])
+    finally:
+        warm.store.close(10)

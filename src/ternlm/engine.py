@@ -533,7 +533,10 @@ class Engine:
         if slot.state is not None:
             tier_blocks, tail_tokens = _stateful_reach(got.blocks, p.first_block, tail, tail_tokens, limit)
         p = plan(tier_blocks, tail_tokens, usable)
-        if not p.loads and usable != k:        # the tiers hold no state past the slot's own: keep its prefix
+        if usable != k and (not p.loads or p.loaded <= k):
+            # the slot's prefix was set aside for the tiers, but their states reach no further than the slot's
+            # own resume point k: keep the slot's (an edit replay's turn re-processed 10,201 of 10,393 tokens
+            # when a tier's early state replaced the slot's snapshot 6 tokens before the divergence)
             p = plan(0)
         self._keep(slot, p.keep, ns)
         if not p.loads:
