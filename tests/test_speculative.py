@@ -201,16 +201,27 @@ def test_json_schema_mask_on_every_verify_row(smollm2):
             json.loads(on.text)
 
 
-def test_a_hybrid_model_does_not_speculate(tmp_path):
-    """A recurrent state cannot be cut back past rejected rows: a hybrid slot decodes plainly (same answer)."""
-    from test_hybrid import hf_qwen35
-    from test_loaders import _save_tokenizer
-    from ternlm.models.hf import load_hf_folder
-    hf_qwen35(seed=3).save_pretrained(tmp_path)
-    _save_tokenizer(tmp_path)
-    e = Engine(load_hf_folder(tmp_path, torch.float32), dtype="float32")
-    out = e.generate([5, 6, 7, 8] * 10, max_tokens=20, ignore_eos=True, speculative=True)
-    assert out.timings.drafted == 0 and len(out.token_ids) == 20
+def test_tool_call_grammar_on_every_verify_row(smollm2):
+    """tool_choice "required"'s grammar (tools.call_grammar: a Hermes-style <tool_call> holding a JSON call) masks
+    every verify row: speculation on == off, greedy and seeded; the prompt shows the call twice, so lookup drafts
+    it and the grammar judges drafted rows."""
+    from ternlm.tools import call_grammar, prepare, supports_tools
+    e = smollm2
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"]}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": f"Call the tool like this: {call}\nNow do it again for Paris: {call}"}]
+    native = supports_tools(e.chat_template)
+    rendered, extra = prepare(msgs, tools, native)
+    ids = list(e.apply_chat_template(rendered, add_generation_prompt=True, **extra))
+    grammar = call_grammar(tools, None, False, e.tokenizer)
+    for sampling in ({}, {"temperature": 0.8, "seed": 7}):
+        on, _ = _both(e, ids, 60, grammar=grammar, **sampling)
+        if not sampling:
+            assert on.timings.drafted > 0, on.timings
 
 
 # ---- through the server, with the official client ----------------------------------------------------

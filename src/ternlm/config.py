@@ -20,10 +20,12 @@ from .models.rope import Rope
 # at load (models/deltanet.fused_rows), its router renormalises per its config; no fields of its own.
 # nemotron_h (Nemotron-H, issue 47): each layer ONE block behind its pre-norm: a Mamba-2 mixer
 # (models/mamba2.py), attention without RoPE, or a relu^2 MLP: layer_kinds (mixer) + layer_ffns (feed-forward).
+# lfm2 (LFM2, issue 47): gated short convolutions (models/shortconv.py) beside qwen3-like attention (q/k norms),
+# a SwiGLU MLP on every layer (models/lfm2.py: names and config).
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "qwen3next", "nemotron_h")
-LAYER_KINDS = ("attention", "deltanet", "mamba2", "none")   # a layer's token mixer; "none": a feed-forward only
-RECURRENT_KINDS = ("deltanet", "mamba2")                     # mixers with a recurrent state (kv/recurrent.py)
+                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "lfm2")
+LAYER_KINDS = ("attention", "deltanet", "mamba2", "shortconv", "none")   # a layer's token mixer; "none": none
+RECURRENT_KINDS = ("deltanet", "mamba2", "shortconv")        # mixers with a recurrent state (kv/recurrent.py)
 LAYER_FFNS = ("mlp", "none")       # a layer's feed-forward: the model's MLP (or its experts), or none
 MLP_ACTS = ("silu", "gelu_tanh", "relu2")   # SwiGLU, GeGLU (gelu, tanh approximation); relu2: up -> relu(x)^2 -> down, no gate
 
@@ -98,9 +100,12 @@ class ModelConfig:
     mamba_groups: int = 0
     mamba_conv_kernel: int = 0
     mamba_dt_min: float = 0.0
+    # lfm2 (issue 47): a "shortconv" mixer: in_proj -> B | C | x (hidden each); C * causal depthwise conv(B * x)
+    # (kernel shortconv_kernel, no bias) -> out_proj
+    shortconv_kernel: int = 0
 
     def kind(self, layer: int) -> str:
-        """Layer `layer`'s token mixer: "attention" | "deltanet" | "mamba2" | "none"."""
+        """Layer `layer`'s token mixer: "attention" | "deltanet" | "mamba2" | "shortconv" | "none"."""
         return self.layer_kinds[layer] if self.layer_kinds else "attention"
 
     def ffn(self, layer: int) -> str:
@@ -178,15 +183,18 @@ class ModelConfig:
             raise ValueError(f"layer_ffns {self.layer_ffns} must give each of {self.num_layers} layers one of "
                              f"{', '.join(LAYER_FFNS)}")
         mamba = [i for i in range(self.num_layers) if self.kind(i) == "mamba2"]
-        if mamba and len(mamba) != len(self.recurrent_layers):
-            raise ValueError("a model's recurrent layers must be all deltanet or all mamba2 (one state shape)")
+        if len({self.kind(i) for i in self.recurrent_layers}) > 1:
+            raise ValueError("a model's recurrent layers must be all one kind (one state shape)")
+        conv = [i for i in range(self.num_layers) if self.kind(i) == "shortconv"]
+        if conv and self.shortconv_kernel < 2:
+            raise ValueError("shortconv layers need a kernel of at least 2")
         if mamba and (min(self.mamba_heads, self.mamba_head_dim, self.mamba_state, self.mamba_groups,
                           self.mamba_conv_kernel) <= 0 or self.mamba_heads % self.mamba_groups
                       or self.mamba_dt_min < 0):
             raise ValueError("mamba2 layers need positive mamba_* sizes, heads a multiple of groups")
         if self.mlp_act == "relu2" and self.num_experts:
             raise ValueError("relu2 (ungated) MLPs are dense only here: experts are SwiGLU")
-        if self.recurrent_layers and not mamba and (min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+        if self.recurrent_layers and not mamba and not conv and (min(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
                                           self.linear_value_dim, self.linear_conv_kernel) <= 0
                                       or self.linear_value_heads % self.linear_key_heads):
             raise ValueError("deltanet layers need positive linear_* sizes, value heads a multiple of key heads")

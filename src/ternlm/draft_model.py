@@ -76,7 +76,7 @@ class DraftModel:
         if self.engine.slots[0].state is not None:
             raise ValueError("a hybrid draft model cannot draft: its recurrent state cannot be cut back")
         if target.slots[0].state is not None:
-            raise ValueError("a hybrid model never speculates: a draft model cannot help it")
+            raise ValueError("a draft model for a hybrid target is not supported yet (prompt lookup is)")
         if self.engine.num_slots < target.num_slots:
             raise ValueError(f"the draft model has {self.engine.num_slots} slots for the target's {target.num_slots}")
         self.vocab = min(self.vocab, target.config.vocab_size)   # a draft id must be a target id

@@ -320,8 +320,8 @@ class Engine:
         `grammar`: constrain every sampled token (grammar.py), this request's logits row only.
         `logit_bias`: token id -> added to its logit before every choice (OpenAI's, -100..100).
         `speculative`: draft and verify (sequence.py: the same answer, token for token); None: the
-        engine's default. A hybrid model's slot never speculates: its recurrent state cannot be cut
-        back past rejected rows without a snapshot at each."""
+        engine's default. A hybrid model's slot speculates too: it rewinds its recurrent state to before
+        a verify step that had rejected rows and feeds the rows that stand again ([VERIFY-REWIND])."""
         t_start = time.perf_counter()
         prompt_in, prompt = prompt, list(prompt)
         n = len(prompt)
@@ -379,8 +379,7 @@ class Engine:
                         limits=Limits(max_tokens, self.ctx, stop_ids), embeds=emb, on_chunk=on_chunk,
                         keep_logits=keep_logits, logprobs=logprobs, started=t_start, constraint=constraint,
                         drafter=self.drafts(slot.index, prompt, cache_salt)
-                        if (self.speculative if speculative is None else speculative) and slot.state is None
-                        else None)
+                        if (self.speculative if speculative is None else speculative) else None)
 
     @staticmethod
     def want(seq: Sequence) -> Want:
@@ -405,6 +404,8 @@ class Engine:
             except Exception as e:           # ContextOverflow: this sequence only
                 outcomes[i] = self._fail(seq, e)
                 continue
+            if logits == "all" and seq.slot.state is not None:
+                seq.slot.state.hold()        # [VERIFY-REWIND] a hybrid slot's state before its verify rows
             feeds.append(Feed(seq.slot, ids, seq.embeds or None, logits))
             live.append(i)
         if feeds:

@@ -60,7 +60,9 @@ def _captures(f: Feed) -> dict | None:
     if st is None:
         return None
     start = len(f.slot.record)
-    want = st.wants(start, f.ids, prefill_end=len(f.ids) > 1 and f.logits != "none")
+    # a prefill's last chunk asks for its last row; a verify step ("all": a token and its draft) is no prefill
+    # end: a snapshot there every step would evict the message starts [VERIFY-REWIND]
+    want = st.wants(start, f.ids, prefill_end=len(f.ids) > 1 and f.logits == "last")
     return {p: (st.conv.clone(), st.ssm.clone()) if p == start
             else (torch.empty_like(st.conv), torch.empty_like(st.ssm)) for p in want} or None
 

@@ -14,7 +14,10 @@ Speculative decoding (lossless): while decoding, `pending` may hold the last sam
 plain decoding would (the same bias, grammar mask and per-position draw, sampling.py) and keeps a drafted token
 only while it equals the token sampled before it. The first row that differs ends the step: its sampled token is
 the next pending one, and the rows after it, fed drafts the model did not produce, are cut from the slot's
-record (Slot.truncate) before anything can store or reuse them. A verify row has exactly the bits of a one-row
+record (Slot.truncate) before anything can store or reuse them. A hybrid model's slot cannot cut its recurrent
+state back past rows it took: it rewinds to the state held before the step [VERIFY-REWIND] (Slot.rewind), and
+the step's rows that stand are fed again at the head of the next step (`refeed`), which gives them the same
+bits (the scan's per-token steps do not depend on how rows are grouped, [RESUME-EXACT]). A verify row has exactly the bits of a one-row
 decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for token, on or off.
 
 Drafting happens between steps, for all of a step's sequences at once (Engine.step: `draft_ask` from each, the
@@ -141,6 +144,7 @@ class Sequence:
         self._first_step: float | None = None
         self._decode_from: float | None = None       # when the prefill's last chunk returned
         self.drafter = drafter        # drafter.py / draft_model.py: drafts after each sampled token; None: plain
+        self.refeed = 0               # [VERIFY-REWIND] pending's first rows: a rewound verify step's rows that stand
 
     @property
     def prefilling(self) -> bool:
@@ -170,7 +174,7 @@ class Sequence:
         fed = self.pending[:count]
         del self.pending[:count]
         if not self.prefilling and count > 1:
-            events = self._verify(fed[1:], logits)
+            events = self._verify(fed, logits)
         else:
             events = self._step(count, logits)
         return events
@@ -182,13 +186,14 @@ class Sequence:
         if self.done or self.prefilling or self.drafter is None:
             return None
         self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
-        room = min(self.limits.max_tokens - len(self.out_ids), self.limits.ctx - len(self.slot.record)) - 1
+        room = min(self.limits.max_tokens - len(self.out_ids) - 1, self.limits.ctx - len(self.slot.record) - len(self.pending))
         return DraftAsk(self.drafter, room) if room >= 1 else None
 
     def add_draft(self, draft: list[int]) -> None:
         """Append the drafter's answer to `draft_ask` after the pending token: the next step feeds and verifies
         it (`_verify`). Side effect: pending."""
-        check(len(self.pending) == 1 and not self.done, "a draft follows exactly one pending token")
+        check(len(self.pending) == self.refeed + 1 and not self.done,
+              "a draft follows exactly one pending token (after the rows fed again)")
         self.pending += draft
 
     def stop_drafting(self) -> None:
@@ -213,25 +218,38 @@ class Sequence:
         check(logits is not None, "the step that ended the pending ids returned no logits")
         return self._sample(logits[-1])
 
-    def _verify(self, draft: list[int], logits: torch.Tensor) -> list[Delta | Completion]:
-        """A decode step that fed [token, *draft]: logits (1 + len(draft), vocab). Row r is sampled as plain
-        decoding would at that point; the draft's next token is kept only if it is that sample."""
+    def _verify(self, fed: list[int], logits: torch.Tensor) -> list[Delta | Completion]:
+        """A decode step that fed [*refed, token, *draft] (refed: a rewound step's rows that stand, fed again;
+        their logits were sampled then): logits (len(fed), vocab). Row r after them is sampled as plain decoding
+        would at that point; the draft's next token is kept only if it is that sample. Rejected rows leave the
+        record (Slot.truncate), or a hybrid slot rewinds to the step's start and feeds the rows that stand again
+        next step [VERIFY-REWIND]. Side effects: samples; the slot's record (and state); pending, refeed."""
+        j = self.refeed
+        draft = fed[j + 1:]
         k = len(draft)
-        check(logits is not None and logits.shape[0] == k + 1, "a verify step returns every row's logits")
+        check(logits is not None and logits.shape[0] == len(fed), "a verify step returns every row's logits")
         events: list[Delta | Completion] = []
         taken = 0
         for r in range(k + 1):
-            events += self._sample(logits[r], unverified=k - r)
+            events += self._sample(logits[j + r], unverified=k - r)
             if self.done or r == k or self.pending[0] != draft[r]:
                 break
             taken += 1
         rejected = k - taken          # rows after the last one that stands (a mismatch, a stop, the limit)
-        if rejected:           # [RECORD-WHERE-FED] the record no longer vouches for those rows' KV
+        self.refeed = 0
+        if rejected and self.slot.state is None:    # [RECORD-WHERE-FED] the record no longer vouches for them
             self.slot.truncate(len(self.slot.record) - rejected)
+        elif rejected:                # [VERIFY-REWIND] the state took them: back to the step's start
+            self.slot.rewind()
+            if not self.done:         # (done: the record ends at the step's start; the answer is complete)
+                standing = fed[:j + 1 + taken]
+                self.pending = standing + self.pending
+                self.refeed = len(standing)
         self.timings.decode_tokens += 1 + taken
         self.timings.drafted += k
         self.timings.accepted += taken
-        self.drafter.verified(k, taken)
+        if self.drafter is not None:  # (a rewound step's rows may be fed again after the drafter failed)
+            self.drafter.verified(k, taken)
         return events
 
     def _sample(self, logits: torch.Tensor, unverified: int = 0) -> list[Delta | Completion]:

@@ -104,7 +104,9 @@ def encode(meta: BlockMeta, k: torch.Tensor, v: torch.Tensor,
     """(header bytes, payload buffers) of one block file; the payload is written without copies.
     `state`: the recurrent state (conv, ssm) after the entry, fp32, shaped as meta.state."""
     tensors = (k, v) + tuple(t.to(torch.float32) for t in state or ())
-    bufs = [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
+    # flat byte views (reshape(-1) first: memoryview cannot cast a view with a zero in its shape, as lfm2's
+    # empty ssm part of the state has)
+    bufs = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()).cast("B") for t in tensors]
     h = hashlib.sha256()
     for b in bufs:
         h.update(b)
@@ -199,7 +201,8 @@ def meta_of(header: dict) -> BlockMeta:
             shapes = tuple(tuple(int(x) for x in state[part]) for part in ("conv", "ssm"))
         except (KeyError, TypeError, ValueError):
             raise BadBlock("corrupted header (state)") from None
-        if [len(s) for s in shapes] != [3, 4] or any(x < 1 for s in shapes for x in s) \
+        # every conv dim >= 1; the ssm part may be empty past its layer count (lfm2's short convs keep none)
+        if [len(s) for s in shapes] != [3, 4] or any(x < 1 for x in shapes[0]) or any(x < 0 for x in shapes[1]) \
                 or shapes[0][0] != shapes[1][0]:
             raise BadBlock(f"wrong state shape {shapes}")
         meta = dataclasses.replace(meta, state=shapes)
@@ -247,6 +250,7 @@ def decode(data: bytes | bytearray | memoryview, expect: BlockMeta | None = None
     got = None
     if meta.state is not None:       # (conv, ssm) fp32 after v, shaped as the header says
         conv = torch.frombuffer(payload[kv:kv + state[0]], dtype=torch.float32).view(meta.state[0])
-        ssm = torch.frombuffer(payload[kv + state[0]:], dtype=torch.float32).view(meta.state[1])
+        ssm = torch.frombuffer(payload[kv + state[0]:], dtype=torch.float32).view(meta.state[1]) if state[1] \
+            else torch.zeros(meta.state[1])          # an empty ssm part (lfm2): frombuffer takes no empty buffer
         got = (conv, ssm)
     return BlockKV(meta, flat[:half].view(meta.shape), flat[half:].view(meta.shape), got)

@@ -1,4 +1,4 @@
-"""A slot's recurrent state (hybrid models' gated-DeltaNet or Mamba-2 layers) and its snapshots.
+"""A slot's recurrent state (hybrid models' gated-DeltaNet, Mamba-2 or short-conv layers) and its snapshots.
 
 Why snapshots: attention KV can be cut back to any prefix, a recurrent layer's state cannot (it folds every
 token in). So the slot keeps the state at the end of its record (`pos`) and copies of it at earlier
@@ -46,6 +46,8 @@ def recurrent_shape(cfg) -> RecurrentShape | None:
     """What a slot's recurrent state holds for a model (config.ModelConfig), None when no layer is recurrent."""
     if not cfg.recurrent_layers:
         return None
+    if cfg.kind(cfg.recurrent_layers[0]) == "shortconv":  # lfm2: the conv's inputs only, no ssm (zero-sized)
+        return RecurrentShape(len(cfg.recurrent_layers), cfg.hidden_size, cfg.shortconv_kernel - 1, 0, 0, 0)
     if cfg.kind(cfg.recurrent_layers[0]) == "mamba2":     # every recurrent layer is one kind (config.py checks)
         H, P, N, G = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
         return RecurrentShape(len(cfg.recurrent_layers), H * P + 2 * G * N, cfg.mamba_conv_kernel - 1, H, P, N)
@@ -78,6 +80,8 @@ class RecurrentState:
         self.ssm = torch.zeros(s.layers, s.heads, s.key_dim, s.value_dim)     # (R, Hv, dk, dv)
         self.pos = 0                 # the state describes positions [0, pos); -1: invalid (a failed step)
         self.snaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # position -> (conv, ssm) copies
+        # [VERIFY-REWIND] the state before a speculative verify step (hold), outside the snapshot budget
+        self.held: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def snapshots_for(shape: RecurrentShape) -> int:
@@ -90,11 +94,39 @@ class RecurrentState:
         self.ssm.zero_()
         self.pos = 0
         self.snaps.clear()
+        self.held = None
 
     def invalidate(self) -> None:
         """A step failed with the state half-advanced: nothing describes it (the snapshots still do their
         positions)."""
         self.pos = -1
+        self.held = None
+
+    def hold(self) -> None:
+        """[VERIFY-REWIND] Copy the live state before a speculative verify step, so that `rewind` can take it
+        back when drafted rows are rejected (the recurrent layers cannot be cut back past rows they took). One
+        copy a slot, replaced by the next hold; not a snapshot (it neither counts against max_snapshots nor
+        evicts one). Side effect: held."""
+        if self.held is None or self.held[1].shape != self.conv.shape:
+            self.held = (self.pos, self.conv.clone(), self.ssm.clone())
+        else:
+            self.held[1].copy_(self.conv)
+            self.held[2].copy_(self.ssm)
+            self.held = (self.pos, self.held[1], self.held[2])
+
+    def rewind(self) -> int:
+        """Make the held state (`hold`) the live one again and return its position; snapshots past it go
+        (the verify step's, about to be rewritten). Side effects: conv, ssm, pos, snaps; held stays (it is the
+        live state's copy until the next hold). ValueError when nothing is held."""
+        if self.held is None or self.held[0] < 0:
+            raise ValueError("no recurrent state held to rewind to")
+        k, conv, ssm = self.held
+        self.conv.copy_(conv)
+        self.ssm.copy_(ssm)
+        self.pos = k
+        for s in [s for s in self.snaps if s > k]:
+            del self.snaps[s]
+        return k
 
     def resumable(self, k: int) -> int:
         """The latest position <= k this state can resume from: `pos` itself, a snapshot, or 0. Pure."""

@@ -108,5 +108,13 @@ class Slot:
             self.state.restore(k)
         self.record.truncate(k)
 
+    def rewind(self) -> int:
+        """[VERIFY-REWIND] A hybrid slot after a verify step that fed rejected rows: back to the recurrent
+        state held before that step (RecurrentState.hold) and the record cut there; returns that position.
+        The rows of the step that stand are fed again by the next step (sequence.py), with the same bits."""
+        k = self.state.rewind()
+        self.record.truncate(k)
+        return k
+
     def touch(self) -> None:
         self.last_used = time.monotonic()

@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe, qwen3next, nemotron_h) into a LoadedModel: HF names/layouts, dequantized to a dtype.
+"""Load a GGUF file (llama, qwen2, qwen3, phi3, qwen3moe, Mixtral, qwen2moe, olmoe, gemma3, qwen35, qwen35moe, qwen3next, nemotron_h, lfm2) into a LoadedModel: HF names/layouts, dequantized to a dtype.
 
 Three jobs, in this order in the file:
   1. open the file fast (GGUFReader over a plain ndarray view of the memory map),
@@ -28,7 +28,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
 from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
-from . import nemotron_h
+from . import lfm2, nemotron_h
 from .deltanet import fused_rows
 from .loaded import LoadedModel
 from .registry import cached_sha256
@@ -352,6 +352,8 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     if config is not None and config.arch == "nemotron_h":      # each layer's names by its block
         return nemotron_h.gguf_name(gguf_name, config)
+    if config is not None and config.arch == "lfm2":            # each layer's names by its mixer
+        return lfm2.gguf_name(gguf_name, config)
     m = _LAYER_RE.fullmatch(gguf_name)
     layer = int(m.group(1)) if m else -1       # a layer past block_count (an MTP block): no kind, not ours
     if config is not None and 0 <= layer < config.num_layers and config.kind(layer) == "deltanet":
@@ -416,6 +418,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch in nemotron_h.GGUF_ARCHS:   # one block a layer, kinds from the tensors: models/nemotron_h.py
         return nemotron_h.config_from_gguf(functools.partial(_field, reader), arch, {t.name: t for t in reader.tensors})
+    if arch == "lfm2":                  # short convs beside attention, kinds from the tensors: models/lfm2.py
+        return lfm2.config_from_gguf(functools.partial(_field, reader), {t.name: t for t in reader.tensors})
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
@@ -590,6 +594,8 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     names = {t.name for t in reader.tensors}
     if config.arch == "nemotron_h":
         return nemotron_h.check_gguf_tensors(names, config)
+    if config.arch == "lfm2":
+        return lfm2.check_gguf_tensors(names, config)
     unknown = sorted(n for n in names if hf_name(n, config) is None and n not in _ROPE_TENSORS)
     if unknown:
         raise UnsupportedModelError(f"GGUF has tensors this engine does not know: {', '.join(unknown[:8])}")

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
 from ..tokenizer import Tokenizer
-from . import nemotron_h
+from . import lfm2, nemotron_h
 from .deltanet import fused_rows
 from .loaded import LoadedModel
 from .registry import cached_sha256
@@ -32,7 +32,8 @@ _ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
                  "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
-                 "Qwen3NextForCausalLM": "qwen3next", "NemotronHForCausalLM": "nemotron_h"}
+                 "Qwen3NextForCausalLM": "qwen3next", "NemotronHForCausalLM": "nemotron_h",
+                 "Lfm2ForCausalLM": "lfm2"}
 # config.json's model_type -> ours, where they differ
 _MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
                 "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
@@ -183,6 +184,8 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         return _qwen35_config(cfg, param_names, arch)
     if arch == "nemotron_h":            # one block a layer: models/nemotron_h.py
         return nemotron_h.config_from_hf(cfg)
+    if arch == "lfm2":                  # short convs beside attention: models/lfm2.py
+        return lfm2.config_from_hf(cfg, _rope)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window"):
@@ -345,6 +348,8 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
     unsupported variant; missing ones mean a broken checkpoint."""
     if config.arch == "nemotron_h":
         return nemotron_h.check_params(names, config)
+    if config.arch == "lfm2":
+        return lfm2.check_params(names, config)
     per_layer = set(_LAYER_PARAMS)
     if config.num_experts:
         per_layer = {p for p in per_layer if not p.startswith("mlp.")} | _MOE_LAYER_PARAMS | {
@@ -381,6 +386,8 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     touched are shared."""
     if config.arch == "nemotron_h":
         return nemotron_h.to_engine_layout(weights, config)
+    if config.arch == "lfm2":
+        return lfm2.to_engine_layout(weights, config)
     d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
     out: dict[str, torch.Tensor] = {}

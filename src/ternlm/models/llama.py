@@ -19,8 +19,9 @@ Differences between the architectures are fields on ModelConfig, not branches on
 The MLP is one of two kinds: a dense gated MLP, or mixture of experts (num_experts > 0: qwen3moe,
 Mixtral, qwen2moe with its shared expert, olmoe; models/moe.py, batch-invariant by its fixed top-k
 ties and sum order). olmoe's q/k norms span the whole projection (qk_norm_full), not each head.
-The token mixer is one of two kinds (layer_kinds): attention, or a gated DeltaNet (models/deltanet.py:
-qwen35); the MLP kind is independent of it (qwen35moe: both kinds with experts on every layer).
+The token mixer is a kind (layer_kinds): attention, a gated DeltaNet (models/deltanet.py: qwen35), Mamba-2
+(models/mamba2.py: nemotron_h) or LFM2's gated short conv (models/shortconv.py: lfm2); the MLP kind is
+independent of it (qwen35moe: both kinds with experts on every layer).
 
 Sliding-window layers [SWA-KV]: the KV keeps EVERY position on every layer, windowed or not; a windowed
 layer only reads fewer keys (torch: the mask; native: attention.c starts at the window's first block).
@@ -50,6 +51,7 @@ from .moe import ExpertStore, MoE, SharedExpert, silu_mul
 from .qlinear import projection
 from .deltanet import DeltaNet
 from .mamba2 import Mamba2
+from .shortconv import ShortConv
 from .qweight import QWeight, to_int8, to_lanes
 
 if TYPE_CHECKING:
@@ -230,11 +232,13 @@ class Layer(nn.Module):
         # cast back): a recurrent state keeps any bit a row's neighbours changed, and torch's SiLU gives a
         # buffer's tail other bits (deltanet.py)
         self.silu_mul = functools.partial(_row_exact_silu_mul, kernels) if cfg.layer_kinds else silu_mul
-        self.mixer: DeltaNet | Mamba2 | None = None
+        self.mixer: DeltaNet | Mamba2 | ShortConv | None = None
         if cfg.kind(index) == "deltanet":     # a recurrent token mixer in place of attention (deltanet.py)
             self.mixer = DeltaNet(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
         elif cfg.kind(index) == "mamba2":     # Nemotron-H's recurrent mixer (mamba2.py)
             self.mixer = Mamba2(cfg, w, build, cfg.recurrent_layers.index(index), kernels)
+        elif cfg.kind(index) == "shortconv":  # LFM2's gated short convolution (shortconv.py)
+            self.mixer = ShortConv(cfg, w, build, cfg.recurrent_layers.index(index))
         # post_norm: the MLP's input norm (llama's post_attention_layernorm; Gemma's
         # pre_feedforward_layernorm, whose post_attention_layernorm normalises the attention output)
         self.attn_out_norm = w["post_attention_layernorm.weight"] if cfg.post_norms else None   # (hidden,)

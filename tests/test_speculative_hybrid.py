@@ -1,0 +1,119 @@
+"""Speculative decoding on a hybrid model (issues 47, 48): a slot with a recurrent state cannot cut it back past
+rows it took, so a verify step with rejected rows rewinds to the state held before the step and feeds the rows
+that stand again at the head of the next step [VERIFY-REWIND] (sequence.py, kv/slots.py). The answer must not
+change: oracle, the same engine with speculation off (plain one-token decoding, itself tested against
+transformers in test_hybrid.py), token for token and logits bit for bit, greedy and seeded sampling, alone and
+batched; after a run the slot's record must describe exactly its KV and its recurrent state (a fresh prefill of the
+record gives the same bits), so a later turn reuses nothing a rejected row wrote.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hybrid_checks import folder_engine, save_folder
+from test_batching import alone, together
+from test_hybrid import hf_qwen35
+from ternlm.kv.slots import Slot
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen35-spec")
+    save_folder(hf_qwen35(seed=3), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
+    return folder_engine(folder, chunk_size=16, slots=6, state_interval=32)
+
+
+def _looping(engine, n: int = 40) -> list[int]:
+    """A prompt whose greedy answer repeats it (the model's own answer to [5, 6, 7], then [5, 6, 7] again):
+    lookup drafts are found and mostly taken, so the rewind runs on the steps where one is not."""
+    base = engine.generate([5, 6, 7], max_tokens=n, ignore_eos=True, speculative=False).token_ids
+    return [5, 6, 7] + base + [5, 6, 7]
+
+
+def assert_record_matches_state(engine, slot: Slot) -> None:
+    """The slot's KV and its recurrent state are those a fresh prefill of its record gives, bit for bit."""
+    fed = slot.record.fed
+    fresh = Slot(99, slot.shape, initial_capacity=len(fed), recurrent=slot.state.shape,
+                 state_interval=slot.state.interval)
+    engine.runner.prefill(fresh, fed)
+    n = len(fed)
+    assert torch.equal(slot.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(slot.v[:, :, :n], fresh.v[:, :, :n])
+    assert slot.state.pos == fresh.state.pos == n
+    assert torch.equal(slot.state.conv, fresh.state.conv) and torch.equal(slot.state.ssm, fresh.state.ssm)
+
+
+def _both(engine, prompt, max_tokens, **kw):
+    off, _ = alone(engine, prompt, max_tokens, speculative=False, **kw)
+    on, slot = alone(engine, prompt, max_tokens, speculative=True, **kw)
+    assert on.token_ids == off.token_ids and on.text == off.text and on.finish_reason == off.finish_reason
+    assert torch.equal(on.logits, off.logits)
+    assert_record_matches_state(engine, slot)
+    return on, off
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+def test_a_hybrid_model_speculates_and_answers_as_plain_decoding(engine, sampling):
+    """Drafts are taken and some rejected (the rewind runs), the answer and every logit are plain decoding's,
+    and the slot's record, KV and state agree."""
+    on, off = _both(engine, _looping(engine), 60, **sampling)
+    assert off.timings.drafted == 0
+    if not sampling:
+        assert 0 < on.timings.accepted < on.timings.drafted, on.timings
+
+
+def test_verify_steps_take_no_snapshots_of_their_own(engine):
+    """A verify step is no prefill end: its rows leave no snapshot but the grid's (each one would push a
+    message start or the prompt's end out of the snapshot budget)."""
+    prompt = _looping(engine)
+    on, slot = alone(engine, prompt, 50, speculative=True)
+    assert on.timings.drafted > 0
+    assert all(p <= len(prompt) or p % slot.state.interval == 0 for p in slot.state.snaps), sorted(slot.state.snaps)
+
+
+segments = st.lists(st.integers(3, 255), min_size=2, max_size=10)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(head=segments, seg=segments, reps=st.integers(1, 4), temperature=st.sampled_from([0.0, 0.8]),
+       seed=st.integers(0, 2**31), max_tokens=st.integers(1, 30))
+def test_any_prompt_same_answer(engine, head, seg, reps, temperature, seed, max_tokens):
+    """Prompts with repeated segments (lookup finds drafts), answers of any length (drafts cut by max_tokens,
+    a rewind on the last step), greedy and seeded sampling."""
+    _both(engine, head + seg * reps + seg[:1], max_tokens, temperature=temperature, seed=seed)
+
+
+def test_batched_with_other_streams_same_answers(engine):
+    """Speculating hybrid streams batched with plain ones and prefills: each one's answer alone, spec off."""
+    loop = _looping(engine)
+    reqs = [(loop, 40), (list(range(3, 60)), 12), (loop[:20] + loop, 30), ([9, 8, 7] * 9, 25)]
+    solo = [alone(engine, p, m, speculative=False)[0] for p, m in reqs]
+    batched = together(engine, reqs, [0, 1, 1, 4], budget=24, speculative=True)
+    assert sum(b.timings.accepted for b in batched) > 0
+    for i, (b, a) in enumerate(zip(batched, solo)):
+        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+        assert_record_matches_state(engine, engine.slots[i + 1])
+
+
+def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
+    """After a speculative answer with rejected rows, the next turn (prompt + answer + more) resumes at the end
+    of what the slot kept (its live state) and answers as a cold engine would, bit for bit."""
+    cold = folder_engine(folder, prefix_reuse=False)
+    prompt = _looping(engine)
+    engine.slots[0].reset()
+    one = engine.generate(prompt, max_tokens=30, ignore_eos=True, slot=0, speculative=True)
+    assert one.timings.drafted > one.timings.accepted
+    kept = len(engine.slots[0].record)
+    assert len(prompt) <= kept <= len(prompt) + len(one.token_ids)
+    nxt = prompt + one.token_ids + [7, 7, 7]
+    two = engine.generate(nxt, max_tokens=20, ignore_eos=True, slot=0, keep_logits=True, speculative=True)
+    ref = cold.generate(nxt, max_tokens=20, ignore_eos=True, keep_logits=True, speculative=False)
+    assert two.cached_tokens == kept
+    assert two.token_ids == ref.token_ids and torch.equal(two.logits, ref.logits)
