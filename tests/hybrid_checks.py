@@ -159,3 +159,28 @@ def assert_streamed_experts_give_resident_bits(resident: Engine, streamed_with: 
     assert torch.equal(streamed.logits(ids), whole)
     assert store.stats.misses > 0 and store.stats.evictions > 0
     assert_chunks_match_one_pass(streamed, ids, whole, chunk_size=5, tail=1)
+
+
+def assert_q4_k_file_matches(hf, tmp_path, to_f32: Callable, reference_weights: Callable[..., int],
+                             eager_experts: bool = False) -> None:
+    """A Q4_K file through our kernels, for a family whose converter writes no K-quants: `hf` saved, `to_f32(folder,
+    path)` (llama.cpp's converter) writes it as f32, its 256-wide matrices become random valid Q4_K blocks
+    (tests/ggml_requant.py) and `reference_weights(hf, path)` copies them, dequantized, into `hf` (returns how many).
+    fp32 activations: [FP64-BOUND] parity and greedy text equal; int8 activations exact on every path."""
+    from ggml_requant import requantize
+    from ternlm.models.gguf import load_gguf
+    from ternlm.weights import choose_weights
+
+    def engine(act: str, **kw) -> Engine:
+        return Engine(load_gguf(q4k, torch.float32, keep_quantized=True, lanes=True), dtype="float32",
+                      weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32", min_reuse=1,
+                      **kw)
+    save_folder(hf, tmp_path / "m")
+    to_f32(tmp_path / "m", tmp_path / "f32.gguf")
+    q4k = tmp_path / "q4_k.gguf"
+    replaced = requantize(tmp_path / "f32.gguf", q4k)
+    assert reference_weights(hf, q4k) == len(replaced) >= 10
+    ids = ids_of(120, seed=2)
+    assert_fp64_parity(hf, engine("fp32").logits(ids), ids, "q4_k", eager_experts=eager_experts)
+    assert_greedy_text_matches(engine("fp32"), hf, ids[:30], max_tokens=16)
+    assert_int8_exact_on_every_path(hf, engine("int8"), engine("int8", slots=4, chunk_size=16))

@@ -23,9 +23,8 @@ from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.weights import choose_weights
 from hybrid_checks import (assert_batched_equals_alone, assert_chunks_match_one_pass, assert_fp64_parity,
-                           assert_greedy_text_matches, assert_int8_exact_on_every_path, assert_reuse_gives_cold_bits,
-                           assert_threads_do_not_change_bits, folder_engine, save_folder)
-from ggml_requant import requantize
+                           assert_greedy_text_matches, assert_int8_exact_on_every_path, assert_q4_k_file_matches,
+                           assert_reuse_gives_cold_bits, assert_threads_do_not_change_bits, folder_engine, save_folder)
 from nemotron_to_gguf import convert, reference_weights
 from test_moe import ids_of
 
@@ -165,29 +164,16 @@ def test_converter_q8_0_int8_is_exact_on_every_path(nemotron, converted):
 WIDE = dict(hidden_size=256, head_dim=64, intermediate_size=256, mamba_head_dim=32)
 
 
-def _q4_k_engine(path, act: str, **kw) -> Engine:
-    return Engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), dtype="float32",
-                  weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32", min_reuse=1, **kw)
-
 
 def test_q4_k_file_matches_transformers(tmp_path):
-    """Q4_K matrices through our kernels (random valid blocks in the converter's own f32 file: its --outtype writes
-    no K-quants; tests/ggml_requant.py), a model wide enough for 256-wide inputs: fp32 activations within
-    [FP64-BOUND] and greedy text equal; int8 activations exact on every path."""
+    """Q4_K matrices through our kernels (the converter's --outtype writes no K-quants: random valid blocks in its
+    own f32 file, hybrid_checks.assert_q4_k_file_matches), a model wide enough for 256-wide inputs."""
     hf = hf_nemotron(seed=3, **WIDE)
-    save_folder(hf, tmp_path / "m")
     for m in hf.modules():      # a GGUF's dt is unclamped (llama.cpp's ssm_scan; config_from_gguf): transformers' too
         if hasattr(m, "time_step_limit"):   # (its prefill clamps at time_step_min; Q4_K's wide weights reach below)
             m.time_step_limit = (0.0, float("inf"))
-    convert(tmp_path / "m", tmp_path / "f32.gguf", "f32", TINY["vocab_size"])
-    replaced = requantize(tmp_path / "f32.gguf", tmp_path / "q4_k.gguf")
-    assert reference_weights(hf, tmp_path / "q4_k.gguf") == len(replaced) >= 10
-    ids = ids_of(120, seed=2)
-    engine = _q4_k_engine(tmp_path / "q4_k.gguf", "fp32")
-    assert_fp64_parity(hf, engine.logits(ids), ids, "q4_k")
-    assert_greedy_text_matches(engine, hf, ids[:30], max_tokens=16)
-    assert_int8_exact_on_every_path(hf, _q4_k_engine(tmp_path / "q4_k.gguf", "int8"),
-                                    _q4_k_engine(tmp_path / "q4_k.gguf", "int8", slots=4, chunk_size=16))
+    assert_q4_k_file_matches(hf, tmp_path, lambda folder, out: convert(folder, out, "f32", TINY["vocab_size"]),
+                             reference_weights)
 
 
 def test_moe_blocks_are_refused_by_name(tmp_path):

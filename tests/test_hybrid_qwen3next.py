@@ -28,9 +28,8 @@ from ternlm.models.hf import load_hf_folder
 from ternlm.weights import choose_weights
 from hybrid_checks import (DIVERGENCES_200, assert_batched_equals_alone, assert_chunks_match_one_pass,
                            assert_fp64_parity, assert_greedy_text_matches, assert_int8_exact_on_every_path,
-                           assert_reuse_gives_cold_bits, assert_streamed_experts_give_resident_bits, folder_engine,
-                           save_folder)
-from ggml_requant import requantize
+                           assert_q4_k_file_matches, assert_reuse_gives_cold_bits,
+                           assert_streamed_experts_give_resident_bits, folder_engine, save_folder)
 from nemotron_to_gguf import convert
 from test_moe import ids_of
 
@@ -272,24 +271,10 @@ WIDE = dict(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_h
             shared_expert_intermediate_size=256)
 
 
-def _q4_k_engine(path, act: str, **kw) -> Engine:
-    return Engine(load_gguf(path, torch.float32, keep_quantized=True, lanes=True), dtype="float32",
-                  weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32", min_reuse=1, **kw)
-
 
 def test_q4_k_file_matches_transformers(tmp_path):
-    """Q4_K matrices through our kernels (random valid blocks in the converter's own f32 file: its --outtype writes
-    no K-quants; tests/ggml_requant.py), a model wide enough for 256-wide inputs: fp32 activations within
-    [FP64-BOUND] and greedy text equal; int8 activations exact on every path."""
-    hf = hf_qwen3next(seed=3, **WIDE)
-    save_folder(hf, tmp_path / "m")
-    convert(tmp_path / "m", tmp_path / "f32.gguf", "f32", TINY["vocab_size"], model="qwen.Qwen3NextModel",
-            extra=("--no-mtp",))
-    replaced = requantize(tmp_path / "f32.gguf", tmp_path / "q4_k.gguf")
-    assert reference_weights(hf, tmp_path / "q4_k.gguf") == len(replaced) >= 10
-    ids = ids_of(120, seed=2)
-    engine = _q4_k_engine(tmp_path / "q4_k.gguf", "fp32")
-    assert_fp64_parity(hf, engine.logits(ids), ids, "q4_k", eager_experts=True)
-    assert_greedy_text_matches(engine, hf, ids[:30], max_tokens=16)
-    assert_int8_exact_on_every_path(hf, _q4_k_engine(tmp_path / "q4_k.gguf", "int8"),
-                                    _q4_k_engine(tmp_path / "q4_k.gguf", "int8", slots=4, chunk_size=16))
+    """Q4_K matrices through our kernels (the converter's --outtype writes no K-quants: random valid blocks in its
+    own f32 file, hybrid_checks.assert_q4_k_file_matches), a model wide enough for 256-wide inputs."""
+    def to_f32(folder, out):
+        convert(folder, out, "f32", TINY["vocab_size"], model="qwen.Qwen3NextModel", extra=("--no-mtp",))
+    assert_q4_k_file_matches(hf_qwen3next(seed=3, **WIDE), tmp_path, to_f32, reference_weights, eager_experts=True)

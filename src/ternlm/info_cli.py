@@ -86,7 +86,8 @@ def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float3
         return {}
     from .kv.recurrent import SNAPSHOT_BUDGET
     return {"arch": cfg.arch, "layers": cfg.num_layers, "recurrent_layers": shape.layers,
-            "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2", "shortconv": "gated short conv"}[cfg.kind(cfg.recurrent_layers[0])],
+            "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2",
+                               "shortconv": "gated short conv"}[cfg.kind(cfg.recurrent_layers[0])],
             "snapshot_bytes": shape.nbytes, "state_interval": state_interval, "snapshot_budget": SNAPSHOT_BUDGET,
             "snapshot_bytes_per_token": shape.nbytes / state_interval,
             "attention_layers": len(cfg.attention_layers),

@@ -17,8 +17,9 @@ the next pending one, and the rows after it, fed drafts the model did not produc
 record (Slot.truncate) before anything can store or reuse them. A hybrid model's slot cannot cut its recurrent
 state back past rows it took: it rewinds to the state held before the step [VERIFY-REWIND] (Slot.rewind), and
 the step's rows that stand are fed again at the head of the next step (`refeed`), which gives them the same
-bits (the scan's per-token steps do not depend on how rows are grouped, [RESUME-EXACT]). A verify row has exactly the bits of a one-row
-decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for token, on or off.
+bits (the scan's per-token steps do not depend on how rows are grouped, [RESUME-EXACT]). A verify row has exactly
+the bits of a one-row decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for
+token, on or off.
 
 Drafting happens between steps, for all of a step's sequences at once (Engine.step: `draft_ask` from each, the
 factory's `draft_many` for all, `add_draft` to each), so a draft model runs one forward per draft position for the
@@ -186,7 +187,8 @@ class Sequence:
         if self.done or self.prefilling or self.drafter is None:
             return None
         self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
-        room = min(self.limits.max_tokens - len(self.out_ids) - 1, self.limits.ctx - len(self.slot.record) - len(self.pending))
+        room = min(self.limits.max_tokens - len(self.out_ids) - 1,
+                   self.limits.ctx - len(self.slot.record) - len(self.pending))     # after the pending rows
         return DraftAsk(self.drafter, room) if room >= 1 else None
 
     def add_draft(self, draft: list[int]) -> None:

@@ -20,6 +20,7 @@ from ..tokenizer import Tokenizer
 from . import lfm2, nemotron_h
 from .deltanet import fused_rows
 from .loaded import LoadedModel
+from .param_check import require_exactly
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
 from .templates import with_builtin_template
@@ -371,12 +372,7 @@ def _check_params(names: set[str], config: ModelConfig) -> None:
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
-    unknown = sorted(names - expected - optional)
-    if unknown:
-        raise UnsupportedModelError(f"checkpoint has parameters this engine does not run: {', '.join(unknown[:8])}")
-    missing = sorted(expected - names)
-    if missing:
-        raise UnsupportedModelError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
+    require_exactly(names, expected, optional)
 
 
 def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

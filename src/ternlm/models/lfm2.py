@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
+from .param_check import require_exactly
 
 _HF_KINDS = {"conv": "shortconv", "full_attention": "attention"}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -113,13 +114,7 @@ def expected_params(config: ModelConfig) -> set[str]:
 
 def check_params(names: set[str], config: ModelConfig) -> None:
     """Exactly the parameters this engine runs (a tied checkpoint may still carry lm_head)."""
-    expected = expected_params(config)
-    unknown = sorted(names - expected - {"lm_head.weight"})
-    missing = sorted(expected - names)
-    if unknown:
-        raise UnsupportedModelError(f"checkpoint has parameters this engine does not run: {', '.join(unknown[:8])}")
-    if missing:
-        raise UnsupportedModelError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
+    require_exactly(names, expected_params(config), {"lm_head.weight"})
 
 
 def gguf_name(gguf_name: str, config: ModelConfig) -> str | None:

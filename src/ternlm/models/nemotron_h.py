@@ -24,6 +24,7 @@ import re
 import torch
 
 from ..config import ModelConfig, UnsupportedModelError
+from .param_check import require_exactly
 
 GGUF_ARCHS = ("nemotron_h", "nemotron_h_moe")
 _HF_KINDS = {"linear_attention": ("mamba2", "none"), "full_attention": ("attention", "none"), "mlp": ("none", "mlp")}
@@ -122,13 +123,7 @@ def expected_params(config: ModelConfig) -> set[str]:
 
 def check_params(names: set[str], config: ModelConfig) -> None:
     """Exactly the parameters this engine runs (a tied checkpoint may still carry lm_head)."""
-    expected = expected_params(config)
-    unknown = sorted(names - expected - {"lm_head.weight"})
-    missing = sorted(expected - names)
-    if unknown:
-        raise UnsupportedModelError(f"checkpoint has parameters this engine does not run: {', '.join(unknown[:8])}")
-    if missing:
-        raise UnsupportedModelError(f"checkpoint lacks parameters: {', '.join(missing[:8])}")
+    require_exactly(names, expected_params(config), {"lm_head.weight"})
 
 
 def gguf_name(gguf_name: str, config: ModelConfig) -> str | None:
