@@ -38,10 +38,11 @@ class ByteTokenizer:
         return f"<{token_id}>" if 0 <= token_id < self.vocab_size else None
 
 
-def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048):
-    """A transformers model with random weights, fp32, eval mode."""
+def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048, vocab: int = VOCAB):
+    """A transformers model with random weights, fp32, eval mode (`vocab`: another tokenizer's size, for tests
+    that put a real tokenizer on a tiny model)."""
     import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=(arch != "llama"))
     if arch == "llama":
