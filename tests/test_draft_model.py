@@ -138,6 +138,45 @@ def test_the_next_turn_reuses_the_draft_models_kv_too():
     assert seq3.drafter.reused == 0
 
 
+def test_the_draft_models_kv_comes_back_from_the_disk_tier_after_a_restart(tmp_path):
+    """Engine.load with a cache gives the draft model tiers of its own (draft_model.share_cache: the RAM tier
+    split, the disk directory shared): shutdown persists both models' slots, and after a restart the draft slot
+    is loaded from disk like the target's (no prefill of the conversation by the draft model). The answer is a
+    cold engine's with speculation off, token for token."""
+    from ternlm.kv.store import CacheConfig
+    cache = CacheConfig(ram_bytes=64 << 20, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
+    kw = dict(dtype="float32", min_reuse=1, slots=2, draft_model="smollm2-135m", cache=cache)
+    msgs = [{"role": "user", "content": "Repeat this code exactly, renaming width to w:\n\n" + CODE}]
+    first = Engine.load("smollm2-135m", **kw)
+    small = first.drafts.engine
+    try:
+        assert first.store.ram.budget + small.store.ram.budget == cache.ram_bytes
+        assert 0 < small.store.ram.budget < cache.ram_bytes
+        ids = list(first.apply_chat_template(msgs, add_generation_prompt=True))
+        turn1 = first.generate(ids, max_tokens=24, ignore_eos=True, slot=0, speculative=True)
+        assert turn1.timings.drafted > 0
+        on_disk = first.persist_cache()
+        assert on_disk >= 2 * (len(ids) // 64)          # the target's blocks and the draft model's
+    finally:
+        first.store.close(10)
+        small.store.close(10)
+    second = Engine.load("smollm2-135m", **kw)
+    try:
+        nxt = ids + turn1.token_ids + first.tokenizer.encode("\nThanks. Once more:\n", add_special_tokens=False)
+        seq, two = _run(second, nxt, max_tokens=24)
+        assert two.restored.disk >= 64 and seq.drafter.restored.disk >= 64, (two.restored, seq.drafter.restored)
+        assert seq.drafter.reused == two.cached_tokens     # both models resumed at the same block edge
+        cold = Engine.load("smollm2-135m", dtype="float32", prefix_reuse=False)
+        ref = cold.generate(nxt, max_tokens=24, ignore_eos=True, keep_logits=True, speculative=False)
+        assert two.token_ids == ref.token_ids and torch.equal(two.logits, ref.logits)
+        assert two.timings.drafted > 0
+        small2 = second.drafts.engine
+        assert_record_matches_kv(small2, small2.slots[0])
+    finally:
+        second.store.close(10)
+        second.drafts.engine.store.close(10)
+
+
 # ---- refusal -------------------------------------------------------------------------------------
 class Respelled(ByteTokenizer):
     def id_to_token(self, token_id: int) -> str | None:

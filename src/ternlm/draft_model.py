@@ -10,8 +10,14 @@ The draft model is an Engine of its own, with its own slots, records and reuse: 
 in target slot i, so a conversation's next turn reuses the draft model's KV as it reuses the target's. Its record
 follows [RECORD-WHERE-FED]: drafting k tokens feeds the request's not-yet-seen tokens (one step; a long prompt's
 first draft in chunks), then k - 1 drafted tokens one by one; `verified` cuts the draft slot back to what the
-target kept, so the record vouches only for tokens that were fed and kept. No tiers: a draft slot's KV lives in
-its slot only.
+target kept, so the record vouches only for tokens that were fed and kept.
+
+Tiers: with a cache (Engine.load), the draft model has tiers of its own (`share_cache`: the same disk directory
+and Redis, its blocks told apart by its weights' namespace; the RAM tier split between the two models by KV bytes
+a token). A draft slot is placed as a request's slot is (Engine.place: the slot's prefix, else RAM / disk / Redis
+blocks), what it is about to lose is saved first, a finished request's slot is published, and shutdown persists
+it: after a restart, or when a conversation comes back after its slot served others, the draft model reloads
+its KV instead of prefilling the whole conversation again.
 
 A failing draft model (an exception in its forward, its slot's context) never fails a request: `draft_many` resets
 the draft slots it was feeding and re-raises, and the engine lets those requests go on without drafts (Engine.step).
@@ -25,11 +31,14 @@ drafter per request keeps the pacing (drafter.DraftPace) and the draft slot's bo
 """
 from __future__ import annotations
 
+import dataclasses
+
 from .draft_batch import Lane, draft_together
 from .drafter import DraftAsk, DraftPace
 from .invariants import check
-from .kv.record import decide_reuse
 from .kv.slots import Slot
+from .kv.store import CacheConfig
+from .sequence import Restored
 
 FIRST_DRAFT = 4          # a small model's draft costs a forward per token: start shorter than lookup's
 MAX_DRAFT = 8
@@ -55,6 +64,18 @@ def vocabulary_mismatch(target, draft) -> str | None:
         if getattr(target, "is_special", lambda _: False)(i) != getattr(draft, "is_special", lambda _: False)(i):
             return f"token {i} ({a!r}) is special in one tokenizer only"
     return None
+
+
+def share_cache(cache: CacheConfig, target_cfg, draft_cfg) -> tuple[CacheConfig, CacheConfig]:
+    """(the target's, the draft model's) tiers from one --cache configuration: the RAM tier split by KV elements
+    a token (attention layers x KV heads x head size: both hold about as many tokens), the disk directory, its
+    budget and Redis shared (blocks are keyed by namespace, which holds the weights' digest). Pure."""
+    def elems(cfg) -> int:
+        return len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim
+    t, d = elems(target_cfg), elems(draft_cfg)
+    draft_ram = cache.ram_bytes * d // (t + d)
+    return (dataclasses.replace(cache, ram_bytes=cache.ram_bytes - draft_ram),
+            dataclasses.replace(cache, ram_bytes=draft_ram))
 
 
 class DraftModel:
@@ -99,6 +120,18 @@ class DraftModel:
             raise
         return [lane.out for lane in lanes]
 
+    def finished(self, slot: int) -> None:
+        """The request in target slot `slot` ended: its draft slot's blocks go to a shared tier (Redis), as the
+        target's do. Side effect: queues Redis writes."""
+        store = self.engine.store
+        if store is not None:
+            store.publish(self.engine.slots[slot])
+
+    def persist(self) -> int:
+        """Shutdown (no request running): the draft slots and the draft RAM tier to disk. Returns blocks on
+        disk."""
+        return self.engine.persist_cache()
+
 
 class ModelDrafter:
     """One request's drafter on one draft slot (drafter.Drafter's interface). Not thread-safe: the request's
@@ -114,6 +147,7 @@ class ModelDrafter:
         self.pace = DraftPace(FIRST_DRAFT, MAX_DRAFT, MISSES_BEFORE_PAUSE, PAUSE)
         self._placed = False                      # the slot's reuse decided (first draft)
         self.reused = 0                           # positions of the draft slot reused at the first draft
+        self.restored = Restored()                # ... and where they came from (slot, RAM, disk, Redis)
         self._drafted_from = 0                    # len(tokens) when the last draft was made
 
     def extend(self, tokens: list[int]) -> None:
@@ -152,18 +186,14 @@ class ModelDrafter:
 
     def _sync(self) -> None:
         """Make the slot's record a prefix of `tokens` that leaves at least one token to feed (fresh logits).
-        The first time, decide reuse like a request would (namespace, min_reuse); later the invariant holds and
+        The first time, place it like a request (Engine.place: namespace, min_reuse, the tiers; what the slot
+        loses is saved to them first); later the invariant holds and
         only a record as long as `tokens` (no token arrived: cannot happen in a Sequence) is cut by one."""
         slot, rec = self.slot, self.slot.record
         if not self._placed:
             self._placed = True
-            e = self.engine
-            keep = decide_reuse(rec, self.tokens, self.namespace, min_reuse=e.min_reuse, enabled=e.prefix_reuse).tokens
-            if keep == 0:
-                slot.reset(self.namespace)
-            else:
-                slot.truncate(keep)
-            self.reused = keep
+            self.restored = self.engine.place(slot, self.tokens, self.namespace)
+            self.reused = self.restored.tokens
             return
         keep = min(len(rec), len(self.tokens) - 1)
         if keep < len(rec):

@@ -48,11 +48,15 @@ class DrafterFactory(Protocol):
     `check(target)` raises ValueError when it cannot draft for that engine (Engine.__init__ calls it once);
     `__call__(slot, prompt, cache_salt)` is called by Engine.open with the request's slot index (a draft model
     pairs its own slot i with it); `draft_many(asks)` returns one draft per ask, in order (a draft model: one
-    forward per draft position for all of them). If it raises, the engine drops the asking requests' drafters
+    forward per draft position for all of them); `finished(slot)`: the request in that slot ended (a draft model
+    publishes its slot to a shared tier); `persist()`: shutdown, what the factory keeps goes to disk (blocks on
+    disk). If it raises, the engine drops the asking requests' drafters
     (they go on without drafts); a factory that holds state for them cleans it up before raising."""
     def check(self, target) -> None: ...
     def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> Drafter: ...
     def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]: ...
+    def finished(self, slot: int) -> None: ...
+    def persist(self) -> int: ...
 
 
 class PromptLookups:
@@ -66,6 +70,12 @@ class PromptLookups:
     def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]:
         """Each ask's lookup draft. Pure (PromptLookup.draft)."""
         return [a.drafter.draft(a.limit) for a in asks]
+
+    def finished(self, slot: int) -> None:
+        pass
+
+    def persist(self) -> int:
+        return 0
 
 
 class DraftPace:

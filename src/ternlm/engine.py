@@ -159,13 +159,20 @@ class Engine:
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
-        if cache is not None and prefix_reuse:
-            ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, cfg.head_dim,
-                                  self.kv_dtype, recurrent.shapes if recurrent is not None else None)
-            self.store = TieredStore.from_config(ident, cache)
+        self._store_ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, cfg.head_dim,
+                                          self.kv_dtype, recurrent.shapes if recurrent is not None else None)
+        if cache is not None:
+            self.open_store(cache)
         self.drafts = draft if draft is not None else PromptLookups()
         self.drafts.check(self)                  # a draft model of another tokenizer: refused here
         self._draft_failures = 0                 # draft_many calls that raised (`_draft`)
+
+    def open_store(self, cache: CacheConfig) -> None:
+        """Put the tiers `cache` describes below the slots (nothing when prefix reuse is off). Call before any
+        request (Engine.load gives a draft model its share this way, once the target's size is known). Side
+        effects: self.store; the disk tier scans or creates its directory; Redis is connected."""
+        if self.prefix_reuse:
+            self.store = TieredStore.from_config(self._store_ident, cache)
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -218,6 +225,10 @@ class Engine:
             else:
                 from .models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
+            if draft_model is not None and kw.get("cache") is not None:   # the draft model's KV in tiers too
+                from .draft_model import share_cache
+                kw["cache"], small_cache = share_cache(kw["cache"], loaded.config, small.config)
+                small.open_store(small_cache)
             engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
             engine.expert_plan = plans[0] if plans else None
         note = getattr(engine.model, "activations_note", "")
@@ -436,6 +447,8 @@ class Engine:
                     log.info("%s", reuse_line(seq.reuse, seq.n, seq.timings, seq.restored))
                 if seq.done and self.store is not None:
                     self.store.publish(seq.slot)   # shared tier: another replica may take the next turn
+                if seq.done:
+                    self.drafts.finished(seq.slot.index)   # a draft model publishes its paired slot too
             self._draft([work[i][0] for i in live])
         return outcomes
 
@@ -495,6 +508,13 @@ class Engine:
                 yield from out.events
         finally:
             seq.close()
+
+    def place(self, slot: Slot, prompt: list[int], ns: bytes) -> Restored:
+        """Place a prompt with no embeds in `slot` as `open` would (reuse from the slot, then the tiers), leaving
+        at least one token to feed; for a draft model's slot (draft_model.ModelDrafter), which is fed by the
+        draft steps, not by a Sequence. Side effects: `_place`'s."""
+        reuse = decide_reuse(slot.record, prompt, ns, min_reuse=self.min_reuse, enabled=self.prefix_reuse)
+        return self._place(slot, prompt, ns, slot.resumable(reuse.tokens), len(prompt))
 
     def _place(self, slot: Slot, prompt: list[int], ns: bytes, k: int, first_embed: int) -> Restored:
         """Make the slot's record a prefix of the prompt, acting on a kv/placement plan: keep the
@@ -569,7 +589,7 @@ class Engine:
     def persist_cache(self) -> int:
         """Shutdown: write live slots and the RAM tier to the disk tier. Returns blocks on disk.
         Call only when no request runs (it reads every slot)."""
-        return self.store.persist(self.slots) if self.store is not None else 0
+        return (self.store.persist(self.slots) if self.store is not None else 0) + self.drafts.persist()
 
     def generate(self, prompt: list[int] | str, **kw) -> Completion:
         """Run `stream` to the end. A str prompt is tokenized as raw text (BOS as the model says)."""
