@@ -117,3 +117,55 @@ def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
     ref = cold.generate(nxt, max_tokens=20, ignore_eos=True, keep_logits=True, speculative=False)
     assert two.cached_tokens == kept
     assert two.token_ids == ref.token_ids and torch.equal(two.logits, ref.logits)
+
+
+# ---- a draft model for a hybrid target ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafted(folder, engine):
+    """The same hybrid target with a draft model: a tiny random llama wearing the target's tokenizer (a llama
+    cannot mimic a qwen35, so most drafts are rejected: every one of those steps rewinds)."""
+    import dataclasses
+    from tiny import tiny_loaded
+    from ternlm.draft_model import DraftModel
+    from ternlm.engine import Engine
+    _, small = tiny_loaded("llama", seed=5, vocab=engine.config.vocab_size)
+    small = Engine(dataclasses.replace(small, tokenizer=engine.tokenizer), dtype=torch.float32, min_reuse=1,
+                   chunk_size=16, slots=6, speculative=False)
+    return folder_engine(folder, chunk_size=16, slots=6, state_interval=32, draft=DraftModel(small))
+
+
+def _both_drafted(engine, prompt, max_tokens, **kw):
+    on, off = _both(engine, prompt, max_tokens, **kw)
+    from test_reuse import assert_record_matches_kv
+    small = engine.drafts.engine
+    assert_record_matches_kv(small, small.slots[0])
+    return on, off
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+def test_a_draft_model_drafts_for_a_hybrid_target(drafted, sampling):
+    """Drafts from the draft model are verified, rejected ones rewind the target's state; the answer and every
+    logit are plain decoding's, both slots' records exact."""
+    drafted_n = accepted = 0
+    for prompt in ([5, 6, 7], list(range(3, 60)), [9, 8, 7] * 9):
+        on, off = _both_drafted(drafted, prompt, 40, **sampling)
+        drafted_n, accepted = drafted_n + on.timings.drafted, accepted + on.timings.accepted
+    assert drafted_n > accepted, (drafted_n, accepted)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(3, 255), min_size=1, max_size=40), temperature=st.sampled_from([0.0, 0.8]),
+       seed=st.integers(0, 2**31), max_tokens=st.integers(1, 30))
+def test_a_draft_model_any_prompt_same_answer(drafted, prompt, temperature, seed, max_tokens):
+    _both_drafted(drafted, prompt, max_tokens, temperature=temperature, seed=seed)
+
+
+def test_a_draft_model_batched_with_other_streams(drafted):
+    reqs = [([5, 6, 7], 30), (list(range(3, 60)), 12), ([1, 2] * 20, 30), ([9, 8, 7] * 9, 25)]
+    solo = [alone(drafted, p, m, speculative=False)[0] for p, m in reqs]
+    batched = together(drafted, reqs, [0, 1, 1, 4], budget=24, speculative=True)
+    assert sum(b.timings.drafted for b in batched) > 0
+    for i, (b, a) in enumerate(zip(batched, solo)):
+        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
+        assert_record_matches_state(drafted, drafted.slots[i + 1])

@@ -23,7 +23,8 @@ A failing draft model (an exception in its forward, its slot's context) never fa
 the draft slots it was feeding and re-raises, and the engine lets those requests go on without drafts (Engine.step).
 
 Same tokenizer means the same token list and special ids (not the same name): ids are what the drafter hands
-the target. A hybrid draft model is refused (its recurrent state cannot be cut back past rejected tokens).
+the target. A hybrid draft model is refused (its recurrent state cannot be cut back past rejected tokens); a hybrid
+target is not: its verify steps rewind its own state ([VERIFY-REWIND]), the draft slot is cut back as always.
 
 One policy choice: with a draft model every draft comes from it, never from prompt lookup first. Lookup is
 cheaper per token, but where the answer repeats the prompt the draft model predicts the repeat too, and one
@@ -89,15 +90,14 @@ class DraftModel:
 
     def check(self, target) -> None:
         """Raises ValueError unless this draft model can draft for `target`: same tokenizer (vocabulary),
-        no recurrent state on either side, a draft slot for every target slot. Side effect: drafts stay below
+        no recurrent state in the draft model (a hybrid target is fine: its verify steps rewind, sequence.py
+        [VERIFY-REWIND]; the draft slot is cut back as for any target), a draft slot for every target slot. Side effect: drafts stay below
         the smaller of the two models' vocabularies (embedding rows past the tokenizer's may differ)."""
         why = vocabulary_mismatch(target.tokenizer, self.engine.tokenizer)
         if why:
             raise ValueError(f"the draft model's tokenizer is not the target's: {why}")
         if self.engine.slots[0].state is not None:
             raise ValueError("a hybrid draft model cannot draft: its recurrent state cannot be cut back")
-        if target.slots[0].state is not None:
-            raise ValueError("a draft model for a hybrid target is not supported yet (prompt lookup is)")
         if self.engine.num_slots < target.num_slots:
             raise ValueError(f"the draft model has {self.engine.num_slots} slots for the target's {target.num_slots}")
         self.vocab = min(self.vocab, target.config.vocab_size)   # a draft id must be a target id
