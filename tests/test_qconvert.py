@@ -133,7 +133,7 @@ def test_int_layout_in_one_pass_equals_to_int8_of_the_lanes(qtype):
     qweight.to_int8 of the lanes weight, every field, for random and extreme blocks, gathered rows, and
     written into a reused int buffer (lanes_empty(..., int8=True)) twice."""
     k = kernels()
-    for out, inp in ((16, 256), (48, 512), (160, 1536)):
+    for out, inp in ((16, 256), (48, 512), (160, 1536), (768, 2048), (2048, 768)):   # the last two: a 30B expert's
         for seed, make in ((out + inp, random_blocks), (3, extreme_blocks)):
             raw = torch.from_numpy(make(qtype, out, inp, seed))
             native = lanes_from_gguf(raw, qtype, out, inp, kernels=k, int8=True)

@@ -5,7 +5,8 @@
  * Python/torch that conversion took 31-39 ms of a 3 MB Qwen3 expert's ~57 ms miss (from_gguf's
  * unpacking and to_lanes' interleaving copies: ~0.08 GB/s), 6-14x the cost of reading the bytes
  * (benchmarks/results/moe-capped). The work is a memory-bound shuffle: read a block's fields, write
- * them to their lanes. No ISA intrinsics: it builds alike for AVX-512, AVX2 and baseline x86-64.
+ * them to their lanes. Plain C but for [GATHER] (AVX-512 or AVX2 gathers for the K-quants' int codes; the plain
+ * C path elsewhere): it builds for AVX-512, AVX2 and baseline x86-64 with the same bits.
  *
  * What is written (N rows a multiple of 16, block b = rows 16b..16b+15, lane j = row 16b + j; see
  * qlanes.c for the layouts; K the inputs a row):
@@ -33,6 +34,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <string.h>
 #include <omp.h>
 
@@ -76,14 +78,15 @@ static inline void k_scales_mins(const uint8_t *p, uint8_t sc[8], uint8_t mn[8])
     }
 }
 
-/* One GGML row (cols / block blocks at `src`) -> its codes c[0..cols) and, at lane j of block-row
- * `lane_base` (the address of [b][0][j] in each field, element stride BLK), its scale, bias and sup. */
+/* One GGML row (cols / block blocks at `src`) -> its codes c[0..cols) (c NULL: the K-quants' codes are not
+ * wanted, [GATHER] writes them) and, at lane j of block-row `lane_base` (the address of [b][0][j] in each field,
+ * element stride BLK), its scale, bias and sup. */
 static void row(int qtype, const TypeInfo *t, const uint8_t *src, int64_t cols, uint8_t *c,
                 uint8_t *scale, uint8_t *bias, uint16_t *sup) {
     const int64_t nblk = cols / t->block;
     for (int64_t k = 0; k < nblk; k++) {
         const uint8_t *b = src + k * t->size;
-        uint8_t *q = c + k * t->block;
+        uint8_t *q = c ? c + k * t->block : NULL;
         switch (qtype) {
         case T_Q4_0: case T_Q4_1: {
             const uint8_t *qs = b + (qtype == T_Q4_0 ? 2 : 4);
@@ -111,11 +114,12 @@ static void row(int qtype, const TypeInfo *t, const uint8_t *src, int64_t cols, 
             for (int s = 0; s < 8; s++) {           /* sub-block s: byte run s/2, nibble s%2 */
                 const uint8_t *run = qs + (s >> 1) * 32;
                 const int sh = (s & 1) * 4;
+                scale[(k * 8 + s) * BLK] = sc[s];
+                bias[(k * 8 + s) * BLK] = mn[s];
+                if (!c) continue;
                 for (int l = 0; l < 32; l++) q[s * 32 + l] = (run[l] >> sh) & 0x0F;
                 if (qtype == T_Q5_K)
                     for (int l = 0; l < 32; l++) q[s * 32 + l] |= (uint8_t)(((qh[l] >> s) & 1) << 4);
-                scale[(k * 8 + s) * BLK] = sc[s];
-                bias[(k * 8 + s) * BLK] = mn[s];
             }
             sup[(k * 2) * BLK] = rd16(b);           /* (K/256, 2, 16): d, then dmin */
             sup[(k * 2 + 1) * BLK] = rd16(b + 2);
@@ -127,7 +131,7 @@ static void row(int qtype, const TypeInfo *t, const uint8_t *src, int64_t cols, 
              * vectorizes them (one index expression per code ran ~14 cycles a weight, a streamed Q6_K
              * expert's conversion 10x its Q4_K matrices': benchmarks/RESULTS.md, issue 49). */
             const uint8_t *ql = b, *qh = b + 128;
-            for (int h = 0; h < 2; h++)
+            for (int h = 0; h < 2 && c; h++)
                 for (int g = 0; g < 4; g++) {
                     const uint8_t *lq = ql + h * 64 + (g & 1) * 32, *hq = qh + h * 32;
                     const int ls = (g >> 1) * 4, hs = g * 2;
@@ -192,6 +196,93 @@ static void int_codes(int qtype, const uint8_t *c, int64_t cols, uint8_t *out, u
     }
 }
 
+/* [GATHER] Q4_K / Q6_K codes straight from the GGML blocks into the int layout (i4x16's codes; i6x16's codes
+ * and high bits), with vector gathers: each output unit is lane j's 4-byte word, and the 16 lanes' words of one
+ * unit sit at the same offset in 16 rows' blocks, so one gather of 16 (AVX-512; two of 8 with AVX2) loads a
+ * unit's 4 source bytes of every lane, a shift and a mask pick the nibbles (or 2-bit fields), and the 64 output
+ * bytes are one store. No row-major codes in between. Why: a streamed expert's miss converted at ~0.25 ms a
+ * 768 x 2048 Q4_K slab through `row` + `int_codes` (a byte loop, then a lane loop with 64-byte strided
+ * stores), 3.2 s of an 11.6 s turn 2 on the capped 30B benchmark (issue 49). Same words as `int_codes` of
+ * `row`'s codes, by the derivation in each loop's comment; tests/test_qconvert.py checks the bits.
+ * off: the 16 rows' byte offsets from src (each < 2^31: the caller checks). */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#if defined(__AVX512F__)
+typedef __m512i vq;
+#define VQ_GATHER(base, idx) _mm512_i32gather_epi32((idx), (const void *)(base), 1)
+#define VQ_SET1(x) _mm512_set1_epi32((int)(x))
+#define VQ_AND _mm512_and_si512
+#define VQ_OR _mm512_or_si512
+#define VQ_SRL(v, n) _mm512_srl_epi32((v), _mm_cvtsi32_si128(n))
+#define VQ_SLL(v, n) _mm512_sll_epi32((v), _mm_cvtsi32_si128(n))
+#define VQ_STORE(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define VQ_LOADIDX(p) _mm512_loadu_si512((const void *)(p))
+#define VQ_ZERO _mm512_setzero_si512()
+#define VQ_LANES 16
+#else
+typedef __m256i vq;
+#define VQ_GATHER(base, idx) _mm256_i32gather_epi32((const int *)(base), (idx), 1)
+#define VQ_SET1(x) _mm256_set1_epi32((int)(x))
+#define VQ_AND _mm256_and_si256
+#define VQ_OR _mm256_or_si256
+#define VQ_SRL(v, n) _mm256_srl_epi32((v), _mm_cvtsi32_si128(n))
+#define VQ_SLL(v, n) _mm256_sll_epi32((v), _mm_cvtsi32_si128(n))
+#define VQ_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), (v))
+#define VQ_LOADIDX(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VQ_ZERO _mm256_setzero_si256()
+#define VQ_LANES 8
+#endif
+#define HAVE_GATHER 1
+#define PREFETCH_BLOCKS 2   /* GGML blocks a row ahead that [GATHER] asks the cache for */
+
+static void int_codes_gather(int qtype, const uint8_t *src, const int32_t off[BLK], int64_t cols, uint8_t *out,
+                             uint8_t *high) {
+    const int size = qtype == T_Q4_K ? 144 : 210;
+    const vq m4 = VQ_SET1(0x0F0F0F0Fu), m2 = VQ_SET1(0x03030303u);
+    for (int half = 0; half < BLK / VQ_LANES; half++) {             /* lanes [half * VQ_LANES, +VQ_LANES) */
+        const vq idx = VQ_LOADIDX(off + half * VQ_LANES);
+        uint8_t *o_base = out + half * VQ_LANES * 4, *h_base = high ? high + half * VQ_LANES * 4 : NULL;
+        for (int64_t k = 0; k < cols / 256; k++) {
+            const uint8_t *b = src + k * size;
+            if (k + PREFETCH_BLOCKS < cols / 256)      /* the gathers wait for their slowest line: fetch ahead */
+                for (int j = 0; j < VQ_LANES; j++)
+                    for (int l = 0; l < size; l += 64)
+                        _mm_prefetch((const char *)b + off[half * VQ_LANES + j] + PREFETCH_BLOCKS * size + l,
+                                     _MM_HINT_T0);
+            for (int o = 0; o < 32; o++) {
+                /* octet o of the block: codes 8o..8o+7, one run of 8 bytes of one nibble:
+                 * Q4_K: sub-block s = o / 4 in qs (= b + 16) run s / 2, nibble s % 2, bytes 8 (o % 4) ..;
+                 * Q6_K: code 128 h + 32 g + l is ql[64 h + 32 (g % 2) + l]'s nibble g / 2 (low bits) */
+                int a, sh;
+                if (qtype == T_Q4_K) {
+                    const int s = o >> 2;
+                    a = 16 + (s >> 1) * 32 + (o & 3) * 8;
+                    sh = (s & 1) * 4;
+                } else {
+                    const int i = o * 8, h = i >> 7, g = (i & 127) >> 5;
+                    a = 64 * h + 32 * (g & 1) + (i & 31);
+                    sh = (g >> 1) * 4;
+                }
+                const vq lo = VQ_AND(VQ_SRL(VQ_GATHER(b + a, idx), sh), m4);
+                const vq hi = VQ_AND(VQ_SRL(VQ_GATHER(b + a + 4, idx), sh), m4);
+                VQ_STORE(o_base + (k * 32 + o) * BLK * 4, VQ_OR(lo, VQ_SLL(hi, 4)));
+            }
+            if (qtype != T_Q6_K) continue;
+            for (int u = 0; u < 16; u++) {
+                /* codes 16u..16u+15 of the block: their bits 4-5 are qh[32 h + l] >> 2 g (l = 16u % 32 + 4 s + i);
+                 * unit u's byte i holds code 16u + 4s + i's pair at bits 2s, 2s+1 */
+                const int i = u * 16, h = i >> 7, g = (i & 127) >> 5;
+                const uint8_t *q = b + 128 + 32 * h + (i & 31);
+                vq v = VQ_ZERO;
+                for (int s4 = 0; s4 < 4; s4++)
+                    v = VQ_OR(v, VQ_SLL(VQ_AND(VQ_SRL(VQ_GATHER(q + 4 * s4, idx), 2 * g), m2), 2 * s4));
+                VQ_STORE(h_base + (k * 16 + u) * BLK * 4, v);
+            }
+        }
+    }
+}
+#endif
+
 /* rows x cols GGML blocks -> lanes fields (the top of the file); with as_int the int layout's codes and
  * high bits instead (the same scale, bias and sup fields: the int layouts share them). src: the source matrix, src_rows rows
  * of cols / block blocks; order: NULL (output row r = source row r) or rows int64 source rows. The
@@ -213,25 +304,38 @@ static int convert(int as_int, int qtype, const uint8_t *src, int64_t src_rows, 
     const int ksz = (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) ? 1 : 2;
     const int64_t code_w = t.nibbles || (as_int && qtype == T_Q6_K) ? cols / 2 : cols;   /* bytes a lane */
     const int64_t high_w = qtype == T_Q6_K ? cols / 4 : cols / 8;                       /* int: a lane's high */
+    int gather = 0;                    /* [GATHER]: the K-quant int codes without row-major codes */
+#ifdef HAVE_GATHER
+    gather = as_int && (qtype == T_Q4_K || qtype == T_Q6_K) && src_rows * row_bytes <= INT32_MAX;
+#endif
     int err = 0;
     #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) if (nb > 1 && nthreads > 1)
     {
-        uint8_t *c = malloc((size_t)(BLK * cols));     /* 16 rows' codes, row-major */
-        if (!c) {
+        uint8_t *c = gather ? NULL : malloc((size_t)(BLK * cols));     /* 16 rows' codes, row-major */
+        if (!c && !gather) {
             #pragma omp atomic write
             err = -3;
         }
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) {
-            if (!c) continue;
+            if (!c && !gather) continue;
+            int32_t off[BLK];
             for (int j = 0; j < BLK; j++) {
                 const int64_t r = b * BLK + j, s = order ? order[r] : r;
-                row(qtype, &t, src + s * row_bytes, cols, c + j * cols,
+                off[j] = (int32_t)(s * row_bytes);
+                row(qtype, &t, src + s * row_bytes, cols, c ? c + j * cols : NULL,
                     scale + (b * groups * BLK + j) * ksz,
                     bias ? bias + (b * groups * BLK + j) * ksz : NULL,
                     sup ? sup + b * supers * (ksz == 1 && qtype != T_Q6_K ? 2 : 1) * BLK + j : NULL);
             }
             uint8_t *out = codes + b * code_w * BLK;
+#ifdef HAVE_GATHER
+            if (gather) {
+                int_codes_gather(qtype, src, off, cols, out, high ? high + b * high_w * BLK : NULL);
+                continue;
+            }
+#endif
+            (void)off;
             if (as_int) {
                 int_codes(qtype, c, cols, out, high ? high + b * high_w * BLK : NULL);
                 continue;
