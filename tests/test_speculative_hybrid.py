@@ -8,6 +8,8 @@ record gives the same bits), so a later turn reuses nothing a rejected row wrote
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -15,6 +17,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hybrid_checks import folder_engine, save_folder
 from test_batching import alone, together
 from test_hybrid import hf_qwen35
+from test_reuse import assert_record_matches_kv
+from tiny import tiny_loaded
+from ternlm.draft_model import DraftModel
+from ternlm.engine import Engine
 from ternlm.kv.slots import Slot
 
 
@@ -90,16 +96,23 @@ def test_any_prompt_same_answer(engine, head, seg, reps, temperature, seed, max_
     _both(engine, head + seg * reps + seg[:1], max_tokens, temperature=temperature, seed=seed)
 
 
-def test_batched_with_other_streams_same_answers(engine):
-    """Speculating hybrid streams batched with plain ones and prefills: each one's answer alone, spec off."""
-    loop = _looping(engine)
-    reqs = [(loop, 40), (list(range(3, 60)), 12), (loop[:20] + loop, 30), ([9, 8, 7] * 9, 25)]
+def _batched_equals_alone(engine, reqs) -> list:
+    """Speculating streams batched with plain ones and prefills (joining at steps 0, 1, 1, 4): each one's answer
+    alone with speculation off, token for token and logits bit for bit; every slot's KV and state exact."""
     solo = [alone(engine, p, m, speculative=False)[0] for p, m in reqs]
     batched = together(engine, reqs, [0, 1, 1, 4], budget=24, speculative=True)
-    assert sum(b.timings.accepted for b in batched) > 0
     for i, (b, a) in enumerate(zip(batched, solo)):
         assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
         assert_record_matches_state(engine, engine.slots[i + 1])
+    return batched
+
+
+def test_batched_with_other_streams_same_answers(engine):
+    """Speculating hybrid streams batched with plain ones and prefills: each one's answer alone, spec off."""
+    loop = _looping(engine)
+    batched = _batched_equals_alone(engine, [(loop, 40), (list(range(3, 60)), 12), (loop[:20] + loop, 30),
+                                             ([9, 8, 7] * 9, 25)])
+    assert sum(b.timings.accepted for b in batched) > 0
 
 
 def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
@@ -124,10 +137,6 @@ def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
 def drafted(folder, engine):
     """The same hybrid target with a draft model: a tiny random llama wearing the target's tokenizer (a llama
     cannot mimic a qwen35, so most drafts are rejected: every one of those steps rewinds)."""
-    import dataclasses
-    from tiny import tiny_loaded
-    from ternlm.draft_model import DraftModel
-    from ternlm.engine import Engine
     _, small = tiny_loaded("llama", seed=5, vocab=engine.config.vocab_size)
     small = Engine(dataclasses.replace(small, tokenizer=engine.tokenizer), dtype=torch.float32, min_reuse=1,
                    chunk_size=16, slots=6, speculative=False)
@@ -136,7 +145,6 @@ def drafted(folder, engine):
 
 def _both_drafted(engine, prompt, max_tokens, **kw):
     on, off = _both(engine, prompt, max_tokens, **kw)
-    from test_reuse import assert_record_matches_kv
     small = engine.drafts.engine
     assert_record_matches_kv(small, small.slots[0])
     return on, off
@@ -162,10 +170,6 @@ def test_a_draft_model_any_prompt_same_answer(drafted, prompt, temperature, seed
 
 
 def test_a_draft_model_batched_with_other_streams(drafted):
-    reqs = [([5, 6, 7], 30), (list(range(3, 60)), 12), ([1, 2] * 20, 30), ([9, 8, 7] * 9, 25)]
-    solo = [alone(drafted, p, m, speculative=False)[0] for p, m in reqs]
-    batched = together(drafted, reqs, [0, 1, 1, 4], budget=24, speculative=True)
+    batched = _batched_equals_alone(drafted, [([5, 6, 7], 30), (list(range(3, 60)), 12), ([1, 2] * 20, 30),
+                                              ([9, 8, 7] * 9, 25)])
     assert sum(b.timings.drafted for b in batched) > 0
-    for i, (b, a) in enumerate(zip(batched, solo)):
-        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
-        assert_record_matches_state(drafted, drafted.slots[i + 1])
