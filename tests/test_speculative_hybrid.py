@@ -136,7 +136,7 @@ def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
 @pytest.fixture(scope="module")
 def drafted(folder, engine):
     """The same hybrid target with a draft model: a tiny random llama wearing the target's tokenizer (a llama
-    cannot mimic a qwen35, so most drafts are rejected: every one of those steps rewinds)."""
+    cannot mimic a qwen35: its drafts are rejected, all of them on these prompts, and every such step rewinds)."""
     _, small = tiny_loaded("llama", seed=5, vocab=engine.config.vocab_size)
     small = Engine(dataclasses.replace(small, tokenizer=engine.tokenizer), dtype=torch.float32, min_reuse=1,
                    chunk_size=16, slots=6, speculative=False)
