@@ -89,10 +89,11 @@ class DraftModel:
         self.vocab = engine.config.vocab_size
 
     def check(self, target) -> None:
-        """Raises ValueError unless this draft model can draft for `target`: same tokenizer (vocabulary),
-        no recurrent state in the draft model (a hybrid target is fine: its verify steps rewind, sequence.py
-        [VERIFY-REWIND]; the draft slot is cut back as for any target), a draft slot for every target slot. Side effect: drafts stay below
-        the smaller of the two models' vocabularies (embedding rows past the tokenizer's may differ)."""
+        """Raises ValueError unless this draft model can draft for `target`: same tokenizer (vocabulary), no
+        recurrent state in the draft model (a hybrid target is fine: its verify steps rewind, sequence.py
+        [VERIFY-REWIND]; the draft slot is cut back as for any target), a draft slot for every target slot.
+        Side effect: drafts stay below the smaller of the two models' vocabularies (embedding rows past the
+        tokenizer's may differ)."""
         why = vocabulary_mismatch(target.tokenizer, self.engine.tokenizer)
         if why:
             raise ValueError(f"the draft model's tokenizer is not the target's: {why}")

@@ -49,9 +49,9 @@ class DrafterFactory(Protocol):
     `__call__(slot, prompt, cache_salt)` is called by Engine.open with the request's slot index (a draft model
     pairs its own slot i with it); `draft_many(asks)` returns one draft per ask, in order (a draft model: one
     forward per draft position for all of them); `finished(slot)`: the request in that slot ended (a draft model
-    publishes its slot to a shared tier); `persist()`: shutdown, what the factory keeps goes to disk (blocks on
-    disk). If it raises, the engine drops the asking requests' drafters
-    (they go on without drafts); a factory that holds state for them cleans it up before raising."""
+    publishes its slot to a shared tier); `persist()`: shutdown, what the factory keeps goes to disk (returns
+    blocks on disk). If `draft_many` raises, the engine drops the asking requests' drafters (they go on without
+    drafts); a factory that holds state for them cleans it up before raising."""
     def check(self, target) -> None: ...
     def __call__(self, slot: int, prompt: list[int], cache_salt: str) -> Drafter: ...
     def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]: ...
