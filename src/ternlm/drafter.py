@@ -10,6 +10,10 @@ Adaptive length: a draft that was taken whole doubles the next one (up to MAX_DR
 to one more than what was taken; after a few drafts in a row with nothing taken, drafting pauses (fresh text
 has nothing to look up, and each rejected row is work), longer each time it keeps missing, and resumes with
 one-token drafts.
+
+[FORCED-DRAFT] A request under a grammar (json_schema, tools, regex) drafts first what the grammar forces next
+(a key, `": "`, a closing brace: grammar.Constraint.forced), whether or not the conversation holds it; lookup
+drafts where nothing is forced. A draft model's drafts do not take this path (its slot is fed its own guesses).
 """
 from __future__ import annotations
 
@@ -38,9 +42,11 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class DraftAsk:
     """One request's call for a draft after a step (Sequence.draft_ask): its drafter, already told the tokens the
-    request produced, and the most tokens the draft may hold (what the answer and the context leave room for)."""
+    request produced, the most tokens the draft may hold (what the answer and the context leave room for), and
+    the request's grammar state (grammar.Constraint, after the pending token; None without a grammar)."""
     drafter: Drafter
     limit: int                         # >= 1
+    constraint: object | None = None
 
 
 class DrafterFactory(Protocol):
@@ -68,8 +74,10 @@ class PromptLookups:
         return PromptLookup(prompt)
 
     def draft_many(self, asks: list[DraftAsk]) -> list[list[int]]:
-        """Each ask's lookup draft. Pure (PromptLookup.draft)."""
-        return [a.drafter.draft(a.limit) for a in asks]
+        """Each ask's draft: [FORCED-DRAFT] what its grammar forces next where it forces something, else its lookup
+        draft (PromptLookup.draft). Reads the grammar state without advancing it."""
+        return [(a.constraint.forced(a.limit) if a.constraint is not None else []) or a.drafter.draft(a.limit)
+                for a in asks]
 
     def finished(self, slot: int) -> None:
         pass

@@ -126,6 +126,14 @@ class Constraint:
         if not self._m.consume_token(int(token_id)):
             raise ValueError(f"the grammar rejected token {token_id}: {self._m.get_error()}")
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` ids the grammar forces next from here (llguidance's fast-forward tokens: the bytes no
+        choice can avoid, tokenized canonically; a keyword, a key, `":`), or []. Does not advance the matcher.
+        A guess as good as certain, not a promise: another tokenization of the same bytes stays allowed, which is
+        why they are only ever drafts ([FORCED-DRAFT], drafter.py), verified like any other."""
+        ids = self._m.compute_ff_tokens() if limit > 0 else []
+        return [int(t) for t in ids[:limit] if 0 <= int(t) < self.vocab_size]
+
     @property
     def accepting(self) -> bool:
         return self._m.is_accepting()

@@ -189,7 +189,7 @@ class Sequence:
         self.drafter.extend(self.out_ids[len(self.drafter.tokens) - self.n:])
         room = min(self.limits.max_tokens - len(self.out_ids) - 1,
                    self.limits.ctx - len(self.slot.record) - len(self.pending))     # after the pending rows
-        return DraftAsk(self.drafter, room) if room >= 1 else None
+        return DraftAsk(self.drafter, room, self.constraint) if room >= 1 else None
 
     def add_draft(self, draft: list[int]) -> None:
         """Append the drafter's answer to `draft_ask` after the pending token: the next step feeds and verifies
