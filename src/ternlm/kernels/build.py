@@ -141,6 +141,10 @@ class Kernels:
 LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7,
                "i4x16": 8, "i5x16": 9, "i8x16": 10, "i6x16": 11}   # layer.c's MM table: [layout][mode]
 MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
+# [RAW] layer.c's layout 12: an expert matrix's GGML blocks as read, its mode field the GGML type (Q4_K 12, Q5_K 13,
+# Q6_K 14: RAW_TYPES), multiplied with its int layout's bits by qint8.c's tq_int8_raw_range (experts only)
+RAW_LAYOUT = 12
+RAW_TYPES = (12, 13, 14)
 
 
 class Part(ctypes.Structure):
@@ -283,6 +287,10 @@ def load() -> Kernels | Unavailable:
     lib.tq_int8_prepare.restype = None
     lib.tq_int8_range.argtypes = [i, i, p, p, p, p, i, i, p, p, p, p, p, i, i, i, p, i]
     lib.tq_int8_range.restype = ctypes.c_int
+    lib.tq_int8_raw_range.argtypes = [i, p, p, p, p, i, i, p, i, i, i, p, i]
+    lib.tq_int8_raw_range.restype = ctypes.c_int
+    lib.tq_convert_int_block.argtypes = [ctypes.c_int, p, i, p, p, p, p, p, p]
+    lib.tq_convert_int_block.restype = ctypes.c_int
     lib.tq_amx_init.restype = ctypes.c_int
     # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
     # every quantized product takes qamx.c (isa "amx", other bits than "avx512": the isa is in the cache

@@ -283,6 +283,67 @@ static void int_codes_gather(int qtype, const uint8_t *src, const int32_t off[BL
 }
 #endif
 
+/* One block of 16 rows -> every field's block (the top of the file): src + off[j] is row j's GGML bytes;
+ * codes, high, scale, bias, sup: the block's first element of each field (high, bias, sup NULL where the
+ * layout or mode has none); c: 16 x cols bytes of work for the row-major codes, or NULL with `gather`
+ * ([GATHER]: the K-quant int codes straight from the blocks). No allocation, no threads: convert's body,
+ * and tq_convert_int_block's ([RAW] in qint8.c, a streamed expert's block converted where it is multiplied). */
+static void convert_block(int as_int, int qtype, const TypeInfo *t, int gather, const uint8_t *src,
+                          const int64_t off[BLK], int64_t cols, uint8_t *c, uint8_t *codes, uint8_t *high,
+                          uint8_t *scale, uint8_t *bias, uint16_t *sup) {
+    const int ksz = (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) ? 1 : 2;
+    for (int j = 0; j < BLK; j++)
+        row(qtype, t, src + off[j], cols, c ? c + j * cols : NULL, scale + j * ksz, bias ? bias + j * ksz : NULL,
+            sup ? sup + j : NULL);
+#ifdef HAVE_GATHER
+    if (gather) {
+        int32_t o32[BLK];
+        for (int j = 0; j < BLK; j++) o32[j] = (int32_t)off[j];
+        int_codes_gather(qtype, src, o32, cols, codes, high);
+        return;
+    }
+#endif
+    (void)gather;
+    if (as_int) {
+        int_codes(qtype, c, cols, codes, high);
+        return;
+    }
+    if (t->nibbles) {
+        for (int64_t p = 0; p < cols / 2; p++)
+            for (int j = 0; j < BLK; j++)
+                codes[p * BLK + j] = (uint8_t)((c[j * cols + 2 * p] & 0x0F) | ((c[j * cols + 2 * p + 1] & 0x0F) << 4));
+    } else {
+        for (int64_t i = 0; i < cols; i++)
+            for (int j = 0; j < BLK; j++) codes[i * BLK + j] = c[j * cols + i];
+    }
+    if (t->has_high) {
+        for (int64_t i = 0; i < cols; i++) {
+            uint8_t lo = 0, hi = 0;
+            for (int j = 0; j < 8; j++) {
+                lo |= (uint8_t)(((c[j * cols + i] >> 4) & 1) << j);
+                hi |= (uint8_t)(((c[(j + 8) * cols + i] >> 4) & 1) << j);
+            }
+            high[2 * i] = lo;
+            high[2 * i + 1] = hi;
+        }
+    }
+}
+
+/* Elements a block of 16 rows takes in each field (int: the int layout's codes and high bits). */
+typedef struct {
+    int64_t codes, high, scale, sup;    /* bytes: codes, high; elements: scale and bias (ksz bytes), sup (fp16) */
+} BlockSizes;
+
+static BlockSizes block_sizes(int as_int, int qtype, const TypeInfo *t, int64_t cols) {
+    const int64_t code_w = t->nibbles || (as_int && qtype == T_Q6_K) ? cols / 2 : cols;   /* bytes a lane */
+    int64_t high_w = 0;
+    if (as_int) high_w = qtype == T_Q6_K ? cols / 4 : t->has_high ? cols / 8 : 0;
+    else high_w = t->has_high ? cols * 2 / BLK : 0;
+    const int k = qtype == T_Q4_K || qtype == T_Q5_K;
+    return (BlockSizes){code_w * BLK, high_w * BLK, cols / t->group * BLK,
+                        qtype == T_Q6_K ? cols / 256 * BLK : k ? cols / 256 * 2 * BLK : 0};
+}
+
 /* rows x cols GGML blocks -> lanes fields (the top of the file); with as_int the int layout's codes and
  * high bits instead (the same scale, bias and sup fields: the int layouts share them). src: the source matrix, src_rows rows
  * of cols / block blocks; order: NULL (output row r = source row r) or rows int64 source rows. The
@@ -299,11 +360,8 @@ static int convert(int as_int, int qtype, const uint8_t *src, int64_t src_rows, 
         for (int64_t r = 0; r < rows; r++)
             if (order[r] < 0 || order[r] >= src_rows) return -2;
     const int64_t nb = rows / BLK, row_bytes = cols / t.block * t.size;
-    const int64_t groups = cols / t.group, supers = cols / 256;
-    /* field element sizes: scale fp16 (1-block types) or one byte (the K-quants); bias likewise */
     const int ksz = (qtype == T_Q4_K || qtype == T_Q5_K || qtype == T_Q6_K) ? 1 : 2;
-    const int64_t code_w = t.nibbles || (as_int && qtype == T_Q6_K) ? cols / 2 : cols;   /* bytes a lane */
-    const int64_t high_w = qtype == T_Q6_K ? cols / 4 : cols / 8;                       /* int: a lane's high */
+    const BlockSizes z = block_sizes(as_int, qtype, &t, cols);
     int gather = 0;                    /* [GATHER]: the K-quant int codes without row-major codes */
 #ifdef HAVE_GATHER
     gather = as_int && (qtype == T_Q4_K || qtype == T_Q6_K) && src_rows * row_bytes <= INT32_MAX;
@@ -319,47 +377,11 @@ static int convert(int as_int, int qtype, const uint8_t *src, int64_t src_rows, 
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; b++) {
             if (!c && !gather) continue;
-            int32_t off[BLK];
-            for (int j = 0; j < BLK; j++) {
-                const int64_t r = b * BLK + j, s = order ? order[r] : r;
-                off[j] = (int32_t)(s * row_bytes);
-                row(qtype, &t, src + s * row_bytes, cols, c ? c + j * cols : NULL,
-                    scale + (b * groups * BLK + j) * ksz,
-                    bias ? bias + (b * groups * BLK + j) * ksz : NULL,
-                    sup ? sup + b * supers * (ksz == 1 && qtype != T_Q6_K ? 2 : 1) * BLK + j : NULL);
-            }
-            uint8_t *out = codes + b * code_w * BLK;
-#ifdef HAVE_GATHER
-            if (gather) {
-                int_codes_gather(qtype, src, off, cols, out, high ? high + b * high_w * BLK : NULL);
-                continue;
-            }
-#endif
-            (void)off;
-            if (as_int) {
-                int_codes(qtype, c, cols, out, high ? high + b * high_w * BLK : NULL);
-                continue;
-            }
-            if (t.nibbles) {
-                for (int64_t p = 0; p < cols / 2; p++)
-                    for (int j = 0; j < BLK; j++)
-                        out[p * BLK + j] = (uint8_t)((c[j * cols + 2 * p] & 0x0F) | ((c[j * cols + 2 * p + 1] & 0x0F) << 4));
-            } else {
-                for (int64_t i = 0; i < cols; i++)
-                    for (int j = 0; j < BLK; j++) out[i * BLK + j] = c[j * cols + i];
-            }
-            if (t.has_high) {
-                uint8_t *h = high + b * cols * 2;
-                for (int64_t i = 0; i < cols; i++) {
-                    uint8_t lo = 0, hi = 0;
-                    for (int j = 0; j < 8; j++) {
-                        lo |= (uint8_t)(((c[j * cols + i] >> 4) & 1) << j);
-                        hi |= (uint8_t)(((c[(j + 8) * cols + i] >> 4) & 1) << j);
-                    }
-                    h[2 * i] = lo;
-                    h[2 * i + 1] = hi;
-                }
-            }
+            int64_t off[BLK];
+            for (int j = 0; j < BLK; j++) off[j] = (order ? order[b * BLK + j] : b * BLK + j) * row_bytes;
+            convert_block(as_int, qtype, &t, gather, src, off, cols, c, codes + b * z.codes,
+                          high ? high + b * z.high : NULL, scale + b * z.scale * ksz,
+                          bias ? bias + b * z.scale * ksz : NULL, sup ? sup + b * z.sup : NULL);
         }
         free(c);
     }
@@ -379,4 +401,29 @@ int tq_convert_int(int qtype, const uint8_t *src, int64_t src_rows, const int64_
                    int nthreads) {
     if (qtype == T_Q6_K && !high) return -2;
     return convert(1, qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup, nthreads);
+}
+
+/* [RAW] One block of 16 consecutive rows of a Q4_K / Q5_K / Q6_K matrix (src: row 16b's bytes, `cols` inputs a
+ * row) -> that block of the int layout's fields, exactly the block tq_convert_int writes for those rows (block b
+ * of a whole conversion is its 16 rows' alone): codes (cols * 8 bytes), high (i5x16 cols * 2, i6x16 cols * 4, else
+ * NULL), scale and bias (cols / group * 16 bytes; bias NULL for Q6_K), sup (fp16: Q4_K/Q5_K cols / 8, Q6_K cols / 16).
+ * work: 16 * cols bytes (the row-major codes where [GATHER] does not apply; may be NULL where it does: Q4_K, Q6_K on
+ * an AVX2 or AVX-512 build). No allocation, no threads: qint8.c's tq_int8_raw_range calls it from its own.
+ * 0, or -1 for another type, -2 for a shape. */
+int tq_convert_int_block(int qtype, const uint8_t *src, int64_t cols, uint8_t *codes, uint8_t *high,
+                         uint8_t *scale, uint8_t *bias, uint16_t *sup, uint8_t *work) {
+    TypeInfo t;
+    if ((qtype != T_Q4_K && qtype != T_Q5_K && qtype != T_Q6_K) || type_info(qtype, &t)) return -1;
+    if (cols <= 0 || cols % t.block || (qtype == T_Q6_K) != (bias == NULL) || (qtype != T_Q4_K) != (high != NULL))
+        return -2;
+    const int64_t row_bytes = cols / t.block * t.size;
+    int gather = 0;
+#ifdef HAVE_GATHER
+    gather = (qtype == T_Q4_K || qtype == T_Q6_K) && BLK * row_bytes <= INT32_MAX;
+#endif
+    if (!gather && !work) return -2;
+    int64_t off[BLK];
+    for (int j = 0; j < BLK; j++) off[j] = j * row_bytes;
+    convert_block(1, qtype, &t, gather, src, off, cols, gather ? NULL : work, codes, high, scale, bias, sup);
+    return 0;
 }

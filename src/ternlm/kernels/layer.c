@@ -46,6 +46,12 @@ int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d,
                   const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
                   const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
                   float *y, int64_t ldy);
+/* [RAW] layout 12: an expert matrix's GGML blocks as read (mode: its GGML type, Q4_K / Q5_K / Q6_K), multiplied
+ * by qint8.c's tq_int8_raw_range with the bits of its int layout (experts only: tq_moe_experts' shares) */
+#define LAYOUT_RAW 12
+int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int32_t *s16, const float *ds,
+                      int64_t M, int64_t K, const uint8_t *raw, int64_t N, int64_t b0, int64_t b1, float *y,
+                      int64_t ldy);
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
@@ -445,7 +451,10 @@ static int run_shares(const Share *sh, int64_t n, int nthreads) {
     for (int64_t i = 0; i < n; i++) {
         const TqPart *p = sh[i].part;
         const QRows *q = &sh[i].xq;
-        const int rc = p->layout >= 8
+        const int rc = p->layout == LAYOUT_RAW
+            ? (q->q ? tq_int8_raw_range(p->mode, q->q, q->d, q->s16, q->ds, sh[i].M, sh[i].K, p->codes, p->n,
+                                        sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy) : -1)
+            : p->layout >= 8
             ? (q->q ? tq_int8_range(p->layout, p->mode, q->q, q->d, q->s16, q->ds, sh[i].M, sh[i].K, p->codes,
                                     p->high, p->scale, p->bias, p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy)
                     : -1)

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import Kernels
+from .build import RAW_LAYOUT, RAW_TYPES, Kernels
+from .build import Part as _Part
 from .layer import _Proj, _proj, layer_spec
 
 
@@ -54,6 +55,48 @@ def _native_expert(ex) -> int:
     return addr
 
 
+def _raw_only(x: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("an expert served as its GGML bytes [RAW] is multiplied by the native MoE layer only")
+
+
+@dataclass(frozen=True)
+class _RawExperts:
+    """[RAW] (models/moe.py RawBuild) An expert the streamed store serves unkept, multiplied straight from its GGML
+    blocks as read: its _Expert's parts are layer.c's layout 12 (mode: the slab's GGML type), which qint8.c's
+    tq_int8_raw_range multiplies with the bits of the int layout the store would have converted it into. Only
+    where the store converts experts into int layouts (int8 activations): those are the bits it must give."""
+    hidden: int
+    inter: int
+
+    def takes(self, slabs) -> bool:
+        gate, up, down = slabs
+        return (all(x.qtype in RAW_TYPES and x.rows % 16 == 0 and x.cols % 256 == 0 for x in slabs)
+                and gate.rows == up.rows == self.inter and down.rows == self.hidden
+                and gate.cols == up.cols == self.hidden and down.cols == self.inter)
+
+    def build(self, slabs, views, nbytes: int):
+        from ..models.moe import Expert
+
+        def proj(xs, vs) -> _Proj:
+            p = _Proj(nparts=len(xs), n_out=sum(x.rows for x in xs), bias=None)
+            for i, (x, v) in enumerate(zip(xs, vs)):
+                p.parts[i] = _Part(RAW_LAYOUT, x.qtype, x.rows, v.ctypes.data, 0, 0, 0, 0)
+            return p
+        spec = _Expert(proj(slabs[:2], views[:2]), proj(slabs[2:], views[2:]))
+        ex = Expert(_raw_only, _raw_only, nbytes)
+        ex._native, ex._native_keep, ex._native_addr = spec, list(views), ctypes.addressof(spec)
+        return ex
+
+
+def _raw_build(store, hidden: int, inter: int) -> "_RawExperts | None":
+    """[RAW] for a streamed store that converts into int layouts, unless TERNLM_EXPERT_RAW=0 (every expert then
+    converted, as before: an A/B switch for benchmarks; the bits are the same either way)."""
+    import os
+    if not (store.streamed and getattr(store, "int8", False)) or os.environ.get("TERNLM_EXPERT_RAW", "1") == "0":
+        return None
+    return _RawExperts(hidden, inter)
+
+
 @dataclass
 class NativeMoELayer:
     kernels: Kernels
@@ -67,6 +110,7 @@ class NativeMoELayer:
     layout: list[int]            # scratch floats a row: attention half, slots, experts' rows, shared expert
     shared: "_Expert | None" = None   # qwen2moe's shared expert (resident), and its gate (hid,) fp32
     shared_gate: "torch.Tensor | None" = None
+    raw: "_RawExperts | None" = None  # [RAW]: experts served unkept multiplied from their blocks as read
 
     @classmethod
     def build(cls, kernels: Kernels, layer, cos: torch.Tensor, sin: torch.Tensor) -> "NativeMoELayer | str":
@@ -100,7 +144,8 @@ class NativeMoELayer:
         # input, gate|up, SiLU * up, output) | the shared expert's output and rows
         layout = [attn_per_row, k * hid, k * (2 * hid + 3 * inter),
                   0 if shared is None else hid + 3 * (shared.gate_up.n_out // 2)]
-        return cls(kernels, spec, sum(layout), keep + [router], moe, router, spec.act, inter, layout, shared, gate)
+        return cls(kernels, spec, sum(layout), keep + [router], moe, router, spec.act, inter, layout, shared, gate,
+                   _raw_build(moe.store, hid, inter))
 
     def __call__(self, x: torch.Tensor, table: torch.Tensor, scratch: torch.Tensor) -> None:
         """x: (M, hidden) fp32 contiguous, updated in place; table: llama.segment_table of the batch;
@@ -129,7 +174,8 @@ class NativeMoELayer:
         group = len(used) if not store.streamed else _in_use()
         for g0 in range(0, len(used), group):
             ids, ns = used[g0:g0 + group], counts[g0:g0 + group]
-            got = [store.get(layer, e, n) for e, n in zip(ids, ns)]    # alive until the call returns: a
+            got = [store.get(layer, e, n, self.raw) if self.raw is not None else store.get(layer, e, n)
+                   for e, n in zip(ids, ns)]    # alive until the call returns: a
             # served-not-kept expert (and its _Expert) may have no other owner
             if store.streamed and g0 + group >= len(used) and M * k >= PREFETCH_ROWS * E:
                 store.prefetch(layer + 1)     # [PREFETCH] the next layer will use ~every expert: no bits change

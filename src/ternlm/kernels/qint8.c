@@ -612,6 +612,52 @@ int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d,
     return 0;
 }
 
+/* [RAW] A streamed expert's matrix multiplied straight from its GGML blocks as read (models/moe.py serves an expert
+ * it does not keep this way): each block of 16 rows is converted into this call's scratch by convert.c's
+ * tq_convert_int_block (the same fields tq_convert_int writes for those rows) and multiplied there at once by
+ * `blocks`, for all M rows, so the arithmetic of every output is tq_int8_range's on the converted matrix: the same
+ * bits ([SAME-BITS]; tests/test_qint8_raw.py). Why: converting a whole expert into the int layout first, then
+ * multiplying, wrote and re-read ~2.9 MB an expert and cost a conversion call (and its Python) a slab: 3.0-3.5 s
+ * of C and ~1 s of Python of the capped 30B benchmark's turn 2 (issue 49). Here a block's codes stay in L1 from
+ * conversion to product.
+ * qtype: GGML's Q4_K (12), Q5_K (13), Q6_K (14); raw: N rows of K / 256 blocks each (N % 16 == 0); the rest as
+ * tq_int8_range. 0, or -2 on a type, shape or range it does not take, -3 out of memory (nothing written then).
+ * Side effects: y's rows at blocks [b0, b1)'s columns. */
+int tq_convert_int_block(int qtype, const uint8_t *src, int64_t cols, uint8_t *codes, uint8_t *high,
+                         uint8_t *scale, uint8_t *bias, uint16_t *sup, uint8_t *work);
+
+int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int32_t *s16, const float *ds,
+                      int64_t M, int64_t K, const uint8_t *raw, int64_t N, int64_t b0, int64_t b1, float *y,
+                      int64_t ldy) {
+    int kind, mode, size;
+    switch (qtype) {
+    case 12: kind = I4; mode = IM_K; size = 144; break;
+    case 13: kind = I5; mode = IM_K; size = 176; break;
+    case 14: kind = I6; mode = IM_K6; size = 210; break;
+    default: return -2;
+    }
+    if (K <= 0 || K % 256 || N <= 0 || N % IBLK || b0 < 0 || b1 > N / IBLK) return -2;
+    if (M <= 0 || b1 <= b0) return 0;
+    const int64_t row_bytes = K / 256 * size;
+    const size_t n_codes = round64((size_t)K * 8), n_high = round64((size_t)K * 4), n_sc = round64((size_t)K),
+                 n_sup = round64((size_t)K / 4), n_work = (size_t)K * IBLK;
+    uint8_t *buf = aligned_alloc(64, n_codes + n_high + 2 * n_sc + n_sup + n_work);
+    if (!buf) return -3;
+    uint8_t *codes = buf, *high = codes + n_codes, *scale = high + n_high, *bias = scale + n_sc;
+    uint16_t *sup = (uint16_t *)(bias + n_sc);
+    uint8_t *work = bias + n_sc + n_sup;
+    const IMat w = {codes, kind == I4 ? NULL : high, scale, mode == IM_K ? bias : NULL, sup, K};
+    const IAct act = {q, d, s16, ds};
+    int rc = 0;
+    for (int64_t b = b0; b < b1 && !rc; b++) {
+        rc = tq_convert_int_block((int)qtype, raw + b * IBLK * row_bytes, K, codes, (uint8_t *)w.high,
+                                  scale, (uint8_t *)w.bias, sup, work) ? -2 : 0;
+        if (!rc) blocks(kind, mode, &w, IBLK, M, &act, 0, 1, y + b * IBLK, ldy);
+    }
+    free(buf);
+    return rc;
+}
+
 #define INT_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define INT_MAT {codes, high, scale, bias, sup, K}

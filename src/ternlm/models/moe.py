@@ -43,7 +43,7 @@ import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Protocol
 
 import numpy as np
 
@@ -58,10 +58,22 @@ from .linear import Linear
 @dataclass
 class Expert:
     """One expert's projections: gate_up (2 I, hidden) [gate rows first], down (hidden, I); each a
-    qlinear.QLinear (quantized, lanes) or a linear.Linear (dense). nbytes: its weights' bytes."""
+    qlinear.QLinear (quantized, lanes) or a linear.Linear (dense). nbytes: its weights' bytes.
+    raw: for an expert served unkept as its GGML bytes [RAW], the direct read's buffer they lie in (the store
+    gives it back when the expert leaves the unkept window); its projections are then the native layer's only."""
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
     nbytes: int
+    raw: "np.ndarray | None" = None
+
+
+class RawBuild(Protocol):
+    """[RAW] What a caller that multiplies GGML blocks as read (the native MoE layer with int8 activations) passes
+    to `StreamedExperts.get`: `takes(slabs)` says whether it can (types, shapes; pure), and
+    `build(slabs, views, nbytes)` makes the Expert over the bytes in `views` (one uint8 array a slab, valid while
+    the Expert is in the store's unkept window) without converting them."""
+    def takes(self, slabs: tuple["Slab", ...]) -> bool: ...
+    def build(self, slabs: tuple["Slab", ...], views: list[np.ndarray], nbytes: int) -> Expert: ...
 
 
 @dataclass
@@ -119,8 +131,9 @@ class ExpertStore:
         """Every expert of `layer` held here (no counter changes): what a caller checks before running them."""
         return [e for (li, _), e in self._experts.items() if li == layer]
 
-    def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
-        """The expert's projections. Side effect: counts a hit (resident), `rows` rows and its bytes."""
+    def get(self, layer: int, expert: int, rows: int = 0, raw: RawBuild | None = None) -> Expert:
+        """The expert's projections. Side effect: counts a hit (resident), `rows` rows and its bytes. raw: unused
+        (every expert here is converted)."""
         e = self._experts[(layer, expert)]
         self.stats.hits += 1
         self.stats.bytes_used += e.nbytes
@@ -200,6 +213,13 @@ class StreamedExperts:
     converting (~0.6 of convert's 0.78 ms a slab on the capped benchmark's turn 2, /tmp convbench: 0.17 ms
     into reused memory). The contract is `get`'s. Kept experts (pinned, tail) get their own memory.
 
+    Served and not kept, as read [RAW]: a caller that multiplies GGML blocks as they are read (the native MoE
+    layer with int8 activations: qint8.c's tq_int8_raw_range converts each block of 16 rows in cache and multiplies
+    it there, the int layout's bits) passes `raw` to `get`; an expert served unkept whose types it takes is then not
+    converted at all: its Expert points into the direct read's buffer, which stays out of the reader's free list
+    until EXPERTS_IN_USE more experts have been served unkept (the same contract as a ring slot; such a buffer
+    stands in for the ring slot it does not take). Kept experts are converted as before (multiplied many times).
+
     The store also holds the last EXPERTS_IN_USE Expert objects served unkept, so what a caller attaches to
     one (the native MoE layer's pointer table and the tensors behind it) lives as long as the contract
     says, and where `blank` gives no buffers (new tensors a miss) the contract holds the same.
@@ -208,7 +228,8 @@ class StreamedExperts:
     it allocated as first used) and the experts kept: after every `get`, `nbytes` (pinned + tail) <=
     max(budget - ring_reserve, 0) (a budget below the rings' size keeps nothing and holds the rings: what
     a caller of EXPERTS_IN_USE experts holds anyway). On top: the raw bytes being read (direct: <= READ_AHEAD
-    + 1 experts' aligned buffers; else one slab's scratch buffer and the read-ahead's page cache, <=
+    + 1 experts' aligned buffers, and the EXPERTS_IN_USE that [RAW] experts hold in place of the ring slots
+    they leave untouched; else one slab's scratch buffer and the read-ahead's page cache, <=
     READ_AHEAD experts' slabs, clean: reclaimable), and the last EXPERTS_IN_USE experts served unkept where
     there is no ring.
     Side effects of a miss: reads (direct: on the reader threads); through the page cache, preads then
@@ -238,7 +259,7 @@ class StreamedExperts:
         self._blank = blank
         self._rings = self._make_rings()                             # slabs' signature -> its ring [RING]
         self._keep = max(self.budget - self.ring_reserve, 0)         # bytes for the experts kept
-        self._unkept: deque[Expert] = deque(maxlen=EXPERTS_IN_USE)   # the last served unkept, held [RING]
+        self._unkept: deque[Expert] = deque()                       # the last EXPERTS_IN_USE served unkept [RING]
         self._build: dict[int, Build] = {}
         layers = {layer for layer, _ in slabs}
         self._layer_experts = {li: sorted(e for lj, e in slabs if lj == li) for li in layers}   # [PREFETCH]
@@ -305,10 +326,11 @@ class StreamedExperts:
                 for slab in self._slabs[key]:
                     os.posix_fadvise(self._fd, slab.offset, slab.length, os.POSIX_FADV_WILLNEED)
 
-    def get(self, layer: int, expert: int, rows: int = 0) -> Expert:
+    def get(self, layer: int, expert: int, rows: int = 0, raw: RawBuild | None = None) -> Expert:
         """The expert's projections, from the cache or read now. Side effects: counters; a miss reads,
         then pins the expert (evicting from the tail, never the one returned), or keeps it in the tail,
-        or keeps nothing [SCAN-RESISTANT]; the read-ahead window moves on [READ-AHEAD].
+        or keeps nothing [SCAN-RESISTANT]; the read-ahead window moves on [READ-AHEAD]. raw: the caller
+        multiplies GGML blocks as read: an expert served unkept that `raw.takes` is not converted [RAW].
         Contract [RING]: a caller uses at most EXPERTS_IN_USE experts from `get` at once; an expert served
         and not kept stays valid until EXPERTS_IN_USE more experts have been served-and-not-kept after it
         (its buffers are then overwritten by a later one's). A kept expert stays valid while held."""
@@ -327,17 +349,29 @@ class StreamedExperts:
         else:
             ring = self._ring(key)
             if ring is not None and self._where(layer, ring.nbytes) is None:
-                e = self._read(key, ring.take())                     # [RING] served, not kept
+                if raw is not None and self._direct is not None and raw.takes(self._slabs[key]):
+                    e = self._read_raw(key, raw, ring.nbytes)        # [RAW] served as read, not kept
+                else:
+                    e = self._read(key, ring.take())                 # [RING] served, not kept
                 self.stats.evictions += 1
-                self._unkept.append(e)
+                self._serve_unkept(e)
             else:
                 e = self._read(key)
                 if not self._place(key, e):
-                    self._unkept.append(e)
+                    self._serve_unkept(e)
             self.stats.misses += 1
         self.stats.bytes_used += e.nbytes
         self.stats.rows += rows
         return e
+
+    def _serve_unkept(self, e: Expert) -> None:
+        """e joins the last EXPERTS_IN_USE served unkept [RING]; the oldest leaves, its direct buffer (a [RAW]
+        expert's) back to the reader's free list."""
+        if len(self._unkept) >= EXPERTS_IN_USE:
+            old = self._unkept.popleft()
+            if old.raw is not None and self._direct is not None:
+                self._direct.release(old.raw)
+        self._unkept.append(e)
 
     def _unadvise(self, n: int) -> None:
         """The first n experts of the window leave it unread: their direct reads are waited for and their
@@ -486,6 +520,24 @@ class StreamedExperts:
         build = self._build[key[0]]
         return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
 
+    def _read_raw(self, key: tuple[int, int], raw: RawBuild, nbytes: int) -> Expert:
+        """[RAW] The expert read by the direct reader and built over its bytes by `raw` (no conversion); the
+        buffer goes with the Expert (`_serve_unkept` gives it back). nbytes: what it counts as (a ring slot's)."""
+        if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
+            raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+        slabs = self._slabs[key]
+        t0 = time.perf_counter()
+        buf, views = self._direct.take(key, slabs)
+        self.stats.read_wait_us += int((time.perf_counter() - t0) * 1e6)
+        try:
+            e = raw.build(slabs, views, nbytes)
+        except BaseException:
+            self._direct.release(buf)
+            raise
+        e.raw = buf
+        self.stats.bytes_read += sum(x.length for x in slabs)
+        return e
+
     def _pread(self, slab: Slab) -> np.ndarray:
         """The slab's bytes, read into the store's one scratch buffer [SCRATCH]: valid until the next
         _pread. (A fresh buffer a slab is a fresh mapping at the 256 KiB mmap threshold that streaming
@@ -516,7 +568,8 @@ class _DirectReader:
     advise or drop (the two posix_fadvise calls a slab cost ~0.6 ms an expert of CPU on the capped benchmark's
     turn 2), no kernel copy out of it (preadv's ~0.9 ms an expert), nothing charged to a cgroup twice, and the
     reads run while the caller converts and multiplies (the threads wait on the disk, GIL released).
-    Buffers in use: the window's READ_AHEAD in flight and the one being converted, so <= READ_AHEAD + 1
+    Buffers in use: the window's READ_AHEAD in flight, the one being converted, and the EXPERTS_IN_USE that
+    [RAW] experts multiply from, so <= READ_AHEAD + 1 + EXPERTS_IN_USE
     (allocated as first needed, then reused). Not thread-safe itself: the store's one caller drives it."""
 
     def __init__(self, fd: int, span: int):
