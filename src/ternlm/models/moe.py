@@ -717,8 +717,10 @@ def _not_viewing(w, raw: torch.Tensor):
     return type(w)(w.fmt, *(own(t) for t in (w.codes, w.scale, w.bias, w.high, w.sup)))
 
 
-READ_AHEAD = 24     # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD]): a
-                    # [PREFETCH] runs under a layer's attention, ~50 ms of reads at 1.5 GB/s (8 was 15 ms)
+READ_AHEAD = 48     # experts whose slabs are being read ahead of their get (StreamedExperts [READ-AHEAD]): a
+                    # [PREFETCH] runs under a layer's attention, ~75 ms of reads at 1.8 GB/s (8 was 15 ms); with [RAW]
+                    # a layer's held experts multiply faster than 24 misses read (~40 ms), and the disk idled: the
+                    # capped 30B turn 2 in process waited 1.0-1.4 s for reads with 24, 0.34 s with 48 (0.13 with 96)
 READERS = 4         # threads reading slabs with O_DIRECT (StreamedExperts [DIRECT]): reads in flight at once
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of file offsets, lengths and buffers (4 KiB: any block size up to it)
 EXPERTS_IN_USE = 8  # experts from `get` a caller uses at once; a not-kept one is valid for this many more
@@ -731,7 +733,7 @@ EXPERTS_IN_USE = 8  # experts from `get` a caller uses at once; a not-kept one i
 # step's work, and the cgroup peaked 230 MB under the cap. others // RESIDENT_SLACK more covers an error in
 # the resident parts' estimate and keeps the process's VmHWM, which counts ~110 MB of shared libraries'
 # pages that the cgroup does not, under the cap too.
-EXPERT_OVERHEAD = (176 + 48) << 20     # + 48 MiB: READ_AHEAD 8 -> 24, 16 more direct buffers of ~2.9 MB
+EXPERT_OVERHEAD = (176 + 48 + 72) << 20     # + 48 MiB: READ_AHEAD 8 -> 24; + 72 MiB: 24 -> 48 (direct buffers of ~2.9 MB)
 RESIDENT_SLACK = 8
 
 
