@@ -112,3 +112,13 @@ def test_a_raw_expert_is_valid_for_experts_in_use_more_unkept_gets(kquant_moe, m
     assert any(got[0].raw is f for f in free) and not any(g.raw is f for g in got[1:] for f in free)
     with pytest.raises(RuntimeError, match="native MoE layer only"):
         got[1].gate_up(torch.zeros(1, 512))
+
+
+def test_miss_groups_cover_every_expert_once_held_first():
+    """[MISS-GROUPS] the product calls' ranges: the held experts EXPERTS_IN_USE at a time, then the misses in
+    groups of their own, every expert in exactly one call, in order."""
+    for n, held, group, miss in ((13, 5, 8, 1), (20, 0, 8, 8), (8, 8, 8, 1), (30, 17, 8, 3), (1, 0, 8, 1)):
+        spans = moe_layer._spans(n, held, group, miss)
+        assert [i for a, b in spans for i in range(a, b)] == list(range(n))
+        assert all(b <= held or a >= held for a, b in spans), "no call mixes held experts and misses"
+        assert all(b - a <= (group if b <= held else miss) for a, b in spans)
