@@ -213,9 +213,6 @@ class StreamedExperts:
     converting (~0.6 of convert's 0.78 ms a slab on the capped benchmark's turn 2, /tmp convbench: 0.17 ms
     into reused memory). The contract is `get`'s. Kept experts (pinned, tail) get their own memory.
 
-    Pinned experts are converted into one arena advised for huge pages [PIN-ARENA] (models/pin_arena.py): not
-    page-faulted in 4 KiB at a time.
-
     Served and not kept, as read [RAW]: a caller that multiplies GGML blocks as they are read (the native MoE
     layer with int8 activations: qint8.c's tq_int8_raw_range converts each block of 16 rows in cache and multiplies
     it there, the int layout's bits) passes `raw` to `get`; an expert served unkept whose types it takes is then not
@@ -268,7 +265,6 @@ class StreamedExperts:
         self._layer_experts = {li: sorted(e for lj, e in slabs if lj == li) for li in layers}   # [PREFETCH]
         self._share = self._keep // max(len(layers), 1)              # each layer's pinned bytes, at most
         self._pinned: dict[tuple[int, int], Expert] = {}
-        self._arena = None                                           # [PIN-ARENA] the pins' memory, made on the first
         self._pinned_layer = dict.fromkeys(layers, 0)                # layer -> its pinned bytes
         self._pinned_bytes = 0
         self._tail: OrderedDict[tuple[int, int], Expert] = OrderedDict()   # least recently used first
@@ -360,7 +356,7 @@ class StreamedExperts:
                 self.stats.evictions += 1
                 self._serve_unkept(e)
             else:
-                e = self._read(key, self._pin_blanks(key))             # [PIN-ARENA] where it is pinned
+                e = self._read(key)
                 if not self._place(key, e):
                     self._serve_unkept(e)
             self.stats.misses += 1
@@ -376,26 +372,6 @@ class StreamedExperts:
             if old.raw is not None and self._direct is not None:
                 self._direct.release(old.raw)
         self._unkept.append(e)
-
-    def _pin_blanks(self, key: tuple[int, int]) -> list | None:
-        """[PIN-ARENA] Buffers in the pins' arena for the expert's slabs when it will be pinned (`_where`), else None
-        (fresh tensors: a tail expert is evicted some day, so it gets memory of its own). Side effect: the arena's
-        space (made on the first pin: virtual until touched)."""
-        if self._blank is None:
-            return None
-        blanks = [self._blank(x) for x in self._slabs[key]]
-        if any(b is None for b in blanks) or self._where(key[0], sum(weight_nbytes(b) for b in blanks)) != "pin":
-            return None
-        if self._arena is None:
-            from .pin_arena import PinArena
-            self._arena = PinArena(min(self._share * len(self._pinned_layer), self._keep) + (1 << 10) * len(self._slabs))
-        out = []
-        for b in blanks:
-            w = self._arena.like(b)
-            if w is None:
-                return None
-            out.append(w)
-        return out
 
     def _unadvise(self, n: int) -> None:
         """The first n experts of the window leave it unread: their direct reads are waited for and their
@@ -515,13 +491,11 @@ class StreamedExperts:
         self._advised.clear()
         self._pinned_layer = dict.fromkeys(self._pinned_layer, 0)
         self._pinned_bytes = self._tail_bytes = 0
-        self._arena = None
         self._closer()
 
     # ---- reading -----------------------------------------------------------------------------------
     def _read(self, key: tuple[int, int], into: list | None = None) -> Expert:
-        """The expert read and converted: into new tensors, or into `into` (a ring slot's buffers, or a pin's in the
-        arena: one a slab)."""
+        """The expert read and converted: into new tensors, or into `into` (a ring slot's buffers, one a slab)."""
         if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
             raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
         slabs = self._slabs[key]
