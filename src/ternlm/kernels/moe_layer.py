@@ -22,6 +22,7 @@ one more call (tq_moe_shared: every row, resident, its sigmoid gate), added last
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,6 @@ class _RawExperts:
 def _raw_build(store, hidden: int, inter: int) -> "_RawExperts | None":
     """[RAW] for a streamed store that converts into int layouts, unless TERNLM_EXPERT_RAW=0 (every expert then
     converted, as before: an A/B switch for benchmarks; the bits are the same either way)."""
-    import os
     if not (store.streamed and getattr(store, "int8", False)) or os.environ.get("TERNLM_EXPERT_RAW", "1") == "0":
         return None
     return _RawExperts(hidden, inter)
@@ -176,8 +176,7 @@ class NativeMoELayer:
         group = len(used) if not store.streamed else _in_use()
         for g0, g1 in _spans(len(used), held, group, group if sweep else MISS_GROUP):
             ids, ns = used[g0:g1], counts[g0:g1]
-            got = [store.get(layer, e, n, self.raw) if self.raw is not None else store.get(layer, e, n)
-                   for e, n in zip(ids, ns)]    # alive until the call returns: a
+            got = [store.get(layer, e, n, self.raw) for e, n in zip(ids, ns)]    # alive until the call returns: a
             # served-not-kept expert (and its _Expert) may have no other owner
             if store.streamed and g1 >= len(used) and sweep:
                 store.prefetch(layer + 1)     # [PREFETCH] the next layer will use ~every expert: no bits change

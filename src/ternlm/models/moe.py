@@ -496,8 +496,7 @@ class StreamedExperts:
     # ---- reading -----------------------------------------------------------------------------------
     def _read(self, key: tuple[int, int], into: list | None = None) -> Expert:
         """The expert read and converted: into new tensors, or into `into` (a ring slot's buffers, one a slab)."""
-        if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
-            raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+        self._check_unchanged()
         slabs = self._slabs[key]
         t0 = time.perf_counter()
         buf, views = self._direct.take(key, slabs) if self._direct is not None else (None, None)
@@ -520,11 +519,15 @@ class StreamedExperts:
         build = self._build[key[0]]
         return Expert(build(parts[:2]), build(parts[2:]), sum(weight_nbytes(p) for p in parts))
 
+    def _check_unchanged(self) -> None:
+        """[FILE-CHANGED] RuntimeError when the file was modified in place since load (before any read)."""
+        if os.fstat(self._fd).st_mtime_ns != self._mtime:
+            raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+
     def _read_raw(self, key: tuple[int, int], raw: RawBuild, nbytes: int) -> Expert:
         """[RAW] The expert read by the direct reader and built over its bytes by `raw` (no conversion); the
         buffer goes with the Expert (`_serve_unkept` gives it back). nbytes: what it counts as (a ring slot's)."""
-        if os.fstat(self._fd).st_mtime_ns != self._mtime:          # [FILE-CHANGED]
-            raise RuntimeError(f"{self.path} changed since it was loaded; restart to serve the new file")
+        self._check_unchanged()
         slabs = self._slabs[key]
         t0 = time.perf_counter()
         buf, views = self._direct.take(key, slabs)
