@@ -44,7 +44,7 @@ from .models.llama import ATTN_BLOCK, Transformer
 from .models.loaded import LoadedModel
 from .models.moe import CHUNK_RESIDENT
 from .runner import Embed, Feed, Runner, digest_tensor
-from .sampling import Sampler, SamplingParams
+from .sampling import Penalties, Sampler, SamplingParams
 from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
 from .step_plan import Want, plan_step
 from .weights import WEIGHTS, WeightsChoice, choose_weights
@@ -321,7 +321,7 @@ class Engine:
              keep_logits: bool = False, logprobs: int | None = None,
              ignore_eos: bool = False, grammar: GrammarSpec | None = None,
              fork_from: Slot | int | None = None, logit_bias: dict[int, float] | None = None,
-             speculative: bool | None = None) -> Sequence:
+             speculative: bool | None = None, penalties: Penalties | None = None) -> Sequence:
         """Validate a request and place it in a slot (the chosen one, or the best by pick_slot).
         Returns its Sequence, ready for `step`. Raises ValueError for a bad request, an invalid
         `grammar` included (nothing changed then). Side effects: may save the slot's blocks to the
@@ -330,6 +330,8 @@ class Engine:
         more of this prompt than placement found (runner.copy_prefix, recorded where copied).
         `grammar`: constrain every sampled token (grammar.py), this request's logits row only.
         `logit_bias`: token id -> added to its logit before every choice (OpenAI's, -100..100).
+        `penalties`: repetition / frequency / presence (sampling.Penalties: OpenAI's, transformers', llama.cpp's
+        scopes), counted over exactly the tokens before each position, verify rows too.
         `speculative`: draft and verify (sequence.py: the same answer, token for token); None: the
         engine's default. A hybrid model's slot speculates too: it rewinds its recurrent state to before
         a verify step that had rejected rows and feeds the rows that stand again ([VERIFY-REWIND])."""
@@ -351,7 +353,8 @@ class Engine:
             raise ValueError(f"logit_bias names a token outside the vocabulary [0, {vocab})")
         if any(not -100.0 <= b <= 100.0 for _, b in bias):
             raise ValueError("logit_bias values must lie in [-100, 100]")
-        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed, bias))
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed, bias, penalties or Penalties()),
+                          prompt)
         constraint = self.grammars.constraint(grammar) if grammar is not None else None
         ns = self.namespace(cache_salt)
         emb = {p: Embed(t, digest_tensor(t) if digest_embeds else None) for p, t in (embeds or {}).items()}

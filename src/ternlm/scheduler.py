@@ -34,6 +34,7 @@ from typing import Callable
 
 from .engine import Completion, Delta, Engine, Sequence
 from .grammar import GrammarSpec
+from .sampling import Penalties
 from .invariants import check
 from .step_plan import plan_step
 
@@ -59,6 +60,7 @@ class GenParams:
     grammar: GrammarSpec | None = None   # structured output: every sampled token must fit it
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit) on every choice
     speculative: bool | None = None  # draft and verify (lossless); None: the engine's default
+    penalties: Penalties = Penalties()   # repetition / frequency / presence and their scope (sampling.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -373,7 +375,8 @@ class Scheduler:
                                        top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                                        stop=list(p.stop) or None, cache_salt=r.salt, slot=run.slot,
                                        logprobs=p.logprobs, grammar=p.grammar, fork_from=fork,
-                                       logit_bias=dict(p.logit_bias), speculative=p.speculative)
+                                       logit_bias=dict(p.logit_bias), speculative=p.speculative,
+                                       penalties=p.penalties)
         except Exception as e:  # one request's error (e.g. context overflow) ends that request only
             log.warning("request %d failed: %s", run.ticket.id, e)
             self._end(run, Failed(e, "error"))

@@ -258,11 +258,11 @@ class Sequence:
         """Sample the next token from one row's logits (vocab,); `unverified`: rows fed after this one in
         the same step (drafts not yet judged), which the record holds but the answer does not."""
         index = len(self.out_ids)                       # the token's draw (sampling.draw_seed)
-        biased = self.sampler.biased(logits)
-        if self.constraint is None:
-            tok = self.sampler.sample(biased, index)
-        else:   # a masked copy: `logits` (kept, logprobs) stays the model's raw distribution
-            tok = self.sampler.sample(self.constraint.mask(biased), index)
+        # bias, penalties (the tokens before this position), grammar mask, then the draw; `logits` (kept,
+        # logprobs) stays the model's raw distribution
+        tok = self.sampler.sample(logits, index, self.constraint.mask if self.constraint is not None else None)
+        self.sampler.push(tok)
+        if self.constraint is not None:
             self.constraint.advance(tok)
         if self.keep_logits:
             self.kept.append(logits)

@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("ternlm")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "qint8.c", "attention.c", "layer.c", "convert.c",
-                                                     "recurrent.c")]
+                                                     "recurrent.c", "sample.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("vec.h",)]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
@@ -131,6 +131,11 @@ class Kernels:
         """convert_lanes into the int layout (convert.c's tq_convert_int: to_int8(to_lanes(...))'s bits)."""
         return self.lib.tq_convert_int(qtype, src, src_rows, order, rows, cols, codes, high, scale, bias, sup,
                                        threads)
+
+    def sample(self, x: int, V: int, temperature: float, top_k: int, top_p: float, min_p: float, u: float,
+               e: int, w: int, cand: int, bsum: int, probs: int = 0) -> int:
+        """Raw pointers: see sample.c (one row -> a token id, -1 when no token has probability). Releases the GIL while it runs."""
+        return self.lib.tq_sample(x, V, temperature, top_k, top_p, min_p, u, e, w, cand, bsum, probs or None)
 
     def convert_finite(self, qtype: int, src: int, nblocks: int) -> int:
         """convert.c's tq_convert_finite: 1 when every fp16 d (and m) of the blocks is finite, 0 if not, -1
@@ -292,6 +297,8 @@ def load() -> Kernels | Unavailable:
     lib.tq_convert_int_block.argtypes = [ctypes.c_int, p, i, p, p, p, p, p, p]
     lib.tq_convert_int_block.restype = ctypes.c_int
     lib.tq_amx_init.restype = ctypes.c_int
+    lib.tq_sample.argtypes = [p, i, ctypes.c_float, i, ctypes.c_float, ctypes.c_float, ctypes.c_double, p, p, p, p, p]
+    lib.tq_sample.restype = i
     # [AMX] TERNLM_AMX=1 on a build with AMX tiles: ask the OS for them once, before any product; granted,
     # every quantized product takes qamx.c (isa "amx", other bits than "avx512": the isa is in the cache
     # namespace). Opt-in: faster prefill, slower decode (qamx.c, benchmarks/RESULTS.md).
