@@ -99,12 +99,14 @@ def kv_bytes_per_token(model, context: int) -> int:
 
 
 def decode_tok_s(engine, context: int, tokens: int, repeats: int) -> list[float]:
-    """Decode tok/s after a `context`-token prompt (reuse off, so every repeat is the same work)."""
+    """Decode tok/s after a `context`-token prompt (reuse off, so every repeat is the same work), one token a
+    step: speculation off, as bench engine measures (a verify step that accepts drafts emits several tokens
+    for one pass over the weights, which no bandwidth bound of one step describes)."""
     engine.prefix_reuse = False
     ids = engine.tokenizer.encode(synthetic_text(random.Random(0), context * 2), add_special_tokens=False)[:context]
     out = []
     for _ in range(repeats):
-        c = engine.generate(ids, max_tokens=tokens + 1, ignore_eos=True)
+        c = engine.generate(ids, max_tokens=tokens + 1, ignore_eos=True, speculative=False)
         out.append(c.timings.decode_tokens / c.timings.decode_s)
     return out
 
