@@ -1,6 +1,7 @@
 """The other client APIs through a real `ternlm serve`, each with its ecosystem's own official client:
 Anthropic Messages (`anthropic`), Ollama (`ollama`). Every answer must be the Chat Completions path's
-answer (the same engine path: template, tools, grammar, reuse), later turns of a conversation must
+answer (the same engine path: template, tools, grammar, reuse; for Ollama, with Ollama's default penalties
+sent as llama.cpp's repeat_penalty / repeat_last_n), later turns of a conversation must
 reuse the KV (cache_read_input_tokens / a prompt_eval_count below the prompt), errors come in each
 API's own shape, and fuzzed bodies to every endpoint never get a 5xx.
 """
@@ -21,6 +22,7 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                             "required": ["city"]}}
 T0 = {"temperature": 0}      # this SDK has no sampling parameters: sent as extra fields, as Anthropic accepts them
+OLLAMA_DEFAULT = {"repeat_penalty": 1.1, "repeat_last_n": 64}   # Ollama's default penalties (llama.cpp's scope)
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river there.", "How long is it?",
              "Thanks. One more fact?"]
 
@@ -45,8 +47,9 @@ def ollama_c(s):
     return ollama.Client(host=s.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
 
 
-def chat_text(s, messages, max_tokens=24) -> str:
-    r = openai_c(s).chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+def chat_text(s, messages, max_tokens=24, **kw) -> str:
+    r = openai_c(s).chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                            **kw)
     return r.choices[0].message.content
 
 
@@ -129,7 +132,7 @@ def test_ollama_chat_streamed_whole_and_options(server):
     opts = {"temperature": 0, "num_predict": 12, "seed": 1, "num_ctx": 4096}
     r = c.chat(model=MODEL, messages=msgs, options=opts, stream=False)
     assert r.done and r.message.role == "assistant" and r.eval_count <= 12
-    assert r.message.content == chat_text(server, msgs, 12)
+    assert r.message.content == chat_text(server, msgs, 12, extra_body=OLLAMA_DEFAULT)
     streamed = list(c.chat(model=f"{MODEL}:latest", messages=msgs, options=opts, stream=True))
     assert "".join(p.message.content for p in streamed) == r.message.content
     assert streamed[-1].done and streamed[-1].eval_count == r.eval_count
@@ -145,7 +148,7 @@ def test_ollama_conversation_reuses_and_tools(server):
     for i, q in enumerate(QUESTIONS):
         msgs.append({"role": "user", "content": q})
         r = c.chat(model=MODEL, messages=msgs, options={"temperature": 0, "num_predict": 16}, stream=False)
-        assert r.message.content == chat_text(server, msgs, 16)
+        assert r.message.content == chat_text(server, msgs, 16, extra_body=OLLAMA_DEFAULT)
         prompt = openai_c(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
         if i:
             assert r.prompt_eval_count < prompt, f"turn {i} re-read its whole prompt"
@@ -169,7 +172,7 @@ def test_ollama_generate_tags_show_version_and_errors(server):
     raw = c.generate(model=MODEL, prompt="The capital of France is", raw=True,
                      options={"temperature": 0, "num_predict": 8}, stream=False)
     ref = openai_c(server).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                              temperature=0)
+                                              temperature=0, extra_body=OLLAMA_DEFAULT)
     assert raw.response == ref.choices[0].text
     assert [m.model for m in c.list().models] == [f"{MODEL}:latest"]
     shown = c.show(MODEL)

@@ -595,7 +595,8 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         bias, spec = checked_bias(engine, req.logit_bias), None if req.speculative else False   # None: --speculative
         choices = [Choice(GenRequest(ids, GenParams(max_new, req.temperature, req.top_k, req.top_p, req.min_p,
                                                     choice_seed(req.seed, j), tuple(req.stop), req.logprobs_k,
-                                                    grammar, bias, spec), salt, None if j else req.affinity),
+                                                    grammar, bias, spec, req.penalties), salt,
+                                         None if j else req.affinity),
                           leader=0 if j else None) for j in range(req.n)]   # the pin follows choice 0
         shape = schemas.ChatShape(st.model_id, st.fingerprint, engine.tokenizer, tools=req.calling,
                                   thinking=thinking_mode(engine, ids, req.reasoning_format or cfg.reasoning_format))
@@ -632,7 +633,8 @@ def _routes(app: FastAPI, st: ServerState) -> None:
         # choice index = prompt * n + j, as OpenAI numbers them; choice j > 0 forks choice 0's prompt KV
         choices = [Choice(GenRequest(ids, GenParams(req.max_tokens, req.temperature, req.top_k, req.top_p,
                                                     req.min_p, choice_seed(req.seed, j), tuple(req.stop),
-                                                    req.logprobs, req.response_format, bias, spec), salt,
+                                                    req.logprobs, req.response_format, bias, spec,
+                                                    req.penalties), salt,
                                          req.affinity if p == j == 0 else None),
                           leader=p * req.n if j else None)
                    for p, ids in enumerate(prompts) for j in range(req.n)]

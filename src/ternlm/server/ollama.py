@@ -1,8 +1,11 @@
 """Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/version`, `/api/ps`) on
 the one chat path (dialect.py), for Open WebUI, Continue and the many apps that speak it by default.
 
-Mapping: `options` temperature/top_p/top_k/min_p/seed/num_predict/stop to the sampling fields (with
-Ollama's own defaults where the client sends none: temperature 0.8, top_k 40, top_p 0.9); `format`
+Mapping: `options` temperature/top_p/top_k/min_p/seed/num_predict/stop to the sampling fields, and
+repeat_penalty/repeat_last_n/frequency_penalty/presence_penalty to the penalties in llama.cpp's scope (all
+three over the last repeat_last_n tokens of prompt + answer; -1 all, 0 off), with Ollama's
+own defaults where the client sends none (api/types.go DefaultOptions: temperature 0.8, top_k 40, top_p 0.9,
+repeat_penalty 1.1, repeat_last_n 64; so an Ollama client's greedy answer is penalized, as Ollama's is); `format`
 "json" or a JSON schema through the same grammar path; `think` to the template's enable_thinking and
 the answer's `message.thinking`; tools and tool calls (arguments as objects, tool results paired with
 the calls in order, since Ollama's tool messages carry no call id); `keep_alive` accepted (the model
@@ -24,9 +27,11 @@ from .dialect import Dialect, call_arguments, first_choice_message
 from .errors import APIError, bad_request
 
 VERSION = "0.6.3"     # the Ollama API version these shapes follow (what /api/version answers)
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-             "num_predict": "max_tokens", "stop": "stop"}
+             "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repeat_penalty",
+             "repeat_last_n": "repeat_last_n", "frequency_penalty": "frequency_penalty",
+             "presence_penalty": "presence_penalty"}
 _RUNTIME = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
             "num_keep", "low_vram", "vocab_only"}
 _CHAT_KEYS = {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think"}

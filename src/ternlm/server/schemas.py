@@ -4,7 +4,7 @@ Why strict and closed: a parameter this server does not honour must be refused, 
 ignored, or a client believes it got what it asked for (a tool call, JSON mode, n answers). So models
 forbid unknown fields, wrong JSON types are errors (no "0.5" -> 0.5 coercion), and the OpenAI fields we
 know but do not implement are named in `_NOT_IMPLEMENTED` with the one value each that is harmless
-(n: 1, penalties: 0, ...). Union-typed fields are normalised by before-validators so an error names
+(best_of: 1, echo: false, ...). Union-typed fields are normalised by before-validators so an error names
 one clean location ("messages[1].role"), which becomes the error's `param`.
 
 Response builders take the engine's Completion/Delta and return the dicts OpenAI clients parse;
@@ -22,6 +22,7 @@ from ..engine import Completion, Delta
 from ..grammar import GrammarSpec, json_schema_source
 from ..reasoning import Splitter, split
 from ..tools import ContentFilter, parse_calls
+from ..sampling import Penalties
 from ..scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
@@ -187,6 +188,14 @@ class _Sampling(_Closed):
     # ternlm: false turns speculative decoding off for this request (it never changes an answer, only time);
     # true leaves it to the server (--speculative)
     speculative: bool = True
+    # penalties (sampling.py), two ecosystems' forms: OpenAI's frequency/presence (over the answer) with vLLM's
+    # repetition_penalty (over prompt + answer), or llama.cpp's repeat_penalty / repeat_last_n (all three over
+    # the last n tokens of prompt + answer); see `penalties`
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=-1, le=(1 << 31) - 1)   # -1: all tokens, 0: penalties off
 
     @field_validator("logit_bias")
     @classmethod
@@ -223,6 +232,24 @@ class _Sampling(_Closed):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    @model_validator(mode="after")
+    def _one_repetition(self):
+        if self.repeat_penalty is not None and self.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty (vLLM's name) and repeat_penalty (llama.cpp's) are one penalty "
+                             "in two scopes; send one")
+        return self
+
+    @property
+    def penalties(self) -> Penalties:
+        """The request's penalties. A body naming repeat_penalty or repeat_last_n gets llama.cpp's scope (all
+        three over the last repeat_last_n tokens, default 64 as llama.cpp's); otherwise OpenAI's / vLLM's."""
+        if self.repeat_penalty is None and self.repeat_last_n is None:
+            return Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty, None)
+        # repetition_penalty with only repeat_last_n: the client's penalty over its window, never dropped
+        rep = self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+        return Penalties(rep, self.frequency_penalty, self.presence_penalty,
+                         64 if self.repeat_last_n is None else self.repeat_last_n)
 
     @property
     def include_usage(self) -> bool:
@@ -374,9 +401,6 @@ def _always(_: Any) -> bool:
 # Known OpenAI fields we do not implement -> the value that is harmless (null always is: parse drops nulls).
 _NOT_IMPLEMENTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1 and v is not True, "best_of > 1 is not supported"),
-    "frequency_penalty": (lambda v: v == 0 and not isinstance(v, bool), "frequency_penalty other than 0 is not supported"),
-    "presence_penalty": (lambda v: v == 0 and not isinstance(v, bool), "presence_penalty other than 0 is not supported"),
-    "repetition_penalty": (lambda v: v == 1 and not isinstance(v, bool), "repetition_penalty other than 1 is not supported"),
     "functions": (lambda v: v == [], "functions (OpenAI's deprecated form) is not supported: send tools"),
     "function_call": (lambda v: v == "none", "function_call (OpenAI's deprecated form) is not supported: send tool_choice"),
     "echo": (lambda v: v is False, "echo is not supported"),
