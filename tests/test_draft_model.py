@@ -16,6 +16,8 @@ import subprocess
 import sys
 
 import pytest
+
+from ternlm.sampling import Penalties
 import torch
 
 from test_batching import alone, together
@@ -66,7 +68,9 @@ def _both(engine: Engine, prompt: list[int], max_tokens: int, **kw):
 
 # ---- lossless, alone and batched -------------------------------------------------------------------
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}, {"temperature": 0.3, "seed": 4},
-                                      {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 3}])
+                                      {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 3},
+                                      {"penalties": Penalties(repetition=1.3, presence=0.5)},
+                                      {"temperature": 0.8, "seed": 2, "penalties": Penalties(1.1, 0.3, last_n=8)}])
 @pytest.mark.parametrize("prompt", [[5, 6, 7], list(range(3, 60)), [9, 8, 7] * 9])
 def test_same_answer_with_a_draft_model_and_without(engine, sampling, prompt):
     on, off = _both(engine, prompt, 50, **sampling)

@@ -19,6 +19,7 @@ from ternlm.drafter import MAX_DRAFT, PromptLookup
 from ternlm.engine import Engine
 from ternlm.grammar import GrammarSpec
 from ternlm.kv.store import CacheConfig
+from ternlm.sampling import Penalties
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +68,28 @@ def _both(engine, prompt, max_tokens, **kw):
     return on, off
 
 
+# every penalty, in both scopes (sampling.Penalties): a verify row counts exactly the tokens before its position
+PENALTIES = {"repetition": Penalties(repetition=1.3), "frequency": Penalties(frequency=0.6),
+             "presence": Penalties(presence=0.8), "llama.cpp": Penalties(1.1, 0.2, 0.3, last_n=16)}
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11},
-                                      {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 3}])
+                                      {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 3},
+                                      *({"penalties": p} for p in PENALTIES.values()),
+                                      *({"penalties": p, "temperature": 0.8, "top_p": 0.95, "seed": 5}
+                                        for p in PENALTIES.values())],
+                         ids=["greedy", "seeded", "filtered", *(f"greedy-{k}" for k in PENALTIES),
+                              *(f"seeded-{k}" for k in PENALTIES)])
 def test_same_answer_on_and_off_and_drafts_are_taken(engine, sampling):
     on, off = _both(engine, _looping(engine), 60, **sampling)
     assert off.timings.drafted == 0
     if not sampling:       # greedy on a repeating answer: most drafts are the model's own tokens
         assert on.timings.accepted >= 20 and on.timings.accepted <= on.timings.drafted
+    if "penalties" in sampling:   # not vacuous: the penalty changed the answer, and drafts were verified
+        plain = {k: v for k, v in sampling.items() if k != "penalties"}
+        assert alone(engine, _looping(engine), 60, speculative=False, **plain)[0].token_ids != on.token_ids
+        if "seed" not in sampling:   # (sampled answers with a penalty rarely repeat: nothing to look up)
+            assert on.timings.drafted > 0
 
 
 segments = st.lists(st.integers(3, 255), min_size=2, max_size=12)
@@ -82,11 +98,27 @@ segments = st.lists(st.integers(3, 255), min_size=2, max_size=12)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(head=segments, seg=segments, reps=st.integers(1, 4), temperature=st.sampled_from([0.0, 0.7, 1.5]),
-       seed=st.integers(0, 2**31), max_tokens=st.integers(1, 40))
-def test_any_prompt_any_temperature_same_answer(engine, head, seg, reps, temperature, seed, max_tokens):
+       seed=st.integers(0, 2**31), max_tokens=st.integers(1, 40),
+       penalty=st.sampled_from([None, *PENALTIES]))
+def test_any_prompt_any_temperature_same_answer(engine, head, seg, reps, temperature, seed, max_tokens, penalty):
     """Prompts with repeated segments (so lookup finds drafts), answers of any length (drafts cut by
-    max_tokens), greedy and seeded sampling."""
-    _both(engine, head + seg * reps + seg[:1], max_tokens, temperature=temperature, seed=seed)
+    max_tokens), greedy and seeded sampling, with and without each penalty."""
+    _both(engine, head + seg * reps + seg[:1], max_tokens, temperature=temperature, seed=seed,
+          penalties=PENALTIES[penalty] if penalty else None)
+
+
+@pytest.mark.parametrize("penalty", list(PENALTIES))
+def test_penalized_streams_batched_and_speculating_answer_as_alone_and_plain(engine, penalty):
+    """Penalties in a batch where lookup drafts (greedy: a sampled answer with a penalty rarely repeats, and the
+    property test above covers seeded ones): each answer equals its plain decode alone."""
+    loop = _looping(engine)
+    reqs = [(loop, 40), (list(range(3, 60)), 12), (loop[:20] + loop, 30)]
+    kw = {"penalties": PENALTIES[penalty]}
+    solo = [alone(engine, p, m, speculative=False, **kw)[0] for p, m in reqs]
+    batched = together(engine, reqs, [0, 1, 3], budget=24, speculative=True, **kw)
+    assert sum(b.timings.drafted for b in batched) > 0
+    for i, (b, a) in enumerate(zip(batched, solo)):
+        assert b.token_ids == a.token_ids and torch.equal(b.logits, a.logits), i
 
 
 def test_batched_with_other_streams_same_answers(engine):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
+from ternlm.sampling import Penalties
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -64,7 +66,10 @@ def _both(engine, prompt, max_tokens, **kw):
     return on, off
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 11},
+                                      {"penalties": Penalties(repetition=1.2, frequency=0.3)},
+                                      {"temperature": 0.9, "seed": 11, "penalties": Penalties(1.1, last_n=8)}],
+                         ids=["greedy", "seeded", "greedy-penalties", "seeded-penalties"])
 def test_a_hybrid_model_speculates_and_answers_as_plain_decoding(engine, sampling):
     """Drafts are taken and some rejected (the rewind runs), the answer and every logit are plain decoding's,
     and the slot's record, KV and state agree."""
