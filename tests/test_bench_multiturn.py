@@ -1,13 +1,16 @@
 """`ternlm bench multiturn`: end to end against real servers, and the identical-output check.
 
-1. The real thing, tiny: smollm2-135m (float32, greedy), 2 synthetic conversations x 2 turns, 8 tokens,
-   2 concurrent clients; the bench starts `ternlm serve` with reuse on and off, plus a fake --url
-   contender that answers differently. It must print the tables, write results.json and a PNG, find
-   reuse on == reuse off (required) and report the fake as different without failing the run.
+1. The real thing, tiny: smollm2-135m (float32, the server's default sampling: temperature 1, seeded per
+   turn), 2 synthetic conversations x 2 turns, 8 tokens, 2 concurrent clients; the bench starts `ternlm
+   serve` with reuse on and off, plus a fake --url contender that answers differently. It must print the
+   tables, write results.json and a PNG, find reuse on == reuse off (required: the seeded draw) and report
+   the fake as different without failing the run.
 2. The check itself, on fake servers only (fast): two contenders required identical that differ ->
    exit 1, MISMATCH printed, the first difference located in results.json; the same two answering
    alike -> exit 0 (so the check can fail both ways).
 3. Conversation files: MT-Bench questions (tests/data, Apache-2.0) and OpenAI chats.
+4. What the requests carry: no temperature unless asked (the server's default, as vLLM's client), the
+   sampling flags when given, and one seed per conversation and turn, the same for every contender.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from fake_openai import FakeOpenAI
-from ternlm.bench.multiturn import load_conversations, synthetic_conversations
+from ternlm.bench.multiturn import load_conversations, synthetic_conversations, turn_seed
 from ternlm.cli import main
 
 from conftest import TEST_DATA
@@ -41,12 +44,14 @@ def test_end_to_end_real_servers(tmp_path):
         assert len(second) == 2 and all(m[2]["content"].startswith("Answer number 1") for m in second)
 
     for text in ("TTFT p50", "time to first token by turn", "ternlm-reuse", "ternlm-no-reuse", "fake",
-                 "identical greedy output ternlm-reuse vs ternlm-no-reuse: 4/4 turns (required identical)",
+                 "identical output ternlm-reuse vs ternlm-no-reuse: 4/4 turns (required identical)",
+                 "the server's default sampling (no temperature sent)",
                  "differs ternlm-reuse vs fake"):
         assert text in p.stdout, p.stdout
 
     res = json.loads((out / "results.json").read_text())
     assert res["all_required_identical"] is True
+    assert res["settings"]["sampling"] == {} and res["settings"]["temperature"] is None
     comps = {(c["a"], c["b"]): c for c in res["comparisons"]}
     assert comps[("ternlm-reuse", "ternlm-no-reuse")]["required"] is True
     assert comps[("ternlm-reuse", "fake")]["identical"] is False
@@ -96,7 +101,7 @@ def test_required_pair_that_agrees_passes(tmp_path, capsys):
     rc, res, stdout = _bench_fakes(tmp_path, capsys, count_answer)
     assert rc == 0 and res["all_required_identical"] is True
     assert res["comparisons"][0]["turns_equal"] == 9
-    assert "identical greedy output A vs B: 9/9 turns (required identical)" in stdout
+    assert "identical output A vs B: 9/9 turns (required identical)" in stdout
 
 
 def test_conversation_sources(tmp_path):
@@ -118,3 +123,30 @@ def test_conversation_sources(tmp_path):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"foo": 1}\n')
         load_conversations(bad, 0, 6)
+
+
+def _bodies(tmp_path, *extra: str) -> tuple[list[dict], list[dict], dict]:
+    """The replayed turns' request bodies each of two fakes saw (the warm-up left out), and results.json."""
+    out = tmp_path / "out"
+    with FakeOpenAI() as a, FakeOpenAI() as b:
+        assert main(["bench", "multiturn", "--url", a.url, b.url, "--label", "A", "B", "--num-conversations", "2",
+                     "--turns", "2", "--max-tokens", "8", "--seed", "3", "--out", str(out), *extra]) == 0
+        return a.requests[1:], b.requests[1:], json.loads((out / "results.json").read_text())
+
+
+def test_requests_send_the_servers_default_sampling_unless_told(tmp_path):
+    a, b, res = _bodies(tmp_path)
+    assert len(a) == len(b) == 4
+    assert not any(k in r for r in a + b for k in ("temperature", "top_p", "presence_penalty"))
+    users = lambda r: sum(m["role"] == "user" for m in r["messages"])          # noqa: E731
+    seeds = {(r["messages"][1]["content"], users(r)): r["seed"] for r in a}     # (first user turn, turn number)
+    assert len(set(seeds.values())) == 4                                         # one seed a conversation and turn
+    assert seeds == {(r["messages"][1]["content"], users(r)): r["seed"] for r in b}   # the same for every contender
+    assert sorted(seeds.values()) == sorted(turn_seed(3, f"synthetic-{c}", t) for c in (0, 1) for t in (1, 2))
+    assert res["settings"]["sampling_text"] == "the server's default sampling (no temperature sent)"
+
+    a, b, res = _bodies(tmp_path, "--temperature", "0.7", "--top-p", "0.95", "--presence-penalty", "0.5")
+    assert all((r["temperature"], r["top_p"], r["presence_penalty"]) == (0.7, 0.95, 0.5) for r in a + b)
+    assert res["settings"]["sampling"] == {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 0.5}
+    a, _, res = _bodies(tmp_path, "--temperature", "0")
+    assert all(r["temperature"] == 0 and "top_p" not in r for r in a) and res["settings"]["sampling_text"] == "greedy"

@@ -1,8 +1,9 @@
 """`ternlm bench report`: the quick mode for real (smollm2-135m, every part, no peers), and its page
 checked against what the benchmarks themselves wrote: summary.json's figures are their JSON's numbers,
-summary.md prints those numbers, names each benchmark's command, links the plots they made; a peer
-that is not installed is a line in the table. Also the plan of the full mode, which runs nothing.
-No timing assertions: the figures are whatever this machine measured."""
+summary.md prints those numbers (ternlm's decode greedy and sampled, with the ratios), names each
+benchmark's command, links the plots they made; a peer that is not installed is a line in the table.
+Also the plan of the full mode, which runs nothing. No timing assertions: the figures are whatever this
+machine measured."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import pytest
 from ternlm.bench.peers import Peer, find_llamacpp
 from ternlm.bench.report import DEFAULT_PARTS, FULL_MODELS, PARTS, Options, _peer_row, plan
 from ternlm.bench.report_tables import markdown
+from ternlm.bench.sampling_settings import STANDARD as SAMPLING
 from ternlm.cpu import CLASSES, probe
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -70,6 +72,14 @@ def test_quick_report_figures_are_the_benchmarks_own(quick):
     t_med = bench["median_tok_s"]["ternlm"]
     assert f"| smollm2-135m | {bench['weights']}, {bench['dtype']} | ternlm | {t_med['prefill']:,.1f} | " \
            f"{t_med['decode']:,.1f} |" in md
+    sampled = bench["sampling"]          # greedy and as clients sample, in the same rounds
+    assert list(sampled["decode_tok_s"]) == list(SAMPLING) and bench["decode_sampling"] == "greedy"
+    assert e["figures"]["sampling"]["decode_tok_s"] == sampled["decode_tok_s"]
+    assert e["figures"]["sampling"]["over_greedy"] == sampled["over_greedy"]
+    t1 = sampled["decode_tok_s"]["t1"]
+    assert "| model | greedy | t1 | t0.7-p0.95-pres0.5 |" in md and \
+        f"| smollm2-135m | {t_med['decode']:,.1f} | {t1:,.1f} (×{t1 / t_med['decode']:.2f} [" in md
+    assert f"--sampling {','.join(SAMPLING)}" in e["command"]
 
     bench = _bench(out, r)
     for k in ("median_ttft_s", "reused_tokens", "prompt_tokens", "reuse_fraction", "speedup_vs_no_reuse"):
@@ -78,6 +88,7 @@ def test_quick_report_figures_are_the_benchmarks_own(quick):
 
     bench = _bench(out, m)
     assert m["figures"]["ttft_by_turn"] == bench["ttft_by_turn"] and bench["all_required_identical"] is True
+    assert bench["settings"]["sampling"] == {} and "max 8 tokens, the server's default sampling" in md
     later = {n: statistics.median(v["ttft_s_median"] for k, v in rows.items() if int(k) > 1)
              for n, rows in bench["ttft_by_turn"].items()}
     speedup = later["ternlm-no-reuse"] / later["ternlm-reuse"]
@@ -123,6 +134,7 @@ def test_full_plan_uses_the_peers_that_are_there(tmp_path):
     eng = steps["engine-qwen2.5-coder-0.5b"].argv
     assert eng[eng.index("--peers") + 1] == "transformers,llamacpp" and "/peers/python" in eng
     assert eng[eng.index("--decode-context") + 1] == "1024"
+    assert eng[eng.index("--sampling") + 1] == "greedy,t1,t0.7-p0.95-pres0.5"
     assert steps["multiturn-smollm2-135m"].server == "llama.cpp" and steps["streams-smollm2-135m"].server is None
     assert all(s.out == tmp_path / "raw" / s.key for s in steps.values())
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from ternlm.bench import peers, spec, spec_edits
-from ternlm.bench.spec_stream import Answer
+from ternlm.bench.sampling_settings import Sampling
+from ternlm.bench.spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, request_body
 from ternlm.bench.spec_summary import TERNLM_DRAFT, TERNLM_OFF, TERNLM_ON, identity, markdown, part, ratios
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +125,30 @@ def test_bench_spec_ternlm_end_to_end(tmp_path):
     assert res["all_required_identical"] and res["ternlm_off_drafted"] == 0
     assert res["llama_server"] is None and "not run (--llama-server none)" in out
     assert len(res["servers"]) == 2
+
+
+def test_request_bodies_greedy_by_default_and_sampled_when_asked():
+    ternlm, llama = Target(TERNLM, "http://x", "m"), Target(LLAMA_SERVER, "http://y")
+    path, body = request_body(ternlm, [1, 2], 8)
+    assert path == "/v1/completions" and body["temperature"] == 0.0 and "seed" not in body
+    assert request_body(llama, [1, 2], 8)[1] == {"prompt": [1, 2], "n_predict": 8, "temperature": 0.0, "top_k": 1,
+                                                "cache_prompt": True, "return_tokens": True, "stream": True}
+    chat = Sampling(temperature=0.7, top_p=0.95, presence=0.5)
+    _, body = request_body(ternlm, [1, 2], 8, chat, seed=9)
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["seed"]) == (0.7, 0.95, 0.5, 9)
+    _, body = request_body(llama, [1, 2], 8, chat, seed=9)
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["seed"]) == (0.7, 0.95, 0.5, 9)
+    assert (body["top_k"], body["min_p"]) == (0, 0.0)              # llama-server's own 40 / 0.05 turned off
+
+
+def test_bench_spec_sampled_keeps_speculation_lossless(tmp_path):
+    """Seeded sampling through both ternlm servers: the draw is keyed by (seed, position), so on == off."""
+    res, out = _bench(tmp_path, "--llama-server", "none", "--parts", "mtbench", "--mt-questions", "1",
+                      "--mt-max-tokens", "8", "--temperature", "0.7", "--top-p", "0.95", "--seed", "4")
+    _check_ternlm(res, "mtbench", 2)
+    assert res["settings"]["sampling"] == "t0.7-p0.95" and res["settings"]["seed"] == 4
+    assert res["settings"]["sampling_fields"] == {"temperature": 0.7, "top_p": 0.95}
+    assert "max 8 tokens, t0.7-p0.95" in out
 
 
 @pytest.mark.skipif(REAL is None, reason="no llama-server built (scripts/build-llamacpp)")

@@ -158,13 +158,17 @@ class OpenAIBackend:
             models = []
         return models[0].id if models else "default"
 
-    def stream(self, messages: list[dict], *, max_tokens: int, temperature: float,
-               seed: int | None = None) -> Iterator[str | TurnStats]:
+    def stream(self, messages: list[dict], *, max_tokens: int, temperature: float | None,
+               seed: int | None = None, sampling: dict | None = None) -> Iterator[str | TurnStats]:
+        """As Backend.stream; `temperature` None: none sent (the server's default, as many clients do);
+        `sampling`: more body fields sent as given (top_p, presence_penalty, ...)."""
         extra = {"seed": seed} if seed is not None else {}
+        if temperature is not None:
+            extra["temperature"] = temperature
         t0 = time.perf_counter()
         resp = self.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=max_tokens, temperature=temperature, stream=True,
-            stream_options={"include_usage": True}, **extra)
+            model=self.model, messages=messages, max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body=dict(sampling or {}), **extra)
         st = TurnStats()
         t_first = None
         pieces = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from .peers import PEERS_PYTHON
+from .sampling_settings import add_request_flags
 
 
 def add_bench_parser(sub, engine_args, load_engine) -> None:
@@ -17,6 +18,19 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--decode-context", type=int, default=32,
                    help="prompt tokens before the timed decode (the issue's targets: 1024 and 4000)")
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list: transformers,llamacpp")
+    p.add_argument("--sampling", default=None, metavar="NAMES",
+                   help="ternlm's decode at each of these settings, interleaved in every round, medians and "
+                        "ratios to greedy (default: greedy). A name is `greedy` or fields joined by -: t temperature, "
+                        "p top_p, k top_k, minp min_p, pres/freq/rep penalties; e.g. "
+                        "greedy,t1,t0.7-p0.95-pres0.5 (OpenAI's default; a chat client's). The first one is the "
+                        "decode beside the peers, which always decode greedy (llama-bench samples nothing either)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="one setting instead of --sampling: this temperature (default with --top-p or "
+                        "--presence-penalty: 1, OpenAI's)")
+    p.add_argument("--top-p", type=float, default=None, help="one setting instead of --sampling: this top_p")
+    p.add_argument("--presence-penalty", type=float, default=None,
+                   help="one setting instead of --sampling: this presence penalty (OpenAI's)")
+    p.add_argument("--seed", type=int, default=0, help="the sampled decodes' seed (each round draws the same tokens)")
     _common(p)
     p.set_defaults(func=lambda a: _run("engine", a, load_engine))
 
@@ -78,10 +92,15 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.set_defaults(func=_tiers)
 
     p = which.add_parser("multiturn", help="replay multi-turn chats over HTTP: ternlm reuse on/off and --url servers",
-                         description="Replay conversations turn by turn (whole transcript each turn, greedy) "
+                         description="Replay conversations turn by turn (whole transcript each turn) "
                                      "against ternlm with and without prefix reuse (-m: two `ternlm serve` "
                                      "processes) and any OpenAI-compatible --url; per-turn TTFT, prefill/decode "
                                      "tok/s, reuse; checks reuse on/off answer identically (exit 1 if not). "
+                                     "Sampling: as vLLM's multi-turn client, no temperature is sent unless "
+                                     "--temperature is given (each server's default: OpenAI's 1 for ternlm; "
+                                     "--temperature 0: greedy); every request carries a seed of its own "
+                                     "(--seed, conversation, turn), the same for every contender, so the identity "
+                                     "check holds sampled too. "
                                      "--no-prefix-kv is ignored: both configurations always run.")
     engine_args(p)
     default_model = p.get_default("model")
@@ -95,7 +114,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--turns", type=int, default=6, help="user turns per conversation (at most)")
     p.add_argument("--system-words", type=int, default=150, help="synthetic system prompt length")
     p.add_argument("--user-words", type=int, default=40, help="synthetic user turn length (0.5x-1.5x)")
-    p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed")
+    p.add_argument("--seed", type=int, default=0, help="synthetic conversation seed; the requests' seeds derive from it")
+    add_request_flags(p, None, "temperature sent in every request (default: none sent, the server's default, "
+                               "as vLLM's multi-turn client; 0: greedy)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", "--clients", dest="clients", type=int, default=1,
                    help="conversations replayed concurrently through the HTTP API (default 1)")
@@ -152,6 +173,9 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--mt-questions", type=int, default=6, help="MT-Bench questions (one per category in turn), 2 turns each")
     p.add_argument("--mt-max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    add_request_flags(p, 0.0, "temperature of every timed request (default 0: greedy); sampled requests are "
+                              "seeded (--seed), so speculation on and off must still answer alike")
+    p.add_argument("--seed", type=int, default=0, help="the sampled requests' seed")
     p.add_argument("--llama-server", default=None, metavar="BIN|none",
                    help="llama.cpp's llama-server (default: the one scripts/build-llamacpp built for this checkout or "
                         "its main worktree, skipped with a line if none; `none`: ternlm only)")
@@ -289,6 +313,11 @@ def _run(which: str, args, load_engine) -> int:
         args.threads = os.cpu_count() or 1
     if which == "engine":
         from .engine import run
+        from .sampling_settings import GREEDY, from_flags, parse_list
+        one = from_flags(args.temperature, args.top_p, args.presence_penalty)
+        if one is not None and args.sampling is not None:
+            raise ValueError("--sampling or --temperature/--top-p/--presence-penalty, not both")
+        args.sampling = [one] if one is not None else parse_list(args.sampling or GREEDY)
         if "llamacpp" in args.peers and not os.path.exists(args.llamacpp_python):
             raise FileNotFoundError(f"{args.llamacpp_python} not found: run `make bench-peers` or pass --peers transformers")
     else:

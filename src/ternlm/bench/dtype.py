@@ -31,7 +31,7 @@ def run(args) -> dict:
     rows: dict[str, list[tuple[float, float]]] = {d: [] for d in engines}
     for r in range(args.repeats + 1):            # round 0 warms up, untimed
         for d, e in engines.items():             # A B A B: drift on a shared machine hits both alike
-            got = _ternlm(e, ids, args.decode_tokens)
+            got = _ternlm(e, ids, args.decode_tokens, ids, [])   # decode after the whole prompt
             if r:
                 rows[d].append(got)
     med = {d: {"prefill_tok_s": median([p for p, _ in v]), "decode_tok_s": median([x for _, x in v])}

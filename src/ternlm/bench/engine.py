@@ -2,6 +2,12 @@
 same GGUF, same dtype class, same threads, interleaved A B C A B C, medians and ratios from one run;
 and what loading cost each: time, peak and steady resident set above the process's baseline.
 
+ternlm's decode is measured at each --sampling setting (sampling_settings.py: greedy, t1 = OpenAI's default
+temperature, t0.7-p0.95-pres0.5 = a chat client's ...), interleaved with the rest (one decode per setting in
+every round), medians and each setting's ratio to greedy. The first setting is the one behind
+median_tok_s.ternlm.decode and the peer ratios. The peers decode greedy (argmax) whatever --sampling says:
+llama-bench's tg and the worker's decode sample nothing either.
+
 -m is a registry name or any local .gguf path (or HF folder: no llama.cpp then); results are named
 after the registry name or the file's stem."""
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from .common import (BenchModel, LoadMemory, bench_model, command_line, kv_budget_bytes, measure_load, median,
                      proc_status, synthetic_text, write_json)
 from .peers import LlamaCppWorker
+from .sampling_settings import GREEDY, Sampling
 
 _MIB = 1 << 20
 
@@ -27,26 +34,59 @@ def _prompt_ids(engine, n: int) -> list[int]:
     return ids[:n]
 
 
-def _ternlm(engine, ids: list[int], decode_n: int, before: list[int], traffic: list[dict]) -> tuple[float, float]:
-    """(prefill tok/s of ids, decode tok/s after the prompt `before`) through the engine API, reuse off.
-    Side effect (a mixture of experts): appends to `traffic` the expert store's counters (moe.ExpertStats)
-    of the prefill of ids and of the decode steps alone (after `before`'s prefill), with decode_tokens and
-    the prefill's seconds (its share spent waiting for expert reads: the read/compute overlap)."""
+def _ternlm(engine, ids: list[int], decode_n: int, before: list[int], traffic: list[dict],
+            sampling: Sampling = Sampling(), seed: int = 0) -> tuple[float, float]:
+    """(prefill tok/s of ids, decode tok/s after the prompt `before` at `sampling`) through the engine API,
+    reuse off. Side effect (a mixture of experts): appends to `traffic` the expert store's counters
+    (moe.ExpertStats) of the prefill of ids and of the decode steps alone (after `before`'s prefill), with
+    decode_tokens and the prefill's seconds (its share spent waiting for expert reads: the read/compute overlap)."""
     engine.prefix_reuse = False
     store = engine.model.experts
     start = store.stats.snapshot() if store is not None else None
     c = engine.generate(ids, max_tokens=1)
     prefill = c.timings.prefill_tokens / c.timings.prefill_s
     used = {"prefill": store.stats.minus(start), "prefill_s": c.timings.prefill_s} if store is not None else None
+    decode, decoded = _decode(engine, before, decode_n, sampling, seed)
+    if used is not None:
+        traffic.append(used | decoded)
+    return prefill, decode
+
+
+def _decode(engine, before: list[int], decode_n: int, sampling: Sampling, seed: int) -> tuple[float, dict | None]:
+    """Decode tok/s of `decode_n` tokens after the prompt `before` at `sampling` (seeded: every round draws
+    the same tokens), reuse off; and a mixture of experts' store counters of the decode steps alone."""
+    engine.prefix_reuse = False
+    store = engine.model.experts
     mark = None
     # one token a step, speculation off: the figure beside llama-bench's tg (which drafts nothing) is the step's
-    for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True, speculative=False):
+    for ev in engine.stream(before, max_tokens=decode_n + 1, ignore_eos=True, speculative=False,
+                            **sampling.engine_kwargs(seed)):
         if mark is None and store is not None:    # the first token is out: `before`'s prefill is done
             mark = store.stats.snapshot()
         c = ev
-    if used is not None:
-        traffic.append(used | {"decode": store.stats.minus(mark), "decode_tokens": c.timings.decode_tokens})
-    return prefill, c.timings.decode_tokens / c.timings.decode_s
+    used = {"decode": store.stats.minus(mark), "decode_tokens": c.timings.decode_tokens} if store is not None else None
+    return c.timings.decode_tokens / c.timings.decode_s, used
+
+
+def _by_sampling(settings: list[Sampling], decode: dict[str, list[float]]) -> dict:
+    """ternlm's decode per setting: medians, and each one over greedy's (when greedy ran) as a ratio of the
+    medians and as the median of the rounds' own ratios (paired: a round's drift hits both)."""
+    med = {s.name: median(decode[s.name]) for s in settings}
+    base = decode.get(GREEDY)
+    return {"settings": {s.name: s.openai_fields() for s in settings}, "decode_tok_s": med, "samples": decode,
+            "over_greedy": {n: m / med[GREEDY] for n, m in med.items()} if base else None,
+            "over_greedy_paired": {n: median([a / b for a, b in zip(xs, base)]) for n, xs in decode.items()}
+            if base else None}
+
+
+def _print_sampling(s: dict, decode_n: int, ctx: int) -> None:
+    print(f"\nternlm decode by sampling ({decode_n} tokens after {ctx}, one token a step, seeded; the peers above "
+          f"decode greedy: llama-bench and transformers' argmax loop sample nothing)")
+    print(f"{'setting':24s} {'decode tok/s':>13s} {'/ greedy':>9s} {'paired':>8s}   request fields")
+    for n, m in s["decode_tok_s"].items():
+        r, rp = (s["over_greedy"] or {}).get(n), (s["over_greedy_paired"] or {}).get(n)
+        print(f"{n:24s} {m:13.1f} {'-' if r is None else f'x{r:.3f}':>9s} {'-' if rp is None else f'x{rp:.3f}':>8s}"
+              f"   {' '.join(f'{k}={v:g}' for k, v in s['settings'][n].items())}")
 
 
 def _expert_traffic(traffic: list[dict], prompt_tokens: int) -> dict | None:
@@ -149,7 +189,10 @@ def run(args, load_engine) -> dict:
     full = _prompt_ids(engine, max(args.prompt_tokens, ctx))
     ids, before = full[:args.prompt_tokens], full[:ctx]   # the prefill prompt; the decode's context
     traffic: list[dict] = []     # a mixture of experts' store counters per ternlm call (_ternlm)
-    contenders = {"ternlm": lambda: _ternlm(engine, ids, args.decode_tokens, before, traffic)}
+    settings, seed = args.sampling, args.seed
+    contenders = {"ternlm": lambda: _ternlm(engine, ids, args.decode_tokens, before, traffic, settings[0], seed)}
+    # the other settings' decodes, right after ternlm's in every round: A A' A'' B C, A A' A'' B C
+    sampled = {s.name: (lambda s=s: _decode(engine, before, args.decode_tokens, s, seed)[0]) for s in settings[1:]}
     if "transformers" in args.peers:
         hf, hf_mem = measure_load(lambda: _load_transformers(model, engine.dtype))
         load["transformers"] = _load_row(hf_mem, model.file_bytes)   # its KV grows per request: no budget
@@ -167,16 +210,25 @@ def run(args, load_engine) -> dict:
             d = worker.call({"op": "decode", "ids": before, "n": args.decode_tokens})["s"]
             return len(ids) / p, args.decode_tokens / d
         contenders["llama.cpp"] = llamacpp
-    for f in contenders.values():   # warm-up, not counted
+    for f in [*contenders.values(), *sampled.values()]:   # warm-up, not counted
         f()
     traffic.clear()
     samples = {name: {"prefill": [], "decode": []} for name in contenders}
+    by_setting: dict[str, list[float]] = {s.name: [] for s in settings}
     for r in range(args.repeats):
         for name, f in contenders.items():   # A B C A B C: drift on a shared machine hits all alike
             p, d = f()
             samples[name]["prefill"].append(p)
             samples[name]["decode"].append(d)
-            print(f"  repeat {r + 1}: {name:13s} prefill {p:8.1f} tok/s  decode {d:6.1f} tok/s", flush=True)
+            print(f"  repeat {r + 1}: {name:13s} prefill {p:8.1f} tok/s  decode {d:6.1f} tok/s"
+                  + (f" ({settings[0].name})" if name == "ternlm" and len(settings) > 1 else ""), flush=True)
+            if name != "ternlm":
+                continue
+            by_setting[settings[0].name].append(d)
+            for n, g in sampled.items():
+                d = g()
+                by_setting[n].append(d)
+                print(f"  repeat {r + 1}: {'ternlm':13s} {'':23s} decode {d:6.1f} tok/s ({n})", flush=True)
     if worker:
         worker.close()
     med = {n: {k: median(v) for k, v in s.items()} for n, s in samples.items()}
@@ -189,17 +241,23 @@ def run(args, load_engine) -> dict:
               "decode_context": ctx, "repeats": args.repeats, "rss_mib": _rss_mib(),
               "ctx": engine.ctx, "kv_budget_bytes": kv_bytes, "load": load,
               "median_tok_s": med, "ratios": ratios, "samples": samples,
+              # median_tok_s.ternlm.decode is at sampling's first setting; the peers decode greedy
+              "decode_sampling": settings[0].name, "seed": seed, "peers_sampling": GREEDY,
+              "sampling": _by_sampling(settings, by_setting),
               "experts": _expert_traffic(traffic, len(ids))}
     print(f"\n{'':13s} {'prefill tok/s':>14s} {'decode tok/s':>13s}   (median of {args.repeats}, "
           f"{len(ids)}-token prompt, {args.decode_tokens} decoded after {ctx}, {args.threads} threads, "
-          f"weights {weights})")
+          f"weights {weights}; decode: ternlm {settings[0].name}, peers greedy)")
     for n, m in med.items():
         print(f"{n:13s} {m['prefill']:14.1f} {m['decode']:13.1f}")
     for n, r in ratios.items():
         print(f"{n:24s} prefill x{r['prefill']:.2f}  decode x{r['decode']:.2f}")
+    if len(settings) > 1 or not settings[0].greedy:
+        _print_sampling(result["sampling"], args.decode_tokens, ctx)
     if result["experts"] is not None:
         _print_experts(result["experts"], engine)
     _print_load(load, model, kv_bytes, engine.ctx)
-    path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}.json", result)
+    named = "" if [s.name for s in settings] == [GREEDY] else "-" + "+".join(s.name for s in settings)
+    path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}{named}.json", result)
     print(f"wrote {path}")
     return result

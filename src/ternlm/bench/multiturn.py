@@ -8,8 +8,13 @@ like any `--url` contender (llama.cpp's server, vLLM, ...): one measuring path f
 Fairness on a shared machine: contenders take turns batch by batch (A B, then B A, ...), so drift hits
 all alike; each server is warmed up with one short request before anything is timed.
 
-Correctness: at temperature 0, ternlm with reuse must answer exactly as ternlm without it (the project's
-first rule). That pair, plus any `--require-identical A,B`, is required to match turn by turn; a
+Sampling: as vLLM's multi-turn client, no temperature is sent unless --temperature is given (the server's
+default: OpenAI's temperature 1 for ternlm); --top-p and --presence-penalty are sent when given. Every
+request carries a seed of its own (from --seed, the conversation and the turn), the same for every
+contender: a sampled draw is keyed by (seed, position), so the identity check below holds sampled too.
+
+Correctness: ternlm with reuse must answer exactly as ternlm without it (the project's first rule), greedy
+or seeded. That pair, plus any `--require-identical A,B`, is required to match turn by turn; a
 mismatch is printed, flagged in results.json and makes the exit status 1. Other contenders are compared
 with the first one for information only (another engine may round differently).
 
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +52,7 @@ from ..chat_backends import OpenAIBackend, TurnStats
 from ..procs import die_with_parent
 from .common import command_line, synthetic_text, write_json
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
+from .sampling_settings import describe, request_fields
 
 REUSE, NO_REUSE = "ternlm-reuse", "ternlm-no-reuse"
 
@@ -199,16 +206,25 @@ class TurnResult:
     token_times: list[float] = field(default_factory=list)   # perf_counter() at each content chunk's arrival
 
 
+def turn_seed(seed: int, conversation: str, turn: int) -> int:
+    """The seed of one turn's request: the same for every contender, different per conversation and turn. Pure."""
+    return zlib.crc32(f"{seed}/{conversation}/{turn}".encode())
+
+
 def replay(backend: OpenAIBackend, label: str, conv: Conversation, max_tokens: int,
-           on_turn=lambda: None) -> list[TurnResult]:
-    """Send the conversation turn by turn, the whole transcript each time, greedy. Side effect: the
-    contender's KV now holds this conversation."""
+           on_turn=lambda: None, sampling: dict | None = None, seed: int = 0) -> list[TurnResult]:
+    """Send the conversation turn by turn, the whole transcript each time, with `sampling`'s fields (an
+    OpenAI body's: temperature, top_p, ...; none: the server's defaults) and turn_seed's seed. Side effect:
+    the contender's KV now holds this conversation."""
+    sampling = dict(sampling or {})
+    temperature = sampling.pop("temperature", None)
     history = [{"role": "system", "content": conv.system}] if conv.system else []
     out = []
     for t, user in enumerate(conv.user_turns, 1):
         history.append({"role": "user", "content": user})
         pieces, stats, times = [], None, []
-        for ev in backend.stream(list(history), max_tokens=max_tokens, temperature=0.0):
+        for ev in backend.stream(list(history), max_tokens=max_tokens, temperature=temperature,
+                                 seed=turn_seed(seed, conv.id, t), sampling=sampling):
             if isinstance(ev, TurnStats):
                 stats = ev
             else:
@@ -336,6 +352,7 @@ class Plan:
     cold_tokens: int = 0             # > 0: one unrelated prompt this long per contender batch
     cold_delay_s: float = 3.0
     seed: int = 0
+    sampling: dict = field(default_factory=dict)   # the requests' sampling fields (none: the servers' defaults)
 
 
 @dataclass
@@ -376,7 +393,7 @@ def run_plan(plan: Plan, progress) -> tuple[list[TurnResult], dict[str, float], 
                 progress.update(task, description=f"{c.label}: conversations {start + 1}-{start + len(batch)}")
                 t0 = time.perf_counter()
                 futs = [pool.submit(replay, c.backend, c.label, cv, plan.max_tokens,
-                                    lambda: progress.advance(task)) for cv in batch]
+                                    lambda: progress.advance(task), plan.sampling, plan.seed) for cv in batch]
                 cold = (pool.submit(cold_prompt, c.backend, c.label, plan.cold_tokens, plan.cold_delay_s,
                                     plan.seed * 1000 + b) if plan.cold_tokens > 0 else None)
                 got = [f.result() for f in futs]
@@ -427,8 +444,10 @@ def run(args) -> int:
     for p in required:
         if len(p) != 2 or not set(p) <= set(names):
             raise ValueError(f"--require-identical {','.join(p)}: name two of {', '.join(names)}")
+    sampling = request_fields(getattr(args, "temperature", None), getattr(args, "top_p", None),
+                              getattr(args, "presence_penalty", None))
     plan = Plan(contenders, conversations, args.clients, args.max_tokens, required,
-                getattr(args, "cold_prompt_tokens", 0), getattr(args, "cold_prompt_delay", 3.0), args.seed)
+                getattr(args, "cold_prompt_tokens", 0), getattr(args, "cold_prompt_delay", 3.0), args.seed, sampling)
 
     try:
         for c in contenders:
@@ -455,7 +474,10 @@ def run(args) -> int:
         "settings": {"conversations": len(conversations), "source": args.conversations or "synthetic",
                      "turns": args.turns, "max_tokens": args.max_tokens, "clients": plan.clients,
                      "cold_prompt_tokens": plan.cold_tokens,
-                     "temperature": 0.0, "seed": args.seed, "system_words": args.system_words,
+                     # the requests' sampling fields as sent ({}: none, the servers' defaults), seeded per turn
+                     "sampling": sampling, "sampling_text": describe(sampling),
+                     "temperature": sampling.get("temperature"),
+                     "seed": args.seed, "system_words": args.system_words,
                      "user_words": args.user_words},
         "contenders": {c.label: {"url": c.url, "model": c.backend.model if c.backend else None,
                                  "started": c.started is not None} for c in contenders},
@@ -510,7 +532,8 @@ def report(result: dict, console, paths: list[Path]) -> None:
     from rich.table import Table
     summ = result["summary"]
     t = Table(title=f"multi-turn replay · {result['settings']['conversations']} conversations · "
-                    f"{result['settings']['clients']} client(s) · greedy, max {result['settings']['max_tokens']} tokens")
+                    f"{result['settings']['clients']} client(s) · {result['settings']['sampling_text']}, "
+                    f"max {result['settings']['max_tokens']} tokens")
     for col in ("contender", "turns", "reused", "TTFT p50", "TTFT p90", "TTFT p99", "prefill tok/s", "decode tok/s",
                 "e2e p50", "e2e p90", "tok/s (all clients)"):
         t.add_column(col, justify="left" if col == "contender" else "right")
@@ -562,7 +585,7 @@ def report(result: dict, console, paths: list[Path]) -> None:
     for c in result["comparisons"]:
         what = "required identical" if c["required"] else "reported only"
         if c["identical"]:
-            console.print(f"[green]identical greedy output[/] {c['a']} vs {c['b']}: "
+            console.print(f"[green]identical output[/] {c['a']} vs {c['b']}: "
                           f"{c['turns_equal']}/{c['turns_compared']} turns ({what})")
         else:
             m = c["first_mismatch"] or {}

@@ -37,6 +37,7 @@ from .common import command_line, write_json
 from .peers import LLAMACPP, TRANSFORMERS, LlamaCppServer, Peer, find_llamacpp, find_transformers, free_port, \
     llama_server_argv, llamacpp_server_argv
 from .report_tables import FIGURES, LLAMA_SERVER, markdown
+from .sampling_settings import STANDARD as SAMPLING
 
 PARTS = ("engine", "reuse", "multiturn", "tiers", "streams", "grammar", "spec")
 DEFAULT_PARTS = PARTS[:-1]    # spec is opt-in (--only ...,spec): whole-file answers would double the report's 30 min
@@ -92,8 +93,10 @@ def _engine(o: Options, m: str, out: Path) -> Step:
     size = (["--prompt-tokens", "64", "--decode-tokens", "8", "--decode-context", "64", "--repeats", "1",
              "--ctx", "1024"] if o.quick else ["--repeats", "3", "--decode-context", "1024"])
     py = ["--llamacpp-python", o.llamacpp.python] if o.use_llamacpp else []
+    # ternlm's decode greedy and as clients sample, in the same rounds: the table's sampled / greedy ratios
     return Step("engine", m, ("engine", "-m", m, "--threads", str(o.threads), *size,
-                              "--peers", ",".join(peers) or "none", *py, "--out", str(out)), out)
+                              "--peers", ",".join(peers) or "none", *py, "--sampling", ",".join(SAMPLING),
+                              "--out", str(out)), out)
 
 
 def _reuse(o: Options, m: str, out: Path) -> Step:

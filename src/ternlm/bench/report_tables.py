@@ -17,7 +17,11 @@ LLAMA_SERVER = "llama-server"
 def engine_figures(res: dict, where: Path, root: Path) -> dict:
     keep = ("model", "weights", "dtype", "threads", "prompt_tokens", "decode_tokens", "decode_context", "repeats",
             "median_tok_s", "ratios")
-    return {k: res[k] for k in keep}
+    out = {k: res[k] for k in keep}
+    s = res.get("sampling")          # ternlm's decode per sampling setting (bench engine --sampling)
+    out["decode_sampling"] = res.get("decode_sampling", "greedy")
+    out["sampling"] = {k: s[k] for k in ("settings", "decode_tok_s", "over_greedy", "over_greedy_paired")} if s else None
+    return out
 
 
 def reuse_figures(res: dict, where: Path, root: Path) -> dict:
@@ -141,7 +145,30 @@ def _engine(rows: list[dict], peers: dict) -> list[str]:
         for p in (TRANSFORMERS, LLAMACPP):
             if p not in med:
                 out.append(f"| {f['model']} | | {peers[p]['text']} | – | – | – | – |")
-    return out + [""] + _failed(rows) + _commands(rows)
+    return out + [""] + _sampled(ok) + _failed(rows) + _commands(rows)
+
+
+def _sampled(ok: list[dict]) -> list[str]:
+    """ternlm's decode at each sampling setting, in the same rounds as the table above, and over greedy's."""
+    with_s = [f for f in ok if f.get("sampling") and len(f["sampling"]["decode_tok_s"]) > 1]
+    if not with_s:
+        return []
+    names = list(with_s[0]["sampling"]["decode_tok_s"])
+    fields = with_s[0]["sampling"]["settings"]
+    out = ["ternlm's decode as clients sample, in the same rounds (one decode per setting each round, seeded; "
+           "tok/s, and ÷ greedy as the ratio of medians and, in brackets, the median of each round's ratio). "
+           "The peers above decode greedy (llama-bench samples nothing either). Settings: "
+           + "; ".join(f"`{n}`: " + ", ".join(f"{k} {v:g}" for k, v in fields[n].items()) for n in names) + ".", "",
+           "| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for f in with_s:
+        s = f["sampling"]
+        cells = []
+        for n in names:
+            m, r, rp = (s["decode_tok_s"].get(n), (s["over_greedy"] or {}).get(n),
+                        (s["over_greedy_paired"] or {}).get(n))
+            cells.append(_n(m) + ("" if r is None or n == "greedy" else f" ({_x(r)} [{_x(rp)}])"))
+        out.append(f"| {f['model']} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def _reuse(rows: list[dict], peers: dict) -> list[str]:
@@ -176,9 +203,11 @@ def _reuse(rows: list[dict], peers: dict) -> list[str]:
 
 def _multiturn(rows: list[dict], peers: dict) -> list[str]:
     out = ["## Multi-turn replay through the HTTP API", "",
-           "Synthetic conversations replayed turn by turn (the whole transcript each turn, greedy) against "
-           "`ternlm serve` with prefix reuse on and off and, when installed, llama.cpp's server on the same GGUF. "
-           "Median time to first token per turn (reused fraction of the prompt over the run in the header).", ""]
+           "Synthetic conversations replayed turn by turn (the whole transcript each turn) against "
+           "`ternlm serve` with prefix reuse on and off and, when installed, llama.cpp's server on the same GGUF; "
+           "sampled as each table says, every request seeded per conversation and turn (the same seed for every "
+           "contender). Median time to first token per turn (reused fraction of the prompt over the run in the "
+           "header).", ""]
     if not peers[LLAMACPP]["used"]:
         out += [f"{peers[LLAMACPP]['text']}", ""]
     for r in rows:
@@ -187,8 +216,9 @@ def _multiturn(rows: list[dict], peers: dict) -> list[str]:
             continue
         s = f["settings"]
         names = list(f["ttft_by_turn"])
+        sampled = s.get("sampling_text", "greedy")      # older results: greedy
         out += [f"**{f['model']}** ({f['dtype']}; {s['conversations']} conversation(s) × {s['turns']} turns, "
-                f"max {s['max_tokens']} tokens):", "",
+                f"max {s['max_tokens']} tokens, {sampled}):", "",
                 "| turn | " + " | ".join(f"{n} ({_pct(f['reuse_fraction'].get(n))} reused)" for n in names) + " |",
                 "|---:|" + "---:|" * len(names)]
         turns = sorted({int(t) for rows_ in f["ttft_by_turn"].values() for t in rows_})
@@ -204,7 +234,7 @@ def _multiturn(rows: list[dict], peers: dict) -> list[str]:
         out += ["", f"Turns 2+: reuse {_x(f['speedup_turns2plus_vs_no_reuse'])} faster to first token than no reuse"
                 + (f", ternlm reuse ÷ llama.cpp = {_x(f['reuse_over_llamacpp_turns2plus'])}"
                    if f["reuse_over_llamacpp_turns2plus"] else "")
-                + f". Greedy output {'identical' if f['required_identical'] else '**DIFFERS**'} ({verdict}).", ""]
+                + f". Output {'identical' if f['required_identical'] else '**DIFFERS**'} ({verdict}).", ""]
         if f["plot"]:
             out += [f"![TTFT by turn, {f['model']}]({f['plot']})", ""]
     return out + _failed(rows) + _commands(rows)

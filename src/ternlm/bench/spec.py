@@ -9,6 +9,10 @@ third ternlm drafting with that small model (`ternlm serve --draft-model`: batch
 own `llama-server` without speculation and with each n-gram --spec-type its --help lists (read, not assumed:
 builds differ), its draft/accept counts from its answers' timings. llama-server runs the edit part only.
 
+Greedy by default; --temperature / --top-p / --presence-penalty sample every timed request instead (seeded
+with --seed: ternlm's draw is keyed by (seed, position), so speculation on and off must still answer alike;
+llama-server gets the same fields, its own top_k / min_p turned off).
+
 Through HTTP, not in-process: what users see, and the same path (streamed, token ids in) as llama-server's.
 Each contender gets a fresh server per repeat (a cold first turn, then its own prefix cache across turns, as
 in real use); the order rotates each repeat so drift on a shared host hits all alike. Exit 1 if ternlm's
@@ -26,6 +30,7 @@ from pathlib import Path
 from .common import bench_model, command_line, write_json
 from .multiturn import ServeProcess, load_conversations, ternlm_serve_args
 from .peers import LlamaCppServer, find_llama_server, free_port, llama_server_argv
+from .sampling_settings import Sampling
 from .spec_edits import SOURCE, conversation, expected
 from .spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, served_model, stream_ids
 from .spec_summary import LLAMA_NONE, TARGET_CHAT, TARGET_EDIT, TERNLM_DRAFT, TERNLM_OFF, TERNLM_ON, \
@@ -97,14 +102,15 @@ def _say(c: Contender, r: int, what: str, a: Answer) -> None:
           f"{a.wall_s:.1f} s{drafts}", flush=True)
 
 
-def _chats(c: Contender, r: int, target: Target, tok, template: str, questions, max_tokens: int) -> list[Answer]:
+def _chats(c: Contender, r: int, target: Target, tok, template: str, questions, max_tokens: int,
+           sampling: Sampling, seed: int) -> list[Answer]:
     """Each question's two turns; the second turn's history holds this contender's own first answer."""
     out = []
     for q in questions:
         msgs = []
         for t, user in enumerate(q.user_turns[:2], 1):
             msgs.append({"role": "user", "content": user})
-            a = stream_ids(target, _ids(tok, template, msgs), max_tokens)
+            a = stream_ids(target, _ids(tok, template, msgs), max_tokens, sampling=sampling, seed=seed)
             msgs.append({"role": "assistant", "content": a.text})
             _say(c, r, f"mt-bench {q.id} turn {t}", a)
             out.append(a)
@@ -149,6 +155,7 @@ def run(args) -> int:
     n_ctx = -(-(max(map(len, edit_ids), default=2048) + max(args.max_tokens, args.mt_max_tokens) + 64) // 256) * 256
     args.ctx = args.ctx or n_ctx
     field = contenders(binary, spec_types, getattr(args, "draft_model", None))
+    sampling = sampling_of(args)
     print(f"{m.label}: {len(field)} contenders ({', '.join(c.label for c in field)}); parts {', '.join(parts)}; "
           f"edit prompts {[len(x) for x in edit_ids]} tokens; {args.repeats} repeat(s)"
           + (f"\n{note}" if note else ""), flush=True)
@@ -163,11 +170,12 @@ def run(args) -> int:
                 stream_ids(target, _ids(tok, template, [{"role": "user", "content": "Hello."}]), 4)  # warm-up
                 got = []
                 for t, ids in enumerate(edit_ids, 1):
-                    got.append(stream_ids(target, ids, args.max_tokens))
+                    got.append(stream_ids(target, ids, args.max_tokens, sampling=sampling, seed=args.seed))
                     _say(c, r, f"edit turn {t}", got[-1])
                 edit_runs[c.label].append(got)
                 if questions and c.kind == TERNLM:
-                    chat_runs[c.label].append(_chats(c, r, target, tok, template, questions, args.mt_max_tokens))
+                    chat_runs[c.label].append(_chats(c, r, target, tok, template, questions, args.mt_max_tokens,
+                                                     sampling, args.seed))
     result = _result(args, m, parts, edit_runs, chat_runs, source, binary, spec_types, note, questions)
     result["all_required_identical"] = all_required_identical(result)
     result["servers"] = servers
@@ -183,6 +191,13 @@ def run(args) -> int:
         print(f"ERROR: {TERNLM_OFF} drafted {result['ternlm_off_drafted']} tokens: `ternlm serve --speculative off` "
               f"was not honoured")
     return 0 if result["all_required_identical"] and not result["ternlm_off_drafted"] else 1
+
+
+def sampling_of(args) -> Sampling:
+    """--temperature (default 0: greedy) / --top-p / --presence-penalty as one setting."""
+    return Sampling(temperature=getattr(args, "temperature", 0.0) or 0.0,
+                    top_p=1.0 if getattr(args, "top_p", None) is None else args.top_p,
+                    presence=getattr(args, "presence_penalty", None) or 0.0)
 
 
 def _llama_server(arg: str | None, m) -> tuple[str | None, str | None]:
@@ -224,6 +239,8 @@ def _result(args, m, parts, edit_runs, chat_runs, source, binary, spec_types, no
     return {"command": command_line(), "model": m.label, "model_path": str(m.path), "dtype": args.dtype,
             "settings": {"threads": args.threads, "draft_model": getattr(args, "draft_model", None), "repeats": args.repeats, "turns": args.turns,
                          "max_tokens": args.max_tokens, "mt_questions": len(questions),
+                         "sampling": sampling_of(args).name, "sampling_fields": sampling_of(args).openai_fields(),
+                         "seed": getattr(args, "seed", 0),
                          "mt_max_tokens": args.mt_max_tokens, "ctx": args.ctx, "prefix_reuse": not args.no_prefix_kv,
                          "edit_source": str(SOURCE.relative_to(SOURCE.parents[2])),
                          "edit_source_lines": len(source.splitlines()), "questions": [q.id for q in questions]},

@@ -1,8 +1,9 @@
-"""One streamed, greedy answer to a prompt of token ids, from `ternlm serve` (/v1/completions) or llama.cpp's
-`llama-server` (its native /completion), timed on both sides: the server's own decode time (`timings`:
-predicted_n / predicted_ms, and speculation's draft_n / draft_n_accepted, llama.cpp's names, which ternlm
-uses too) and the client's clock (first streamed piece -> last). Ids, not text: both servers evaluate
-exactly the ids the benchmark rendered (no second tokenizer or chat template, no BOS added)."""
+"""One streamed answer (greedy unless a sampling setting says otherwise) to a prompt of token ids, from
+`ternlm serve` (/v1/completions) or llama.cpp's `llama-server` (its native /completion), timed on both
+sides: the server's own decode time (`timings`: predicted_n / predicted_ms, and speculation's draft_n /
+draft_n_accepted, llama.cpp's names, which ternlm uses too) and the client's clock (first streamed piece
+-> last). Ids, not text: both servers evaluate exactly the ids the benchmark rendered (no second tokenizer
+or chat template, no BOS added)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from .sampling_settings import Sampling
 
 TERNLM, LLAMA_SERVER = "ternlm", "llama-server"
 
@@ -56,12 +59,15 @@ class Answer:
         return (self.decode_tokens - 1) / self.stream_s if self.stream_s > 0 and self.decode_tokens > 1 else None
 
 
-def request_body(t: Target, ids: list[int], max_tokens: int) -> tuple[str, dict]:
-    """(path, JSON body) of a streamed greedy request for `t`'s kind of server. Pure."""
+def request_body(t: Target, ids: list[int], max_tokens: int, sampling: Sampling = Sampling(),
+                 seed: int = 0) -> tuple[str, dict]:
+    """(path, JSON body) of a streamed request for `t`'s kind of server at `sampling` (default greedy),
+    seeded when sampled. Pure."""
+    seeded = {} if sampling.greedy else {"seed": seed}
     if t.kind == TERNLM:
-        return "/v1/completions", {"model": t.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                                   "return_tokens": True}
-    return "/completion", {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+        return "/v1/completions", {"model": t.model, "prompt": ids, "max_tokens": max_tokens, **sampling.openai_fields(),
+                                   **seeded, "stream": True, "return_tokens": True}
+    return "/completion", {"prompt": ids, "n_predict": max_tokens, **sampling.llama_fields(), **seeded,
                            "cache_prompt": True, "return_tokens": True, "stream": True}
 
 
@@ -74,12 +80,13 @@ def _events(resp):
                 yield json.loads(data)
 
 
-def stream_ids(t: Target, ids: list[int], max_tokens: int, timeout_s: float = 3600.0) -> Answer:
+def stream_ids(t: Target, ids: list[int], max_tokens: int, timeout_s: float = 3600.0,
+               sampling: Sampling = Sampling(), seed: int = 0) -> Answer:
     """POST one streamed request to the server `t` and collect its answer.
     Side effect: the server's slot now holds `ids` and the answer. Raises on a non-200 or a stream
     without timings."""
     kind, base = t.kind, t.base
-    path, body = request_body(t, ids, max_tokens)
+    path, body = request_body(t, ids, max_tokens, sampling, seed)
     req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     pieces, tokens, timings, finish = [], [], None, None

@@ -201,12 +201,14 @@ def markdown(result: dict) -> str:
     if "edit" in parts:
         lines += _part_md("Code-editing replay", parts["edit"], TARGET_EDIT,
                           f"A {s['edit_source_lines']}-line module pasted, then {s['turns']} requests for small changes; "
-                          f"each answer is the whole file (max {s['max_tokens']} tokens, greedy); the history's "
+                          f"each answer is the whole file (max {s['max_tokens']} tokens, "
+                          f"{s.get('sampling', 'greedy')}); the history's "
                           f"assistant turns are fixed (the previous file with the change applied), the same for all.")
     if "mtbench" in parts:
         lines += _part_md("MT-Bench chats (fresh text)", parts["mtbench"], TARGET_CHAT,
                           f"{s['mt_questions']} MT-Bench questions x 2 turns (tests/data), max {s['mt_max_tokens']} "
-                          f"tokens, greedy; each contender's own first answer in its second turn's history.")
+                          f"tokens, {s.get('sampling', 'greedy')}; each contender's own first answer in its second "
+                          f"turn's history.")
     lines.append("Result: " + ("every required pair answered identically." if all_required_identical(result)
                                else "**a required pair answered differently (exit 1).**"))
     return "\n".join(lines) + "\n"
