@@ -17,6 +17,7 @@ def cmd_pull(args) -> int:
 
 def cmd_generate(args) -> int:
     from .engine import Completion
+    from .sampling import Penalties
     engine = _load(args)
     if args.chat:
         ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -24,7 +25,9 @@ def cmd_generate(args) -> int:
         ids = engine.tokenizer.encode(args.prompt)
     final = None
     for ev in engine.stream(ids, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None):
+                            top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+                            penalties=Penalties(args.repetition_penalty, args.frequency_penalty,
+                                                args.presence_penalty, args.repeat_last_n)):
         if isinstance(ev, Completion):
             final = ev
         else:
@@ -57,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits / multiply negative ones of tokens seen (prompt + answer; "
+                        "transformers', vLLM's; llama.cpp's repeat_penalty with --repeat-last-n)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's: minus count x this")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's: minus this once a token appeared")
+    p.add_argument("--repeat-last-n", type=int, default=None, metavar="N",
+                   help="llama.cpp's scope: all penalties over the last N tokens of prompt + answer (-1: all; "
+                        "default: OpenAI's scopes, frequency/presence over the answer only)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
 
