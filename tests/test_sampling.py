@@ -246,3 +246,21 @@ def test_greedy_with_penalties_takes_the_penalized_argmax():
     s = Sampler(SamplingParams(penalties=Penalties(repetition=1.2)), prompt=[4])
     assert s.sample(x, 0) == 6                        # 3.0 / 1.2 < 2.9
     assert Sampler(SamplingParams(), prompt=[4]).sample(x, 0) == 4
+
+
+from lesser_isa import LESSER, run_built_for
+
+
+@LESSER
+def test_lesser_isa_builds_sample_the_same_distribution(march, isa, tmp_path):
+    """The AVX2 and baseline x86-64 builds (other vector widths: other lane sums) keep the distribution and the
+    inverse-CDF draw, as the host's build does."""
+    out = run_built_for(march, (
+        "import test_sampling as t\n"
+        "from ternlm.kernels.build import load\n"
+        "k = load()\n"
+        "t.test_native_distribution_is_the_torch_paths_for_every_combination(k)\n"
+        "t.test_native_draw_is_the_inverse_cdf_of_the_reference(k)\n"
+        "t.test_one_token_nucleus_and_top_k_1_always_draw_the_max(k)\n"
+        "print(k.isa, 'ok')\n"), tmp_path)
+    assert out[-2:] == [isa, "ok"]
