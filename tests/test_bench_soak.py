@@ -8,10 +8,15 @@
    not the RSS verdict either: 2 s of warm-up and 3 samples of a restarted server measure how fast
    its working set fills on the host (CI read +5.0%, 954 -> 1002 MiB; three runs on the same host
    +3.1% to +6.8% on an AVX2 host: RESULTS.md, Soak), not an outcome. The exit status must agree with
-   whatever was missed.
+   whatever was missed. The request mix is the default (users): the cold check must have compared a
+   seeded sampled answer, and every json answer validated (it would be a failed request otherwise).
 2. Counting rules, in-process against a mock transport (fast): a 429 honoured is back-pressure, a
    connection error during the restart is retried, the same error outside it or a 500 is a failure.
-3. The pure arithmetic: per-bin rows, RSS growth per server process, the verdicts and the exit status.
+3. The request mix, against a recording mock transport: the bodies carry each kind's fields, the seed
+   of (conversation, turn), the json_schema response_format; the transcript resends the server's
+   answers; a json answer that does not validate is a failure; the cold replay resends each answer's
+   own request (fields, seed, max_tokens, transcript) and compares sampled answers too.
+4. The pure arithmetic: per-bin rows, RSS growth per server process, the verdicts and the exit status.
 """
 from __future__ import annotations
 
@@ -24,8 +29,11 @@ import sys
 
 import httpx2 as httpx
 
-from ternlm.bench.soak_client import Answer, Outcomes, ServerPhase, ask
-from ternlm.bench.soak_report import missed, per_bin, rss_growth, verdicts
+from ternlm.bench.multiturn import turn_seed
+from ternlm.bench.soak_client import (Answer, ConversationSource, Outcomes, ServerPhase, ask, converse,
+                                      pick_for_cold_check, replay_cold)
+from ternlm.bench.soak_mix import JSON_ASK, JSON_MAX_TOKENS, SCHEMA, USERS, json_problem, mix_named
+from ternlm.bench.soak_report import by_kind, missed, per_bin, rss_growth, verdicts
 
 
 def test_soak_end_to_end(tmp_path):
@@ -33,7 +41,7 @@ def test_soak_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "ternlm.cli", "bench", "soak", "-m", "smollm2-135m", "--dtype", "float32",
            "--threads", "1", "--duration", "24", "--kill-at", "12", "--clients", "4", "--slots", "2",
            "--turns", "3", "--max-tokens", "8", "--system-words", "30", "--user-words", "12",
-           "--cache-ram", "1MiB", "--warmup", "2", "--rss-every", "2", "--bin", "8", "--cold-check", "2",
+           "--cache-ram", "1MiB", "--warmup", "2", "--rss-every", "2", "--bin", "8", "--cold-check", "3",
            "--out", str(out)]
     # The bench stops its own servers in try/finally. Its own session, killed whole at the end, so that
     # even a bench that hangs (timeout) or dies leaves no server behind.
@@ -52,7 +60,8 @@ def test_soak_end_to_end(tmp_path):
     assert proc.returncode in (0, 1), stdout[-4000:] + stderr[-4000:]
     assert (out / "results.json").exists(), stdout[-4000:] + stderr[-4000:]
     for text in ("soak · 4 conversations · 2 slots", "TTFT p50 ms", "ITL p99 ms", "targets",
-                 "failed requests = 0", "answers after restart = cold server's", "kill -9 at"):
+                 "failed requests = 0", "answers after restart = cold server's", "kill -9 at",
+                 "mix users", "request mix: users", "json_schema answers parse and validate"):
         assert text in stdout, stdout
 
     res = json.loads((out / "results.json").read_text())
@@ -78,8 +87,18 @@ def test_soak_end_to_end(tmp_path):
     assert at_end["rc"] == 0 and at_end["damaged"] == 0 and at_end["files"] > 0 and at_end["good"] == at_end["files"]
 
     cold = res["cold_check"]
-    assert cold["skipped"] is None and 1 <= len(cold["rows"]) <= 2
+    assert cold["skipped"] is None and 1 <= len(cold["rows"]) <= 3
     assert all(row["identical"] and row["soak"] == row["cold"] for row in cold["rows"])
+    # taken in turn from each kind, the sampled ones first (chat, default, ...): a seeded sampled answer
+    # given after the restart came back the same from a cold server
+    assert any(row["kind"] != "greedy" and row["seed"] is not None for row in cold["rows"]), cold["rows"]
+    mix = res["mix"]
+    assert mix["name"] == res["settings"]["mix"] == "users" and [k["kind"] for k in mix["kinds"]] == \
+        [k.name for k in USERS]
+    assert sum(k["answered"] for k in mix["by_kind"].values()) == r["answered"]
+    assert sum(k["cold_compared"] for k in mix["by_kind"].values()) == len(cold["rows"])
+    assert mix["by_kind"]["json"]["json_invalid"] == 0 and mix["by_kind"]["chat"]["json_invalid"] is None
+    assert len({a["kind"] for a in res["answers"]}) >= 3
     assert all(a["generation"] == 1 for a in res["answers"] if a["start_s"] > f["ready_at_s"])
 
     assert (out / "soak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -148,6 +167,132 @@ def test_connection_errors_retried_only_during_the_restart():
     cut = "data: " + json.dumps({"choices": [{"delta": {"content": "a"}}]}) + "\n\n"      # no [DONE]
     a, o = _ask(lambda r: httpx.Response(200, text=cut), ServerPhase("http://x/v1", "m"))
     assert a is None and o.failed == 1 and "without [DONE]" in o.failures[0]["why"]
+
+
+# ---- the request mix -----------------------------------------------------------------------------
+
+def _sse_for(request, texts: dict) -> httpx.Response:
+    """An SSE answer to `request`: a valid SCHEMA instance for a json turn, else `answer-<seed>-<n>`
+    (n: the request's position), so a test can find it again in the next turn's transcript."""
+    body = json.loads(request.content)
+    texts["n"] = texts.get("n", 0) + 1
+    if "response_format" in body:
+        text = texts.get("json", '{"topic": "cats", "mood": "neutral", "confidence": 7}')
+    else:
+        text = f"answer-{body.get('seed')}-{texts['n']}"
+    return _sse_answer(text)
+
+
+def _converse(requests: int, json_text: str | None = None):
+    """converse() with the users' mix against a recording mock server until `requests` were sent."""
+    bodies, answers, outcomes = [], [], Outcomes()
+    texts = {} if json_text is None else {"json": json_text}
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return _sse_for(request, texts)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            source = ConversationSource(path=None, turns=4, system_words=10, user_words=6, seed=5)
+            await converse(client, ServerPhase("http://x/v1", "m"), outcomes, source, answers, max_tokens=16,
+                           t0=0.0, stop=lambda: len(bodies) >= requests, mix=mix_named("users", 5))
+    asyncio.run(go())
+    return bodies, answers, outcomes
+
+
+def test_users_mix_requests_carry_the_fields():
+    bodies, answers, o = _converse(96)
+    mix = mix_named("users", 5)
+    assert o.failed == 0 and len(answers) == len(bodies) == 96
+    seen = set()
+    for body, a in zip(bodies, answers):
+        kind = mix.kind_of(a.conversation, a.turn)
+        seen.add(kind.name)
+        assert a.kind == kind.name and body["stream"] is True and body["model"] == "m"
+        sent = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "stream",
+                                                             "stream_options")}
+        expected = dict(kind.fields)
+        if kind.seeded:
+            expected["seed"] = turn_seed(5, a.conversation, a.turn)
+        if kind.json:
+            expected["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "summary", "schema": SCHEMA, "strict": True}}
+        assert sent == expected == a.fields, (kind.name, sent)
+        assert body["max_tokens"] == a.max_tokens == (JSON_MAX_TOKENS if kind.json else 16)
+        assert body["messages"][-1]["content"].endswith(JSON_ASK) == kind.json
+        assert body["messages"] == a.messages
+    assert seen == {k.name for k in USERS}
+    # the literal fields of each kind, as clients send them
+    by = {a.kind: b for b, a in zip(bodies, answers)}
+    assert {k: by["chat"][k] for k in ("temperature", "top_p", "presence_penalty")} == \
+        {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 0.5}
+    assert "temperature" not in by["default"] and isinstance(by["default"]["seed"], int)
+    assert by["rep"]["repetition_penalty"] == 1.1 and "repeat_penalty" not in by["rep"]
+    assert by["llama"]["repeat_penalty"] == 1.1 and "repetition_penalty" not in by["llama"]
+    assert by["greedy"]["temperature"] == 0.0 and "seed" not in by["greedy"]
+    # the transcript resends the server's answers: turn t+1 carries turn t's answer as given
+    for prev, nxt in zip(answers, answers[1:]):
+        if nxt.conversation == prev.conversation and nxt.turn == prev.turn + 1:
+            assert nxt.messages[-2] == {"role": "assistant", "content": prev.text}
+
+
+def test_invalid_json_answer_is_a_failure_and_the_chat_goes_on():
+    bodies, answers, o = _converse(40, json_text='{"topic": "cats", "mood": "sleepy"}')
+    bad = [a for a in answers if a.kind == "json"]
+    assert bad and o.failed == len(bad) and all("does not validate" in a.invalid for a in bad)
+    assert all("does not validate" in f["why"] for f in o.failures)
+    assert len(answers) == len(bodies) == 40            # kept: the next turn resends them
+    assert json_problem("not json").startswith("json_schema answer is not JSON")
+    assert json_problem('{"topic": "x", "mood": "neutral", "confidence": 3}') is None
+
+
+def test_cold_replay_resends_each_answers_own_request():
+    _, answers, _ = _converse(48)
+    for a in answers:
+        a.generation = 1
+    picked = pick_for_cold_check(answers, 6, [k.name for k in USERS])
+    # in turn from each kind, one answer per conversation
+    assert [a.kind for a in picked] == [k.name for k in USERS]
+    assert len({a.conversation for a in picked}) == 6
+    sent = []
+
+    def cold(request):
+        body = json.loads(request.content)
+        sent.append(body)
+        a = picked[len(sent) - 1]
+        return _sse_answer(a.text if a.kind != "rep" else "something else")   # one sampled answer differs
+
+    rows = asyncio.run(replay_cold("http://cold/v1", "m", picked, 16, transport=httpx.MockTransport(cold)))
+    for a, body, row in zip(picked, sent, rows):
+        assert body["messages"] == a.messages and body["max_tokens"] == a.max_tokens
+        assert {k: body[k] for k in a.fields} == a.fields and ("seed" in body) == (a.kind != "greedy")
+        assert row["kind"] == a.kind and row["seed"] == a.fields.get("seed")
+        assert row["identical"] == (a.kind != "rep")
+    kinds = by_kind(answers, rows, mix_named("users"))
+    assert kinds["rep"]["cold_identical"] == 0 and kinds["chat"] == {
+        "answered": sum(a.kind == "chat" for a in answers), "completion_tokens": 2 * kinds["chat"]["answered"],
+        "json_invalid": None, "cold_compared": 1, "cold_identical": 1}
+    result = {"requests": {"failed": 0}, "rss": {"growth": []}, "cache_verify": {},
+              "cold_check": {"skipped": None, "rows": rows}, "mix": {"by_kind": kinds}}
+    v = {x["target"]: x for x in verdicts(result)}
+    assert v["answers after restart = cold server's"]["met"] is False
+    assert "5/6 identical (chat 1/1, default 1/1, rep 0/1, llama 1/1, greedy 1/1, json 1/1)" == \
+        v["answers after restart = cold server's"]["value"]
+    assert v["json_schema answers parse and validate"]["met"] is True
+
+
+def test_mix_names():
+    assert [k.name for k in mix_named("greedy").kinds] == ["greedy"]
+    t1 = mix_named("t1", 3)
+    kind, _, fields, _ = t1.request("c", 2, "u", 8)
+    assert fields == {"temperature": 1.0, "top_p": 1.0, "seed": turn_seed(3, "c", 2)}
+    try:
+        mix_named("hot")
+    except ValueError as e:
+        assert "hot" in str(e)
+    else:
+        raise AssertionError("no ValueError")
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------

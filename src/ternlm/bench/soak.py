@@ -3,6 +3,12 @@ driven by many concurrent chat clients for --duration seconds, killed with SIGKI
 restarted on the same cache directory while the clients retry; then the cache is verified and a few
 answers given after the restart are replayed against a cold server (no reuse) and must match.
 
+Requests look like clients' (--mix users, the default; soak_mix.py): most sampled with a seed per
+(conversation, turn) (temperature 0.7 + top_p 0.95 + presence_penalty 0.5; only a seed, the server's
+temperature 1; repetition_penalty 1.1; llama.cpp's repeat_penalty 1.1 with top_k 40 / min_p 0.05), some
+greedy, some asking for a json_schema answer that must parse and validate. --mix greedy: every request
+at temperature 0. Speculative decoding is the server's default (on) unless --speculative off.
+
 Conversation lengths start spread out (client i resumes its first chat after i mod --turns turns, with
 synthetic answers; --no-stagger: all at turn 1): otherwise all clients grow in step for minutes and the
 server's working set (slot KV pages touched, deeper each turn) grows past any warm-up.
@@ -13,7 +19,10 @@ What it reports (results.json, soak.png, a table) and the targets that make the 
 - server RSS every --rss-every s; growth after --warmup, per server process: <= 5%;
 - TTFT and inter-token latency p50/p99 per minute (no target: figures);
 - `ternlm cache verify` right after the kill (dry run) and at the end: every file verifies;
-- the cold check: greedy answers after the restart = a `--no-prefix-kv` server's, text for text.
+- json turns: every answer parses and validates against the schema (an invalid one is a failed request);
+- the cold check: answers after the restart = a `--no-prefix-kv` server's, text for text, greedy and
+  seeded sampled ones alike (a seeded draw is keyed by (seed, token index)), taken in turn from each kind
+  and counted per kind.
 - optional --tmpfs SIZE (root): the cache directory is a tmpfs that fills mid-run; the disk tier must
   turn its writes off (`ternlm_kv_tier_writes_disabled{tier="disk"}` = 1) and nothing else change.
 
@@ -41,7 +50,9 @@ import httpx2 as httpx
 from .common import command_line, write_json
 from .soak_client import (Answer, ConversationSource, Outcomes, ServerPhase, converse, model_id,
                           pick_for_cold_check, replay_cold)
-from .soak_report import attach_rss, latency, missed, per_bin, plot, report, reuse_fraction, rss_growth, verdicts
+from .soak_mix import Mix, mix_named
+from .soak_report import (attach_rss, by_kind, latency, missed, per_bin, plot, report, reuse_fraction, rss_growth,
+                          verdicts)
 
 log = logging.getLogger("ternlm.bench.soak")
 
@@ -161,8 +172,8 @@ def scrape(url_v1: str, prefix: str = "ternlm_kv_tier_") -> dict[str, float]:
 class Soak:
     """One run's state: the server, the clients' shared view of it, what was recorded."""
 
-    def __init__(self, args, server: SoakServer, cache_dir: Path):
-        self.args, self.server, self.cache_dir = args, server, cache_dir
+    def __init__(self, args, server: SoakServer, cache_dir: Path, mix: Mix):
+        self.args, self.server, self.cache_dir, self.mix = args, server, cache_dir, mix
         self.answers: list[Answer] = []
         self.outcomes = Outcomes()
         self.rss: list[dict] = []
@@ -222,7 +233,7 @@ class Soak:
             rss = asyncio.create_task(self.sample_rss(phase, stop_rss))
             tasks = [asyncio.create_task(converse(client, phase, self.outcomes, source, self.answers,
                                                   max_tokens=a.max_tokens, t0=self.t0, stop=over,
-                                                  resume_at=0 if a.no_stagger else i % a.turns))
+                                                  resume_at=0 if a.no_stagger else i % a.turns, mix=self.mix))
                      for i in range(a.clients)]
             if 0 < a.kill_at < a.duration:
                 tasks.append(asyncio.create_task(self.kill_and_restart(phase)))
@@ -250,6 +261,10 @@ def serve_args(args, cache_dir: Path, *, reuse: bool = True) -> list[str]:
         out += ["--ctx", str(args.ctx)]
     if args.threads:
         out += ["--threads", str(args.threads)]
+    if getattr(args, "speculative", "auto") != "auto":       # else the server's default (on)
+        out += ["--speculative", args.speculative]
+    if getattr(args, "draft_model", None):
+        out += ["--draft-model", args.draft_model]
     if reuse:
         return out + ["--cache-ram", args.cache_ram, "--cache-disk", args.cache_disk]
     return out + ["--no-prefix-kv", "--cache-ram", "0", "--cache-disk", "0"]
@@ -276,6 +291,7 @@ def run(args) -> int:
             raise ValueError(f"{name} must be >= {low}, got {v}")
     if args.kill_at is None:
         args.kill_at = args.duration / 2
+    mix = mix_named(args.mix, args.seed)      # ValueError before any server starts
     if not getattr(args, "verbose", False):
         logging.getLogger("httpx2").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)     # so the finally blocks below stop the servers
@@ -291,7 +307,7 @@ def run(args) -> int:
         cache_dir.mkdir(mode=0o700)       # owner-only, as the server wants a KV directory
     mounted = False
     server = SoakServer(serve_args(args, cache_dir), free_port(), out_dir / "logs")
-    soak = Soak(args, server, cache_dir)
+    soak = Soak(args, server, cache_dir, mix)
     disk_full = None
     try:
         if args.tmpfs:
@@ -326,7 +342,8 @@ def run(args) -> int:
     result = {
         "command": command_line(), "model": args.model, "dtype": args.dtype,
         "settings": {"duration_s": args.duration, "kill_at_s": args.kill_at, "conversations": args.clients,
-                     "slots": args.slots, "turns": args.turns, "max_tokens": args.max_tokens, "temperature": 0.0,
+                     "slots": args.slots, "turns": args.turns, "max_tokens": args.max_tokens, "mix": args.mix,
+                     "speculative": getattr(args, "speculative", "auto"),
                      "source": args.conversations or "synthetic", "system_words": args.system_words,
                      "user_words": args.user_words, "seed": args.seed, "cache_ram": args.cache_ram,
                      "cache_disk": args.cache_disk, "cache_dir": None if tmp else str(cache_dir),
@@ -347,8 +364,9 @@ def run(args) -> int:
                                "tier_metrics_at_end": final_metrics},
         "cache_verify": {"after_kill": verify_after_kill, "at_end": verify_end},
         "cold_check": cold,
+        "mix": {"name": mix.name, "kinds": mix.describe(), "by_kind": by_kind(answers, cold["rows"], mix)},
         "disk_full": disk_full,
-        "answers": [{k: v for k, v in asdict(a).items() if k not in ("messages", "itl_s", "text")}
+        "answers": [{k: v for k, v in asdict(a).items() if k not in ("messages", "itl_s", "text", "fields")}
                     | {"itl_p50_s": latency([a])["itl_p50_s"]} for a in answers],
     }
     result["verdicts"] = verdicts(result)
@@ -361,9 +379,10 @@ def run(args) -> int:
 
 
 def cold_check(args, soak: Soak, out_dir: Path, err) -> dict:
-    """Replay up to --cold-check answers given after the restart (by the only server, without a kill)
-    against a fresh `--no-prefix-kv` server (started here, stopped before returning); texts must match."""
-    picked = pick_for_cold_check(soak.answers, args.cold_check)
+    """Replay up to --cold-check answers given after the restart (by the only server, without a kill),
+    taken in turn from each kind of the mix, against a fresh `--no-prefix-kv` server (started here,
+    stopped before returning) with the same fields and seeds; texts must match."""
+    picked = pick_for_cold_check(soak.answers, args.cold_check, [k.name for k in soak.mix.kinds])
     if soak.fault["killed_at_s"] is not None and not any(a.generation for a in picked):
         picked = []
     if not picked:

@@ -1,9 +1,11 @@
 """The soak's client side: many conversations driven at once by asyncio over HTTP, each turn streamed.
 
-A conversation behaves like a chat client: it resends the whole transcript every turn (its own greedy
-answers included) and starts over with a new conversation after its last turn. Each request is timed
-from the client (time to first content chunk, gaps between content chunks) and its `usage` and
-`timings` are kept, so reuse and the tier that served it are known per request.
+A conversation behaves like a chat client: it resends the whole transcript every turn (the server's
+answers included) and starts over with a new conversation after its last turn. What each request
+carries beside the transcript (sampling fields, a seed, a json_schema response_format) is the mix's
+(soak_mix.py). Each request is timed from the client (time to first content chunk, gaps between
+content chunks) and its `usage` and `timings` are kept, so reuse and the tier that served it are known
+per request.
 
 Counting rules (the soak's targets rest on them; `Outcomes` holds the counts):
 - back-pressure: a 429 whose Retry-After we honour (sleep, then resend the same request). Not a failure.
@@ -12,6 +14,8 @@ Counting rules (the soak's targets rest on them; `Outcomes` holds the counts):
 - failed: everything else that does not end in a complete answer (any other status, an error event,
   a connection error outside the restart, a stream without usage). The conversation is then abandoned
   (its transcript would lack an answer) and the worker starts a new one.
+- a json turn's answer that does not parse and validate is a failure too; it is still an answer, so the
+  conversation goes on with it (as a client would show it).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import httpx2 as httpx
 
 from .common import synthetic_text
 from .multiturn import Conversation, load_conversations, synthetic_conversations
+from .soak_mix import Mix, json_problem, mix_named
 
 GIVE_UP_S = 300.0      # a request still retrying after this long counts as failed (the restart hung)
 
@@ -79,6 +84,10 @@ class Answer:
     cache_tier: str | None                    # where the reused prefix came from (server's timings)
     cache_disk_n: int
     messages: list[dict] | None = None        # the transcript sent (for the cold check; not in results.json)
+    kind: str = "greedy"                      # the mix's kind of this request (soak_mix.py)
+    fields: dict | None = None                # the body's sampling fields, seed, response_format (for the cold check)
+    max_tokens: int | None = None             # as sent (a json turn's may exceed --max-tokens)
+    invalid: str | None = None                # a json turn's answer that does not validate: why
 
 
 @dataclass
@@ -110,11 +119,16 @@ class Failed(Exception):
     """A request that ended wrongly in a way no retry excuses."""
 
 
-async def stream_once(client: httpx.AsyncClient, phase: ServerPhase, messages: list[dict],
-                      max_tokens: int) -> tuple[float, list[float], str, dict, dict, str | None]:
-    """One streamed chat completion. Returns (ttft, inter-chunk gaps, text, usage, timings, finish
-    reason); raises BackPressure, Unreachable or Failed."""
-    body = {"model": phase.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+GREEDY_FIELDS = {"temperature": 0.0}
+
+
+async def stream_once(client: httpx.AsyncClient, phase: ServerPhase, messages: list[dict], max_tokens: int,
+                      fields: dict | None = None) -> tuple[float, list[float], str, dict, dict, str | None]:
+    """One streamed chat completion; `fields` (sampling, seed, response_format; default greedy) join the
+    body. Returns (ttft, inter-chunk gaps, text, usage, timings, finish reason); raises BackPressure,
+    Unreachable or Failed."""
+    body = {"model": phase.model, "messages": messages, "max_tokens": max_tokens,
+            **(GREEDY_FIELDS if fields is None else fields),
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
     pieces: list[str] = []
@@ -163,9 +177,11 @@ async def stream_once(client: httpx.AsyncClient, phase: ServerPhase, messages: l
 
 
 async def ask(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes, messages: list[dict],
-              max_tokens: int, t0: float, conversation: str, turn: int) -> Answer | None:
+              max_tokens: int, t0: float, conversation: str, turn: int, fields: dict | None = None,
+              kind: str = "greedy") -> Answer | None:
     """Send one turn until it is answered, honouring 429s and riding out the restart. Returns None
-    (and counts a failure) when it cannot be answered. `t0`: the soak's start (perf_counter)."""
+    (and counts a failure) when it cannot be answered. `t0`: the soak's start (perf_counter); `fields`:
+    the body's sampling fields (stream_once), kept on the Answer with `kind` and `max_tokens`."""
     backoff = 0.25
     first_sent = time.perf_counter()
     while True:
@@ -173,7 +189,7 @@ async def ask(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes,
         start = time.perf_counter()
         outcomes.sent += 1
         try:
-            ttft, gaps, text, usage, timings, finish = await stream_once(client, phase, messages, max_tokens)
+            ttft, gaps, text, usage, timings, finish = await stream_once(client, phase, messages, max_tokens, fields)
         except BackPressure as e:
             outcomes.back_pressure += 1
             await asyncio.sleep(max(0.05, e.retry_after_s))
@@ -199,7 +215,8 @@ async def ask(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes,
         answered_by = phase.generation + phase.restarting
         return Answer(conversation, turn, answered_by, start - t0, ttft, gaps, text, int(usage["prompt_tokens"]),
                       int(details.get("cached_tokens") or 0), int(usage.get("completion_tokens") or 0), finish,
-                      timings.get("cache_tier"), int(timings.get("cache_disk_n") or 0))
+                      timings.get("cache_tier"), int(timings.get("cache_disk_n") or 0), kind=kind,
+                      fields=GREEDY_FIELDS if fields is None else fields, max_tokens=max_tokens)
 
 
 def resumed_history(conv: Conversation, turns: int) -> list[dict]:
@@ -214,11 +231,14 @@ def resumed_history(conv: Conversation, turns: int) -> list[dict]:
 
 async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outcomes, source: ConversationSource,
                    answers: list[Answer], *, max_tokens: int, t0: float, stop: Callable[[], bool],
-                   resume_at: int = 0) -> None:
+                   resume_at: int = 0, mix: Mix | None = None) -> None:
     """One chat client: conversation after conversation until `stop()`. The first one is resumed after
     `resume_at` turns (clients given different values spread conversation lengths from the start, the
-    steady state, instead of all growing in step for minutes). Side effect: appends every answer to
-    `answers`, with its transcript (a few hundred answers of a few kB: kept in memory)."""
+    steady state, instead of all growing in step for minutes). Each turn's request is the mix's
+    (default: greedy) for (conversation, turn). Side effect: appends every answer to `answers`, with its
+    transcript (a few hundred answers of a few kB: kept in memory); a json answer that does not validate
+    is counted as failed (and kept: the chat goes on with it)."""
+    mix = mix or mix_named("greedy")
     skip = resume_at
     while not stop():
         conv = source.next()
@@ -227,12 +247,19 @@ async def converse(client: httpx.AsyncClient, phase: ServerPhase, outcomes: Outc
         for t, user in enumerate(conv.user_turns[skip:], skip + 1):
             if stop():
                 return
-            history.append({"role": "user", "content": user})
-            a = await ask(client, phase, outcomes, list(history), max_tokens, t0, conv.id, t)
+            kind, content, fields, n = mix.request(conv.id, t, user, max_tokens)
+            history.append({"role": "user", "content": content})
+            a = await ask(client, phase, outcomes, list(history), n, t0, conv.id, t, fields, kind.name)
             if a is None:
                 break                            # counted; a transcript without this answer is no chat
             a.messages = list(history)
+            if kind.json:
+                a.invalid = json_problem(a.text)
+                if a.invalid:
+                    outcomes.fail(a.start_s, conv.id, t, a.invalid)
             answers.append(a)
+            # the next turn resends this answer as given: the cold check replays a.messages, so it
+            # sends the same history, whatever the kind
             history.append({"role": "assistant", "content": a.text})
         skip = 0
 
@@ -245,38 +272,48 @@ async def model_id(url: str) -> str:
         return r.json()["data"][0]["id"]
 
 
-async def replay_cold(url: str, model: str, answers: list[Answer], max_tokens: int) -> list[dict]:
-    """Send each answer's transcript once more (to a server without reuse) and compare the greedy texts.
-    Returns one row per answer: {conversation, turn, cached_tokens, cache_tier, identical, soak, cold}."""
+async def replay_cold(url: str, model: str, answers: list[Answer], max_tokens: int,
+                      transport: httpx.AsyncBaseTransport | None = None) -> list[dict]:
+    """Send each answer's request once more (to a server without reuse): the same transcript, fields
+    (sampling, seed, response_format) and max_tokens; greedy and seeded answers must come back text for
+    text. Returns one row per answer: {conversation, turn, kind, cached_tokens, cache_tier, identical, soak,
+    cold}. `max_tokens`: for answers that do not say theirs; `transport`: a test's stand-in for the network."""
     phase = ServerPhase(url, model)
     outcomes = Outcomes()
     rows = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), transport=transport) as client:
         for a in answers:
-            cold = await ask(client, phase, outcomes, a.messages, max_tokens, time.perf_counter(), a.conversation,
-                             a.turn)
+            cold = await ask(client, phase, outcomes, a.messages, a.max_tokens or max_tokens, time.perf_counter(),
+                             a.conversation, a.turn, a.fields, a.kind)
             text = None if cold is None else cold.text
-            rows.append({"conversation": a.conversation, "turn": a.turn, "prompt_tokens": a.prompt_tokens,
+            rows.append({"conversation": a.conversation, "turn": a.turn, "kind": a.kind,
+                         "seed": (a.fields or {}).get("seed"), "prompt_tokens": a.prompt_tokens,
                          "cached_tokens": a.cached_tokens, "cache_tier": a.cache_tier,
                          "cache_disk_n": a.cache_disk_n, "identical": text == a.text, "soak": a.text, "cold": text})
     return rows
 
 
-def pick_for_cold_check(answers: list[Answer], n: int) -> list[Answer]:
+def pick_for_cold_check(answers: list[Answer], n: int, kinds: list[str] | None = None) -> list[Answer]:
     """Up to `n` answers given by the last server process (after the restart, if there was one), one
-    per conversation, those whose prefix came from the disk tier first (what survived the kill), then
-    from RAM or a slot, then the rest; longest prompt first."""
+    per conversation, taken in turn from each kind (`kinds`' order, then any other; every greedy or
+    seeded kind: all compare text for text), within a kind those whose prefix came from the disk tier
+    first (what survived the kill), then from RAM or a slot, then the rest; longest prompt first."""
     if n <= 0:
         return []
     last = max((a.generation for a in answers), default=0)
     after = [a for a in answers if a.messages is not None and a.generation == last]
     rank = {"disk": 0, "ram": 1, "slot": 2}
     after.sort(key=lambda a: (0 if a.cache_disk_n else 1, rank.get(a.cache_tier or "", 3), -a.prompt_tokens))
+    order = list(kinds or []) + sorted({a.kind for a in after} - set(kinds or []))
+    queues = {k: [a for a in after if a.kind == k] for k in order}
     out, seen = [], set()
-    for a in after:
-        if a.conversation not in seen:
-            out.append(a)
-            seen.add(a.conversation)
-        if len(out) == n:
-            break
+    while len(out) < n and any(queues.values()):
+        for k in order:
+            q = queues[k]
+            while q and q[0].conversation in seen:
+                q.pop(0)
+            if q and len(out) < n:
+                a = q.pop(0)
+                out.append(a)
+                seen.add(a.conversation)
     return out

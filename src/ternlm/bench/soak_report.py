@@ -12,6 +12,7 @@ import numpy as np
 
 from .multiturn import _pct   # one percent formatter for both benches
 from .soak_client import Answer
+from .soak_mix import Mix
 
 RSS_TARGET = 0.05          # growth after warm-up, per server process
 
@@ -92,6 +93,27 @@ def rss_growth(samples: list[dict], starts: dict[int, float], warmup_s: float) -
     return out
 
 
+def by_kind(answers: list[Answer], cold_rows: list[dict], mix: Mix) -> dict[str, dict]:
+    """Per kind of request (the mix's order, then any other): answered, json answers that did not
+    validate (json kinds), and the cold check's rows compared and identical."""
+    names = [k.name for k in mix.kinds]
+    names += sorted({a.kind for a in answers} - set(names))
+    json_kinds = {k.name for k in mix.kinds if k.json}
+    out = {}
+    for n in names:
+        xs = [a for a in answers if a.kind == n]
+        rows = [r for r in cold_rows if r.get("kind") == n]
+        out[n] = {"answered": len(xs), "completion_tokens": sum(a.completion_tokens for a in xs),
+                  "json_invalid": sum(a.invalid is not None for a in xs) if n in json_kinds else None,
+                  "cold_compared": len(rows), "cold_identical": sum(r["identical"] for r in rows)}
+    return out
+
+
+def _per_kind(kinds: dict[str, dict]) -> str:
+    """`chat 2/2, greedy 1/2, ...` for the kinds the cold check compared."""
+    return ", ".join(f"{n} {k['cold_identical']}/{k['cold_compared']}" for n, k in kinds.items() if k["cold_compared"])
+
+
 def verdicts(result: dict) -> list[dict]:
     """The targets, each {target, value, met}; met=None: not checked (the row says why)."""
     out = []
@@ -113,8 +135,16 @@ def verdicts(result: dict) -> list[dict]:
         out.append({"target": "answers after restart = cold server's", "value": c["skipped"], "met": None})
     else:
         same = sum(r["identical"] for r in c["rows"])
-        out.append({"target": "answers after restart = cold server's", "value": f"{same}/{len(c['rows'])} identical",
+        kinds = (result.get("mix") or {}).get("by_kind") or {}
+        detail = f" ({_per_kind(kinds)})" if kinds else ""
+        out.append({"target": "answers after restart = cold server's",
+                    "value": f"{same}/{len(c['rows'])} identical{detail}",
                     "met": bool(c["rows"]) and same == len(c["rows"])})
+    js = [k for k in ((result.get("mix") or {}).get("by_kind") or {}).values() if k["json_invalid"] is not None]
+    if js:
+        n, bad = sum(k["answered"] for k in js), sum(k["json_invalid"] for k in js)
+        out.append({"target": "json_schema answers parse and validate", "value": f"{n - bad}/{n} valid",
+                    "met": None if n == 0 else bad == 0})
     d = result.get("disk_full")
     if d:
         out.append({"target": "disk full: disk tier writes off, nothing else changes",
@@ -141,7 +171,7 @@ def report(result: dict, console, paths: list[Path]) -> None:
     from rich.table import Table
     s = result["settings"]
     t = Table(title=f"soak · {s['conversations']} conversations · {s['slots']} slots · "
-                    f"{s['duration_s']:.0f} s, kill -9 at {s['kill_at_s']:.0f} s")
+                    f"{s['duration_s']:.0f} s, kill -9 at {s['kill_at_s']:.0f} s · mix {s.get('mix', 'greedy')}")
     for col in ("from s", "answered", "reused", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "RSS MiB",
                 "server"):
         t.add_column(col, justify="right")
@@ -154,6 +184,8 @@ def report(result: dict, console, paths: list[Path]) -> None:
     t.add_row("all", str(result["requests"]["answered"]), _pct(all_["reuse_fraction"]), _ms(all_["ttft_p50_s"]),
               _ms(all_["ttft_p99_s"]), _ms(all_["itl_p50_s"]), _ms(all_["itl_p99_s"]), "", "", style="bold")
     console.print(t)
+    if result.get("mix"):
+        console.print(mix_table(result["mix"]))
 
     o, f = result["requests"], result["fault"]
     console.print(f"requests: {o['answered']} answered, {o['failed']} failed, {o['back_pressure']} back-pressure "
@@ -170,8 +202,8 @@ def report(result: dict, console, paths: list[Path]) -> None:
         console.print(f"[red]failed[/] t={x['t_s']} s {x['conversation']} turn {x['turn']}: {x['why']}")
     for r in result["cold_check"]["rows"]:
         if not r["identical"]:
-            console.print(f"[bold red]DIFFERS[/] {r['conversation']} turn {r['turn']}: soak {r['soak']!r} vs "
-                          f"cold {r['cold']!r}")
+            console.print(f"[bold red]DIFFERS[/] {r['conversation']} turn {r['turn']} ({r.get('kind', 'greedy')}, "
+                          f"seed {r.get('seed')}): soak {r['soak']!r} vs cold {r['cold']!r}")
 
     vt = Table(title="targets")
     vt.add_column("target", justify="left")
@@ -184,6 +216,23 @@ def report(result: dict, console, paths: list[Path]) -> None:
     console.print(f"command: {result['command']}")
     for p in paths:
         console.print(f"wrote {p}")
+
+
+def mix_table(mix: dict):
+    """The request mix: per kind, what the requests carry, how many were answered, json answers valid,
+    answers after the restart equal to the cold server's."""
+    from rich.table import Table
+    t = Table(title=f"request mix: {mix['name']}")
+    for col, just in (("kind", "left"), ("requests carry", "left"), ("share", "right"), ("answered", "right"),
+                      ("json valid", "right"), ("= cold", "right")):
+        t.add_column(col, justify=just)
+    for k in mix["kinds"]:
+        b = mix["by_kind"].get(k["kind"]) or {"answered": 0, "json_invalid": None, "cold_compared": 0,
+                                              "cold_identical": 0}
+        valid = "" if b["json_invalid"] is None else f"{b['answered'] - b['json_invalid']}/{b['answered']}"
+        cold = f"{b['cold_identical']}/{b['cold_compared']}" if b["cold_compared"] else "-"
+        t.add_row(k["kind"], k["describe"], f"{k['share']:.0%}", str(b["answered"]), valid, cold)
+    return t
 
 
 def plot(result: dict, path: Path) -> Path:
