@@ -196,9 +196,9 @@ def test_repetition_penalty_is_transformers_processor():
     bit."""
     from transformers import RepetitionPenaltyLogitsProcessor
     g = torch.Generator().manual_seed(3)
-    for penalty in (1.3, 0.8, 2.0):
+    for penalty, n_prompt in ((1.3, 60), (0.8, 300), (2.0, 900)):   # > 64 distinct ids: the counts' arrays grow
         x = torch.randn(1000, generator=g) * 5
-        prompt = torch.randint(0, 1000, (60,), generator=g).tolist()
+        prompt = torch.randint(0, 1000, (n_prompt,), generator=g).tolist()
         out = torch.randint(0, 1000, (25,), generator=g).tolist()
         want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + out]), x.clone()[None])[0]
         got = _penalized(Penalties(repetition=penalty), prompt, out, x)

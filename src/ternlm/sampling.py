@@ -112,7 +112,8 @@ class PenaltyState:
         if pen.last_n is None:                 # OpenAI/vLLM: the prompt counts for repetition only
             if pen.repetition != 1.0:
                 for t in dict.fromkeys(prompt):
-                    self._rep[self._slot(t)] = 1
+                    j = self._slot(t)        # (first: it may grow the arrays)
+                    self._rep[j] = 1
         else:
             for t in prompt:
                 self._add(t)
