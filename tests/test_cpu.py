@@ -167,7 +167,9 @@ def test_auto_generates_on_an_avx2_cpu_like_float32(smollm2_gguf):
     args = ["generate", "--max-tokens", "8", "--temperature", "0", "Once upon a time"]
     auto = ternlm(*args)
     assert auto.returncode == 0, auto.stderr
-    assert "weights auto -> gguf (quantized blocks, int8 activations" in auto.stderr
+    # [SMALL-FP32]: the 135M default model multiplies fp32 activations under auto (weights.py)
+    assert "weights auto -> gguf (quantized blocks, fp32 activations (auto: 135M parameters, under 200M)" \
+        in auto.stderr
     gguf = ternlm(*args, "--weights", "gguf")
     assert gguf.returncode == 0 and auto.stdout == gguf.stdout and auto.stdout.strip()
     no_native = {**AVX2_ENV, "TERNLM_NATIVE": "0"}

@@ -188,7 +188,7 @@ def test_int8_engine_batched_equals_alone():
     beside decodes) give each one's tokens, logits and KV alone, bit for bit."""
     from ternlm import Engine
     from test_batching import alone, together
-    e = Engine.load("smollm2-135m", weights="gguf", slots=6, prefix_reuse=False, chunk_size=64)
+    e = Engine.load("smollm2-135m", weights="gguf", activations="int8", slots=6, prefix_reuse=False, chunk_size=64)
     assert e.model.activations == "int8"
     questions = ["What is the capital of France?", "Explain photosynthesis in one sentence. " * 6,
                  "List three prime numbers.", "Why is the sky blue? Answer briefly, for a child. " * 3, "Hi"]

@@ -310,6 +310,11 @@ def test_weights_choice():
     assert built.activations == "int8" and "int8 activations" in built.reason
     assert choose_weights("auto", "auto", True, activations="fp32").activations == "fp32"
     assert choose_weights("fp32", "auto", True).activations == "fp32"
+    # [SMALL-FP32]: auto multiplies fp32 activations below 200M parameters, int8 from there; explicit choices stand
+    assert choose_weights("auto", "auto", True, params=134_515_008).activations == "fp32"
+    assert "135M parameters, under 200M" in choose_weights("auto", "auto", True, params=134_515_008).reason
+    assert choose_weights("auto", "auto", True, params=200_000_000).activations == "int8"
+    assert choose_weights("gguf", "auto", True, activations="int8", params=10**6).activations == "int8"
     with pytest.raises(ValueError, match="--activations int8 needs quantized weights"):
         choose_weights("bf16", "auto", True, activations="int8")
     with pytest.raises(ValueError, match="unknown --activations"):
@@ -411,7 +416,7 @@ def test_fp16_cache_round_trips_through_ram_and_disk_tiers(smollm2_q, tmp_path):
     from ternlm.kv.store import CacheConfig
 
     def warm() -> Engine:
-        return Engine.load("smollm2-135m", weights="gguf", slots=1, min_reuse=1,
+        return Engine.load("smollm2-135m", weights="gguf", activations="int8", slots=1, min_reuse=1,
                            cache=CacheConfig(1 << 30, tmp_path, 1 << 30))
 
     def cold(ids):

@@ -47,7 +47,7 @@ from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Penalties, Sampler, SamplingParams
 from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
 from .step_plan import Want, plan_step
-from .weights import WEIGHTS, WeightsChoice, choose_weights
+from .weights import WEIGHTS, WeightsChoice, choose_weights, gguf_parameters
 
 __all__ = ["Engine", "ChatIds", "Completion", "Delta", "Restored", "Sequence", "Timings", "SlotInfo",
            "StepOutcome", "reuse_line"]
@@ -208,7 +208,9 @@ class Engine:
             log.info("draft model %s: drafts verified by %s", draft_model, model)
         t0 = time.perf_counter()
         r = resolve(model)
-        wchoice = choose_weights(weights, dtype, r.kind == "gguf", activations=activations)
+        wchoice = choose_weights(weights, dtype, r.kind == "gguf", activations=activations,
+                                 params=gguf_parameters(r.path) if r.kind == "gguf" and activations == "auto"
+                                 else None)
         choice = choose_dtype(wchoice.dtype, cpu)
         log.info("%s; %s", choice.log_line, wchoice.log_line)
         one_arena()

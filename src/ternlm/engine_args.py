@@ -24,7 +24,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="what quantized (gguf) weights multiply: int8 (activations quantized per group of 32, "
                         "exact integer products, llama.cpp's way; the same bits on every CPU kind) | fp32 "
                         "(every weight times fp32 activations: transformers' numbers) | auto (default: int8 for gguf "
-                        "weights, mixtures of experts included); part of the KV namespace")
+                        "weights, mixtures of experts included; fp32 for a model under 200M parameters, whose "
+                        "answers int8 changes most); part of the KV namespace")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
                         "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "
