@@ -174,7 +174,7 @@ def ternlm_serve_args(args, reuse: bool) -> list[str]:
     conversation can keep its own KV."""
     slots = getattr(args, "slots", 0) or max(1, args.clients) + (1 if getattr(args, "cold_prompt_tokens", 0) else 0)
     out = ["-m", args.model, "--dtype", args.dtype, "--weights", getattr(args, "weights", "auto"),
-           "--kv-dtype", getattr(args, "kv_dtype", "auto"),
+           "--kv-dtype", getattr(args, "kv_dtype", "auto"), "--activations", getattr(args, "activations", "auto"),
            "--min-reuse", str(args.min_reuse), "--chunk", "auto" if args.chunk is None else str(args.chunk),
            "--slots", str(slots)]
     if getattr(args, "step_tokens", 0):
