@@ -288,11 +288,12 @@ def test_server_speculates_by_default_same_text_and_reports_it(server):
 
 
 def test_serve_flags_reach_the_engine(server):
-    """`ternlm serve --speculative off --activations fp32`: no request drafts, and the fingerprint (the KV
-    namespace: activations are part of it) differs from the default server's."""
+    """`ternlm serve --speculative off --activations int8`: no request drafts, and the fingerprint (the KV
+    namespace: activations are part of it) differs from the default server's (fp32 activations: auto's choice for
+    this 135M model, weights.py [SMALL-FP32])."""
     from server_proc import ServerProc, openai_client
     with ServerProc("-m", "smollm2-135m", "--threads", "1", "--slots", "1",
-                    "--speculative", "off", "--activations", "fp32") as off:
+                    "--speculative", "off", "--activations", "int8") as off:
         msgs = [{"role": "user", "content": "Repeat this code exactly:\n\n" + CODE}]
         a = openai_client(off).chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=40,
                                                       temperature=0)
