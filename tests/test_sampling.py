@@ -264,3 +264,16 @@ def test_lesser_isa_builds_sample_the_same_distribution(march, isa, tmp_path):
         "t.test_one_token_nucleus_and_top_k_1_always_draw_the_max(k)\n"
         "print(k.isa, 'ok')\n"), tmp_path)
     assert out[-2:] == [isa, "ok"]
+
+
+def test_without_native_kernels_the_float64_rule_draws(monkeypatch):
+    """No C compiler (or TERNLM_NATIVE=0): the sampler draws by reference_probs + the index-order inverse CDF, the
+    rule the kernel is tested against above."""
+    import ternlm.sampling as sampling
+    from ternlm.sampling import Sampler, SamplingParams, _reference_draw
+    monkeypatch.setattr(sampling, "_native", lambda: None)
+    x = _rows()[1]
+    s = Sampler(SamplingParams(0.8, top_p=0.9, seed=12))
+    assert s._kernels is None
+    probs = reference_probs(x.numpy(), 0.8, 0, 0.9, 0.0)
+    assert [s.sample(x, i) for i in range(50)] == [_reference_draw(probs, draw_uniform(12, i)) for i in range(50)]
