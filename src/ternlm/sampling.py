@@ -141,6 +141,12 @@ class PenaltyState:
                 self._rep[k] -= 1
                 self._fp[k] -= 1
 
+    @property
+    def ids(self) -> np.ndarray:
+        """(distinct,) int64: every id ever counted (a window's forgotten ones too: `apply` skips zero counts).
+        A view: valid until the next `push`."""
+        return self._ids[:self._n]
+
     def push(self, t: int) -> None:
         """A token was sampled (and joins the answer). Side effect: the counts."""
         if self.pen.last_n is None:
@@ -265,7 +271,7 @@ class Sampler:
     def _touched(self) -> np.ndarray:
         if self.penalties is None:
             return self._bias_ids
-        ids = self.penalties._ids[:self.penalties._n]
+        ids = self.penalties.ids
         return np.union1d(self._bias_ids, ids) if len(self._bias_ids) else ids.copy()
 
     def _choose(self, x: np.ndarray, index: int) -> int:
