@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from ternlm.bench.common import synthetic_text  # noqa: E402
-from ternlm.engine import Engine  # noqa: E402
+from ternlm.engine.core import Engine  # noqa: E402
 from ternlm.models.registry import resolve  # noqa: E402
 
 MIB = 1 << 20

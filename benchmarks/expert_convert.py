@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from ternlm.models.gguf import GGUFReader, config_from_gguf, expert_slabs  # noqa: E402
-from ternlm.models.qconvert import lanes_empty, lanes_from_gguf  # noqa: E402
-from ternlm.models.qweight import QT  # noqa: E402
+from ternlm.linear.qconvert import lanes_empty, lanes_from_gguf  # noqa: E402
+from ternlm.linear.qweight import QT  # noqa: E402
 
 
 def _raw(fd: int, slab) -> torch.Tensor:

@@ -26,7 +26,7 @@ def main() -> None:
     a = ap.parse_args()
     import transformers as tf
 
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     from ternlm.models.registry import model_path
     path = model_path("gemma3-270m")
     eng = Engine.load(str(path), dtype="float32", weights=a.weights, ctx=2048, kv_dtype=a.kv_dtype)

@@ -119,7 +119,7 @@ def _servers(a, gguf: Path, tier_flags: list[str]) -> dict:
 
 def replay(a) -> dict:
     gguf = model_file(a)
-    from ternlm.tokenizer import Tokenizer
+    from ternlm.text.tokenizer import Tokenizer
     r = Renderer(Tokenizer.from_gguf(str(gguf)).chat_template, gguf)
     from ternlm.bench.multiturn import synthetic_conversations
     conv = synthetic_conversations(1, a.turns, a.system_words, a.user_words, a.seed)[0]

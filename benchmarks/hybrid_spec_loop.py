@@ -25,7 +25,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     e = Engine.load(a.model)
     seed = e.tokenizer.encode("Once upon a time, in a city by the sea,", add_special_tokens=False)
     base = e.generate(seed, max_tokens=a.tokens, ignore_eos=True, speculative=False).token_ids

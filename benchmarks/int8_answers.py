@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "mt_bench_question.jsonl"
 FRANCE = "What is the capital of France?"

@@ -9,7 +9,7 @@ the peak can be placed in a phase.
         [--trim-each] [--drop-pages-each] [--slabs] [--tokenizer-first]   (TERNLM_MALLOC_TUNE=0 in the environment: glibc's defaults)
 
 --trim-each and --drop-pages-each measure a loader change without making it: they wrap
-ternlm.models.qweight.from_gguf/to_lanes (looked up at call time by models/gguf.py's load_gguf) so
+ternlm.linear.qweight.from_gguf/to_lanes (looked up at call time by models/gguf.py's load_gguf) so
 that after each tensor is converted, glibc's free heap pages go back (malloc_trim(0)) and/or the
 tensor's pages of the GGUF mapping are dropped from the resident set (madvise MADV_DONTNEED: clean
 private file pages, re-read from the page cache if touched again). --slabs converts each matrix 4,096
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-import ternlm.engine  # noqa: F401  imported before the baseline: the baseline holds code, no model
+import ternlm.engine.core  # noqa: F401  imported before the baseline: the baseline holds code, no model
 from ternlm.bench.common import bench_model, kv_budget_bytes, measure_load, proc_status
 
 MIB = 1 << 20
@@ -100,7 +100,7 @@ def held_tensors(root) -> dict[str, int]:
     """Bytes of the distinct tensor storages reachable from `root` (the model), by kind: each
     quantized layout, "dense" (norms, biases, dense matrices), "rope" (cos/sin tables). Deduplicated
     by storage, so a tied embedding / LM head counts once."""
-    from ternlm.models.qweight import QWeight
+    from ternlm.linear.qweight import QWeight
     seen_obj, seen_store, out = set(), set(), defaultdict(int)
 
     def add(t: torch.Tensor, kind: str):
@@ -151,7 +151,7 @@ SLAB_ROWS = 4096
 def _slab_convert(raw, qtype, n, k, real_from, real_lanes):
     """from_gguf + to_lanes, SLAB_ROWS rows at a time into preallocated lanes tensors; None where it
     cannot (see the module docstring)."""
-    import ternlm.models.qweight as qw
+    import ternlm.linear.qweight as qw
     _, block, size, _ = qw._CONVERT[qtype]
     row_bytes = k // block * size
     if n % qw.BLOCK_ROWS or n <= SLAB_ROWS:
@@ -179,8 +179,8 @@ def _slab_convert(raw, qtype, n, k, real_from, real_lanes):
 
 
 def wrap_loader(trim_each: bool, drop_pages_each: bool, slabs: bool = False) -> None:
-    """The experiments of the module docstring. Side effect: patches ternlm.models.qweight for this process."""
-    import ternlm.models.qweight as qw
+    """The experiments of the module docstring. Side effect: patches ternlm.linear.qweight for this process."""
+    import ternlm.linear.qweight as qw
     libc = ctypes.CDLL("libc.so.6")
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page, dontneed = 4096, 4                              # MADV_DONTNEED
@@ -243,7 +243,7 @@ def main() -> None:
     if args.trim_each or args.drop_pages_each or args.slabs:
         wrap_loader(args.trim_each, args.drop_pages_each, args.slabs)
     torch.set_num_threads(args.threads)
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     m = bench_model(args.model)
 
     timeline = Timeline()

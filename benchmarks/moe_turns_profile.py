@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from ternlm.engine import Engine  # noqa: E402
+from ternlm.engine.core import Engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,9 +17,9 @@ import urllib.request
 from pathlib import Path
 
 from ternlm.bench.peers import LlamaCppServer, find_llama_server, free_port, llama_server_argv
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.registry import model_path
-from ternlm.sampling import Penalties
+from ternlm.engine.sampling import Penalties
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"none": {}, "repeat1.3-last64": {"repeat_penalty": 1.3, "repeat_last_n": 64},

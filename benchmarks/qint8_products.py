@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from ternlm.kernels.build import load
-from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import from_gguf, to_int8, to_lanes
+from ternlm.linear.qlinear import QLinear
+from ternlm.linear.qweight import from_gguf, to_int8, to_lanes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_qweight import random_blocks  # noqa: E402

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ternlm.engine import Engine
-from ternlm.models.qlinear import QLinear
+from ternlm.engine.core import Engine
+from ternlm.linear.qlinear import QLinear
 
 SOURCES = ["src/ternlm/kernels/qmatmul.c", "src/ternlm/kernels/qlanes.c"]     # those the revision has
 HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h"]   # their includes (qmatmul_amx.h: old revisions)

@@ -4,7 +4,7 @@ engine, and the prompt arithmetic.
 
 Two llama.cpp peers. `LlamaCpp`: llama-cpp-python 0.3.36's OpenAI server (`make bench-peers`,
 `.venv-peers/bin/python -m llama_cpp.server`). It cannot take a jinja chat template, so the replays render
-each prompt here with ternlm's own renderer (ternlm.chat.render_chat, the code `ternlm serve` runs) and
+each prompt here with ternlm's own renderer (ternlm.text.chat.render_chat, the code `ternlm serve` runs) and
 send the text to its /v1/completions. What it did with the prompt is read from its verbose log:
 `Llama.generate: N prefix-match hit, remaining M prompt tokens to eval` (M = tokens it processed; no such
 line = it reset and processed the whole prompt) and `llama_perf_context_print: prompt eval time`.
@@ -271,17 +271,17 @@ class LlamaServer(LlamaCppServer):
 @dataclass
 class Renderer:
     """Chat template text -> prompt text and ids, exactly as `ternlm serve` renders and tokenizes them
-    (ternlm.chat.render_chat, the model file's own tokenizer, no extra special tokens). Pure."""
+    (ternlm.text.chat.render_chat, the model file's own tokenizer, no extra special tokens). Pure."""
     template: str
     gguf: Path
     tok: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from ternlm.tokenizer import Tokenizer
+        from ternlm.text.tokenizer import Tokenizer
         self.tok = Tokenizer.from_gguf(str(self.gguf))
 
     def text(self, messages: list[dict], **kw) -> str:
-        from ternlm.chat import render_chat
+        from ternlm.text.chat import render_chat
         return render_chat(self.template, messages, add_generation_prompt=True, bos_token=self.tok.bos_token,
                            eos_token=self.tok.eos_token, **kw)
 

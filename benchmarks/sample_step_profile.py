@@ -12,8 +12,8 @@ import statistics
 import time
 
 from ternlm.bench.common import synthetic_text
-from ternlm.engine import Engine
-from ternlm.sampling import Penalties, Sampler
+from ternlm.engine.core import Engine
+from ternlm.engine.sampling import Penalties, Sampler
 
 SETTINGS = {"greedy": {}, "t1": {"temperature": 1.0, "seed": 1},
             "t0.7-p0.95-pres0.5": {"temperature": 0.7, "top_p": 0.95, "seed": 1, "penalties": Penalties(presence=0.5)}}

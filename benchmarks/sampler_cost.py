@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ternlm.sampling import Penalties, Sampler, SamplingParams, draw_seed
+from ternlm.engine.sampling import Penalties, Sampler, SamplingParams, draw_seed
 
 
 def before(x: torch.Tensor, p: SamplingParams, gen: torch.Generator, index: int) -> int:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.kv.record import lcp
 from ternlm.models.hf import load_hf_folder
 from test_batching import alone, together
@@ -176,7 +176,7 @@ def assert_q4_k_file_matches(hf, tmp_path, to_f32: Callable, reference_weights: 
     fp32 activations: [FP64-BOUND] parity and greedy text equal; int8 activations exact on every path."""
     from ggml_requant import requantize
     from ternlm.models.gguf import load_gguf
-    from ternlm.weights import choose_weights
+    from ternlm.engine.weights import choose_weights
 
     def engine(act: str, **kw) -> Engine:
         return Engine(load_gguf(q4k, torch.float32, keep_quantized=True, lanes=True), dtype="float32",

@@ -83,7 +83,7 @@ class ServerProc:
         """Launch without waiting for the model (call wait_ready)."""
         self.port = free_port()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "ternlm.cli.main", "serve", "--port", str(self.port), *self.args]
         # [DIE-WITH-PARENT] PR_SET_PDEATHSIG fires when the *thread* that started the child exits: tests
         # start servers from their main thread (fixtures, test bodies), never from worker threads.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,

@@ -15,11 +15,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.models.rope import Rope, rotary_row_order
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_loaders import _save_tokenizer
 

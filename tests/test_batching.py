@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 
-from ternlm.engine import ChatIds, Completion, Delta, Engine
+from ternlm.engine.core import ChatIds, Completion, Delta, Engine
 from ternlm.kv.slots import Slot
-from ternlm.scheduler import Cancelled, Finished, GenParams, GenRequest, Scheduler
-from ternlm.step_plan import plan_step
+from ternlm.engine.scheduler import Cancelled, Finished, GenParams, GenRequest, Scheduler
+from ternlm.engine.step_plan import plan_step
 from test_reuse import assert_record_matches_kv
 from tiny import tiny_engine
 from lesser_isa import run_built_for

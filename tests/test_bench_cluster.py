@@ -13,7 +13,7 @@ import sys
 
 def test_tiny_run_moves_a_conversation_and_survives_redis_dying(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ternlm.cli", "bench", "cluster", "--history-tokens", "700", "--repeats", "1",
+    cmd = [sys.executable, "-m", "ternlm.cli.main", "bench", "cluster", "--history-tokens", "700", "--repeats", "1",
            "--warmup", "0", "--conversations", "2", "--turns", "2", "--kill-after", "0.5", "--redis-down", "2",
            "--bench-gets", "50", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

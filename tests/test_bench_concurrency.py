@@ -9,7 +9,7 @@ import pytest
 
 from fake_openai import FakeOpenAI
 from ternlm.bench.latency import aggregate_decode_tok_s, gaps, pcts, split_gaps, union_length
-from ternlm.cli import main
+from ternlm.cli.main import main
 
 
 def test_union_and_aggregate():

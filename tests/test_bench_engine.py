@@ -16,8 +16,8 @@ import torch
 
 from ternlm.bench.common import bench_model, kv_budget_bytes
 from ternlm.bench.sampling_settings import STANDARD, Sampling, from_flags, parse, parse_list
-from ternlm.cli import main
-from ternlm.sampling import Penalties
+from ternlm.cli.main import main
+from ternlm.engine.sampling import Penalties
 
 MIB = 1 << 20
 
@@ -72,7 +72,7 @@ def test_bench_engine_and_reuse_accept_a_gguf_path(smollm2_gguf, tmp_path, monke
             "--prompt-tokens", "16", "--decode-tokens", "2", "--decode-context", "16", "--repeats", "1",
             "--ctx", "512", "--out", str(out)]
     # its own process: the load's RSS figures would otherwise include this test process's heap history
-    subprocess.run([sys.executable, "-m", "ternlm.cli", *argv], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "ternlm.cli.main", *argv], check=True, capture_output=True)
     res = json.loads(next(out.glob("engine-copy of smollm2-float32-*-ctx16.json")).read_text())
     assert res["model"] == "copy of smollm2" and res["model_path"] == str(model)
     assert list(res["median_tok_s"]) == ["ternlm"]
@@ -131,7 +131,7 @@ def test_sampling_names_read_and_write_the_same_settings():
 def test_bench_engine_decodes_at_each_sampling_setting(tmp_path, monkeypatch):
     """In process, the engine's stream spied on: each setting's fields reach the decode, rounds interleave
     greedy, t1, chat; the JSON's headline decode is the first setting's and the ratios are greedy's."""
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     calls = []
     real = Engine.stream
 

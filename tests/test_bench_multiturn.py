@@ -24,7 +24,7 @@ import pytest
 
 from fake_openai import FakeOpenAI
 from ternlm.bench.multiturn import load_conversations, synthetic_conversations, turn_seed
-from ternlm.cli import main
+from ternlm.cli.main import main
 
 from conftest import TEST_DATA
 
@@ -32,7 +32,7 @@ from conftest import TEST_DATA
 def test_end_to_end_real_servers(tmp_path):
     out = tmp_path / "out"
     with FakeOpenAI() as fake:
-        cmd = [sys.executable, "-m", "ternlm.cli", "bench", "multiturn", "-m", "smollm2-135m", "--dtype", "float32",
+        cmd = [sys.executable, "-m", "ternlm.cli.main", "bench", "multiturn", "-m", "smollm2-135m", "--dtype", "float32",
                "--threads", "1", "--num-conversations", "2", "--turns", "2", "--max-tokens", "8",
                "--system-words", "30", "--user-words", "12", "--clients", "2",
                "--url", fake.url, "--label", "fake", "--out", str(out)]

@@ -16,7 +16,7 @@ import pytest
 
 from ternlm.bench import peers
 from ternlm.bench.cli import add_bench_parser
-from ternlm.engine_args import engine_args, load_engine
+from ternlm.engine.args import engine_args, load_engine
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

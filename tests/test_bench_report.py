@@ -27,7 +27,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def quick(smollm2_gguf, tmp_path_factory) -> tuple[Path, dict, str, str]:
     out = tmp_path_factory.mktemp("report") / "r"
-    p = subprocess.run([sys.executable, "-m", "ternlm.cli", "bench", "report", "--quick", "--out", str(out)],
+    p = subprocess.run([sys.executable, "-m", "ternlm.cli.main", "bench", "report", "--quick", "--out", str(out)],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out, json.loads((out / "summary.json").read_text()), (out / "summary.md").read_text(), p.stdout

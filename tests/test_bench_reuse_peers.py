@@ -55,7 +55,7 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 def _bench(tmp_path: Path, binary: str, env: dict | None = None) -> dict:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ternlm.cli", "bench", "reuse", "-m", "smollm2-135m", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "ternlm.cli.main", "bench", "reuse", "-m", "smollm2-135m", "--dtype", "float32",
            "--threads", "1", "--history-tokens", "150", "--repeats", "1", "--ctx", "1024",
            "--llamacpp-python", "", "--llama-server", binary, "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,

@@ -38,7 +38,7 @@ from ternlm.bench.soak_report import by_kind, missed, per_bin, rss_growth, verdi
 
 def test_soak_end_to_end(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ternlm.cli", "bench", "soak", "-m", "smollm2-135m", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "ternlm.cli.main", "bench", "soak", "-m", "smollm2-135m", "--dtype", "float32",
            "--threads", "1", "--duration", "24", "--kill-at", "12", "--clients", "4", "--slots", "2",
            "--turns", "3", "--max-tokens", "8", "--system-words", "30", "--user-words", "12",
            "--cache-ram", "1MiB", "--warmup", "2", "--rss-every", "2", "--bin", "8", "--cold-check", "3",

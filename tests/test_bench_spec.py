@@ -89,7 +89,7 @@ def test_llama_spec_types_are_read_from_its_help(tmp_path):
 
 def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ternlm.cli", "bench", "spec", "-m", "smollm2-135m", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "ternlm.cli.main", "bench", "spec", "-m", "smollm2-135m", "--dtype", "float32",
            "--threads", "1", "--repeats", "1", "--out", str(out), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))

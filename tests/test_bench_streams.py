@@ -9,7 +9,7 @@ import pytest
 
 from fake_openai import FakeOpenAI
 from ternlm.bench.latency import steady_decode_tok_s, steady_window
-from ternlm.cli import main
+from ternlm.cli.main import main
 
 
 def test_steady_window_counts_only_while_all_stream():

@@ -13,7 +13,7 @@ import sys
 
 from ternlm.bench import tiers
 from ternlm.kv.blocks import BLOCK_TOKENS
-from ternlm.cli import main
+from ternlm.cli.main import main
 
 
 def test_tiny_run_restores_from_each_tier_and_the_identity_check_bites(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from ternlm.cli import main
+from ternlm.cli.main import main
 from test_kv_store import IDENT, B, fake_slot, rand_ids
 from ternlm.kv.store import StoreIdentity, TieredStore
 

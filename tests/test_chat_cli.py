@@ -8,7 +8,7 @@
    server sees the disconnect), the partial answer stays in the history that is resent next turn, and
    a server without usage/timings gets a client-side stats line.
 
-The chat is started as `python -m ternlm.chat_cli`, the same parser and loader `ternlm chat` uses.
+The chat is started as `python -m ternlm.cli.chat`, the same parser and loader `ternlm chat` uses.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ STATS = re.compile(r"reused (\d+)/(\d+) · prefill (\d+) tok in [\d.]+ s · (?:\
 
 
 def spawn(*args: str, timeout: float = 120) -> pexpect.spawn:
-    return pexpect.spawn(sys.executable, ["-m", "ternlm.chat_cli", *args], encoding="utf-8", timeout=timeout,
+    return pexpect.spawn(sys.executable, ["-m", "ternlm.cli.chat", *args], encoding="utf-8", timeout=timeout,
                          dimensions=(50, 400), env=dict(os.environ, PYTHONUNBUFFERED="1", TERM="xterm"))
 
 
@@ -156,8 +156,8 @@ def test_url_ctrl_c_closes_the_stream_and_keeps_the_partial_answer():
 
 
 def test_cli_registers_chat():
-    """`ternlm chat` exists once src/ternlm/cli.py calls add_chat_parser."""
-    from ternlm.cli import main
+    """`ternlm chat` exists once src/ternlm/cli/main.py calls add_chat_parser."""
+    from ternlm.cli.main import main
     with pytest.raises(SystemExit) as e:
         main(["chat", "--help"])
     assert e.value.code == 0
@@ -166,7 +166,7 @@ def test_cli_registers_chat():
 def test_stats_line_names_the_tier_the_prefix_came_from():
     from types import SimpleNamespace
 
-    from ternlm.chat_cli import TurnStats, _fill
+    from ternlm.cli.chat import TurnStats, _fill
     usage = SimpleNamespace(prompt_tokens=900, completion_tokens=5,
                             prompt_tokens_details=SimpleNamespace(cached_tokens=768))
     for tier, shown in (("disk", "reused 768/900 from disk"), ("ram", "reused 768/900 from ram"),

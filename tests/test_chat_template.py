@@ -1,4 +1,4 @@
-"""ternlm.chat.render_chat renders exactly what transformers' apply_chat_template(tokenize=False)
+"""ternlm.text.chat.render_chat renders exactly what transformers' apply_chat_template(tokenize=False)
 renders, inside a sandbox, and turns template failures into ChatTemplateError."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ternlm.chat import ChatTemplateError, message_boundaries, render_chat
+from ternlm.text.chat import ChatTemplateError, message_boundaries, render_chat
 from ternlm.models.registry import model_path
 
 

@@ -13,7 +13,7 @@ import httpx2 as httpx
 import pytest
 
 from server_proc import ServerProc, openai_client, serving
-from ternlm.scheduler import Cancelled, Failed, Finished, GenParams, GenRequest, Scheduler
+from ternlm.engine.scheduler import Cancelled, Failed, Finished, GenParams, GenRequest, Scheduler
 from tiny import tiny_engine
 
 PROMPT = [(7 * i + 1) % 250 for i in range(40)]

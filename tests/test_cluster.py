@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from server_proc import _LIVE
-from ternlm.cluster import free_ports
+from ternlm.server.cluster import free_ports
 from test_kv_tiers_server import QUESTIONS, system_prompt
 
 MODEL = "smollm2-135m"
@@ -45,7 +45,7 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ternlm.cli", "cluster", "--replicas", str(REPLICAS), "--port", str(self.port),
+            [sys.executable, "-m", "ternlm.cli.main", "cluster", "--replicas", str(REPLICAS), "--port", str(self.port),
              "-m", MODEL, "--", "--dtype", "float32", "--threads", "1", "--slots", "1", "--cache-disk", "0"],
             stdout=self.log, stderr=subprocess.STDOUT)
         _LIVE.append(self.proc)

@@ -126,7 +126,7 @@ def test_probe_agrees_with_torch():
     choice = choose_dtype("auto", c)
     if choice.dtype == "bfloat16":
         # what auto picks must run: pack a weight the way the model does
-        from ternlm.models.linear import Linear
+        from ternlm.linear.dense import Linear
         lin = Linear(torch.randn(8, 16, dtype=torch.bfloat16))
         assert lin.packed and lin(torch.randn(3, 16, dtype=torch.bfloat16)).shape == (3, 8)
 
@@ -137,7 +137,7 @@ AVX2_ENV = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "
 
 
 def ternlm(*args: str, env=AVX2_ENV, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ternlm.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ternlm.cli.main", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
@@ -215,7 +215,7 @@ def test_a_block_from_another_fingerprint_is_a_miss(tmp_path):
 
 def test_config_as_loaded_is_in_the_namespace():
     from tiny import tiny_engine, tiny_loaded
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     _, a = tiny_engine("llama", seed=4)
     _, loaded = tiny_loaded("llama", seed=4)
     loaded.extra_sha256 = "another config.json"

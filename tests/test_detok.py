@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ternlm.detok import IncrementalDetokenizer, StopMatcher
+from ternlm.engine.detok import IncrementalDetokenizer, StopMatcher
 from ternlm.models.registry import model_path
-from ternlm.tokenizer import Tokenizer
+from ternlm.text.tokenizer import Tokenizer
 
 def examples(n: int) -> settings:
     # The module-scoped tokenizer fixture is shared by all examples on purpose (it is read-only).

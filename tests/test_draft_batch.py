@@ -13,11 +13,11 @@ import torch
 from test_batching import alone
 from test_draft_model import draft_engine, target
 from test_reuse import assert_record_matches_kv
-from ternlm.draft_batch import Lane, draft_together
-from ternlm.engine import Engine
-from ternlm.scheduler import Failed, Finished, GenParams, GenRequest, Scheduler
+from ternlm.engine.spec.draft_batch import Lane, draft_together
+from ternlm.engine.core import Engine
+from ternlm.engine.scheduler import Failed, Finished, GenParams, GenRequest, Scheduler
 from ternlm.server.metrics import Metrics
-from ternlm.step_plan import plan_step
+from ternlm.engine.step_plan import plan_step
 
 # short prompts: every catch-up fits one chunk (16), so a step's draft forwards = its longest draft
 REQS = [([5, 6, 7], 40), ([9, 8, 7, 6], 30), ([1, 2] * 5, 36), ([20, 21, 22, 23, 24], 28)]

@@ -17,15 +17,15 @@ import sys
 
 import pytest
 
-from ternlm.sampling import Penalties
+from ternlm.engine.sampling import Penalties
 import torch
 
 from test_batching import alone, together
 from test_reuse import assert_record_matches_kv
 from tiny import ByteTokenizer, tiny_loaded
-from ternlm.draft_model import DraftModel, ModelDrafter, vocabulary_mismatch
-from ternlm.engine import Engine
-from ternlm.step_plan import plan_step
+from ternlm.engine.spec.draft_model import DraftModel, ModelDrafter, vocabulary_mismatch
+from ternlm.engine.core import Engine
+from ternlm.engine.step_plan import plan_step
 
 SLOTS = 6
 KW = dict(dtype=torch.float32, min_reuse=1, chunk_size=16, slots=SLOTS)
@@ -210,7 +210,7 @@ def test_too_few_draft_slots_are_refused():
 @pytest.mark.slow
 def test_real_vocabularies_are_compared_by_tokens_not_names():
     from ternlm.models.registry import model_path
-    from ternlm.tokenizer import Tokenizer
+    from ternlm.text.tokenizer import Tokenizer
     smol = Tokenizer.from_gguf(model_path("smollm2-135m"))
     qwen = Tokenizer.from_gguf(model_path("qwen2.5-coder-0.5b"))
     assert vocabulary_mismatch(smol, smol) is None and vocabulary_mismatch(qwen, qwen) is None
@@ -252,7 +252,7 @@ def test_qwen_coder_half_b_drafts_for_one_and_a_half_b():
 
 def test_cli_refuses_a_draft_model_of_another_tokenizer():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([sys.executable, "-m", "ternlm.cli", "generate", "-m", "smollm2-135m", "--draft-model",
+    r = subprocess.run([sys.executable, "-m", "ternlm.cli.main", "generate", "-m", "smollm2-135m", "--draft-model",
                         "gemma3-270m", "--dtype", "float32", "--max-tokens", "2", "hi"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2 and "tokenizer is not the target's" in r.stderr, r.stderr[-2000:]

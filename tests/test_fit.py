@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ternlm import fit
-from ternlm.fit import (OVERHEAD, Available, Budget, DoesNotFit, available_memory, budget_for, check,
+from ternlm.engine import fit
+from ternlm.engine.fit import (OVERHEAD, Available, Budget, DoesNotFit, available_memory, budget_for, check,
                         kv_bytes_per_token, require_fit, slot_tokens)
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -289,7 +289,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 def test_serve_refuses_an_impossible_configuration(smollm2_gguf):
     """Real available memory: 100,000 slots x 8,192 tokens of KV (~17 TiB) fits nowhere."""
-    out = subprocess.run([sys.executable, "-m", "ternlm.cli", "serve", "-m", "smollm2-135m", "--slots", "100000",
+    out = subprocess.run([sys.executable, "-m", "ternlm.cli.main", "serve", "-m", "smollm2-135m", "--slots", "100000",
                           "--port", "0"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     assert out.returncode == 2, out.stderr[-2000:]
@@ -301,7 +301,8 @@ def test_serve_refuses_an_impossible_configuration(smollm2_gguf):
 
 _GENERATE = """
 import sys
-from ternlm import cli, fit
+from ternlm.engine import fit
+from ternlm.cli import main as cli
 fit.available_memory = lambda: fit.Available(400 << 20, "cgroup limit")   # a 400 MiB container, say
 sys.exit(cli.main(sys.argv[1:]))
 """
@@ -334,7 +335,7 @@ def test_moe_experts_count_as_the_expert_cache_keeps_them(tmp_path):
 
     from hf_to_gguf import write_gguf
     from test_moe import MODELS, hf_model
-    from ternlm.fit import budget_for
+    from ternlm.engine.fit import budget_for
     from ternlm.models.gguf import FastGGUFReader
 
     path = tmp_path / "moe.gguf"

@@ -22,12 +22,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.models.llama import ATTN_BLOCK, Segment, Transformer, attention, causal_bias
 from ternlm.models.templates import GEMMA_TEMPLATE, with_builtin_template
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_loaders import _save_tokenizer
 
@@ -127,7 +127,7 @@ def test_builtin_template_when_the_file_has_none(caplog):
     with caplog.at_level(logging.INFO, logger="ternlm"):
         assert with_builtin_template("gemma3", None) == GEMMA_TEMPLATE
         with_builtin_template("gemma3", None)
-    from ternlm.chat import render_chat
+    from ternlm.text.chat import render_chat
     text = render_chat(GEMMA_TEMPLATE, [{"role": "system", "content": "Be brief."},
                                         {"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Hello"},
                                         {"role": "user", "content": "Bye"}],

@@ -74,7 +74,7 @@ def test_body_over_max_body_is_413_and_the_server_carries_on(keyed):
 
 
 def serve_fails(cache_dir: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ternlm.cli", "serve", *COMMON, "--port", "1",
+    return subprocess.run([sys.executable, "-m", "ternlm.cli.main", "serve", *COMMON, "--port", "1",
                            "--cache-dir", cache_dir], capture_output=True, text=True, timeout=120)
 
 

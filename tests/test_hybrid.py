@@ -16,9 +16,9 @@ import torch
 
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import load_gguf
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hybrid_to_gguf import write_qwen35_gguf
 from lesser_isa import LESSER, run_built_for
 from ternlm.kv.recurrent import RecurrentShape, RecurrentState
@@ -186,9 +186,9 @@ def test_gguf_int8_is_exact_on_every_path(quant, tmp_path):
 _ISA_SCRIPT = textwrap.dedent("""
     import os, tempfile, torch
     from gguf import GGMLQuantizationType as QT
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     from ternlm.models.gguf import load_gguf
-    from ternlm.weights import choose_weights
+    from ternlm.engine.weights import choose_weights
     from hybrid_to_gguf import write_qwen35_gguf
     from test_hybrid import hf_qwen35
     from test_moe import ids_of
@@ -229,8 +229,8 @@ def test_fit_check_and_info_count_the_recurrent_state(tmp_path):
     """The memory fit counts each slot's recurrent state with as many snapshots as it may keep, and its KV at
     fp32 (hybrid layers run in torch); `ternlm info -m` reports a snapshot's bytes and a token's share; a
     suggested --slots / --ctx fits with the state counted."""
-    from ternlm.fit import Available, budget_for, check
-    from ternlm.info_cli import recurrent_info
+    from ternlm.engine.fit import Available, budget_for, check
+    from ternlm.cli.info import recurrent_info
     from ternlm.kv.recurrent import recurrent_shape
     hf = hf_qwen35(seed=1)
     path = tmp_path / "m.gguf"

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ternlm.engine import Engine
-from ternlm.fit import budget_for
+from ternlm.engine.core import Engine
+from ternlm.engine.fit import budget_for
 from ternlm.models.gguf import FastGGUFReader, load_gguf
 from hybrid_checks import assert_fp64_parity, folder_engine, save_folder
 from nemotron_to_gguf import convert

@@ -17,13 +17,13 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as np_dequantize
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.kv.blocks import BLOCK_TOKENS
 from ternlm.kv.recurrent import recurrent_shape
 from ternlm.kv.store import CacheConfig
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hybrid_checks import (assert_batched_equals_alone, assert_chunks_match_one_pass, assert_fp64_parity,
                            assert_greedy_text_matches, assert_int8_exact_on_every_path, assert_reuse_gives_cold_bits,
                            assert_threads_do_not_change_bits, folder_engine, save_folder)
@@ -198,6 +198,6 @@ def test_converter_q8_0_int8_is_exact_on_every_path(lfm2, converted):
 
 def test_conv_bias_is_refused(tmp_path):
     save_folder(hf_lfm2(seed=1, conv_bias=True), tmp_path)
-    from ternlm.config import UnsupportedModelError
+    from ternlm.models.config import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match="conv_bias"):
         load_hf_folder(tmp_path, torch.float32)

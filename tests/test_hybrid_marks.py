@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ternlm.kv.recurrent import RecurrentShape, RecurrentState
-from ternlm.message_marks import message_marks
-from ternlm.tokenizer import Tokenizer
+from ternlm.text.message_marks import message_marks
+from ternlm.text.tokenizer import Tokenizer
 from hybrid_checks import folder_engine
 from test_hybrid import hf_qwen35
 from test_loaders import TEMPLATE as NO_MARK_TEMPLATE

@@ -17,11 +17,11 @@ import json
 import pytest
 import torch
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.kv.recurrent import recurrent_shape
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hybrid_checks import (assert_batched_equals_alone, assert_chunks_match_one_pass, assert_fp64_parity,
                            assert_greedy_text_matches, assert_int8_exact_on_every_path, assert_q4_k_file_matches,
                            assert_reuse_gives_cold_bits, assert_threads_do_not_change_bits, folder_engine, save_folder)
@@ -181,7 +181,7 @@ def test_moe_blocks_are_refused_by_name(tmp_path):
     hf = hf_nemotron(seed=1, layers_block_type=["linear_attention", "moe"], n_routed_experts=4,
                      num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)
     save_folder(hf, tmp_path)
-    from ternlm.config import UnsupportedModelError
+    from ternlm.models.config import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match="mixture-of-experts"):
         load_hf_folder(tmp_path, torch.float32)
     assert json.loads((tmp_path / "config.json").read_text())["layers_block_type"][1] == "moe"

@@ -20,12 +20,12 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize as np_dequantize
 
-from ternlm.config import UnsupportedModelError
-from ternlm.engine import Engine
-from ternlm.models.deltanet import fused_rows
+from ternlm.models.config import UnsupportedModelError
+from ternlm.engine.core import Engine
+from ternlm.models.recurrent.deltanet import fused_rows
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hybrid_checks import (DIVERGENCES_200, assert_batched_equals_alone, assert_chunks_match_one_pass,
                            assert_fp64_parity, assert_greedy_text_matches, assert_int8_exact_on_every_path,
                            assert_q4_k_file_matches, assert_reuse_gives_cold_bits,

@@ -24,7 +24,7 @@ from ternlm.kv.blocks import BLOCK_TOKENS, ROOT, block_key, block_refs
 from ternlm.kv.disk import DiskTier, block_path, scan
 from ternlm.kv.slots import KVShape, Slot
 from ternlm.kv.store import Saved, StoreIdentity, TieredStore
-from ternlm.runner import Runner
+from ternlm.engine.runner import Runner
 
 B = BLOCK_TOKENS
 NS = b"namespace-A"

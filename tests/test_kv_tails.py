@@ -20,7 +20,7 @@ from ternlm.kv.blocks import ROOT, block_refs, tail_key, tail_locator, tail_name
 from ternlm.kv.disk import block_path, scan
 from ternlm.kv.slots import Slot
 from ternlm.kv.store import TAILS_PER_PARENT, CacheConfig, Saved, TieredStore
-from ternlm.runner import Runner
+from ternlm.engine.runner import Runner
 from test_kv_store import IDENT, NS, SHAPE, B, check_same, fake_slot, rand_ids
 
 
@@ -107,7 +107,7 @@ def test_a_tail_file_verifies_like_a_block(tmp_path):
     assert "differs" in bad(foreign.read_bytes())                    # another tenant's tail
     # scan names it by locator + key; every file verifies; `cache verify` agrees
     assert meta.name in scan(tmp_path)
-    from ternlm.cli import main
+    from ternlm.cli.main import main
     assert main(["cache", "verify", "--dry-run", "--cache-dir", str(tmp_path)]) == 0
 
 

@@ -153,7 +153,7 @@ def test_kill_9_mid_write_then_damaged_and_foreign_files(tmp_path, cold):
     server.close()
     assert seen, "never saw a block write in progress to interrupt"
     # what the kill left: whole block files (all verify) and maybe an orphaned tmp file
-    verify = subprocess.run([sys.executable, "-m", "ternlm.cli", "cache", "verify", "--dry-run",
+    verify = subprocess.run([sys.executable, "-m", "ternlm.cli.main", "cache", "verify", "--dry-run",
                              "--cache-dir", str(kv)], capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert " 0 damaged" in verify.stdout
@@ -256,7 +256,7 @@ def test_two_servers_share_one_directory(tmp_path, cold):
     finally:
         a.close()
         b.close()
-    verify = subprocess.run([sys.executable, "-m", "ternlm.cli", "cache", "verify", "--dry-run",
+    verify = subprocess.run([sys.executable, "-m", "ternlm.cli.main", "cache", "verify", "--dry-run",
                              "--cache-dir", str(kv)], capture_output=True, text=True)
     assert verify.returncode == 0 and " 0 damaged" in verify.stdout, verify.stdout
 

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize as np_dequantize
 
-from ternlm.config import SUPPORTED_ARCHS, UnsupportedModelError
+from ternlm.models.config import SUPPORTED_ARCHS, UnsupportedModelError
 from ternlm.models import gguf as ggufmod
 from ternlm.models.gguf import dequantize, load_gguf, unpermute_rows
 from ternlm.models.hf import load_hf_folder

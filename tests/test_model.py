@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ternlm.models.linear import Linear
+from ternlm.linear.dense import Linear
 from conftest import BF16, FP32
 from tiny import tiny_engine
 

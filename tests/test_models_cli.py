@@ -31,7 +31,7 @@ def xdg(tmp_path):
 
 def _models(xdg, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_CACHE_HOME": str(xdg)}
-    return subprocess.run([sys.executable, "-m", "ternlm.cli", "models", *flags], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ternlm.cli.main", "models", *flags], env=env, capture_output=True,
                           text=True, timeout=120)
 
 

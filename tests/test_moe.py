@@ -14,14 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.config import ModelConfig
-from ternlm.engine import Engine
+from ternlm.models.config import ModelConfig
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import load_gguf
 from ternlm.models.hf import load_hf_folder
 from ternlm.models.llama import Segment
 from ternlm.models.moe import ExpertStore, MoE, select_experts
-from ternlm.models.qlinear import QLinear
-from ternlm.weights import choose_weights
+from ternlm.linear.qlinear import QLinear
+from ternlm.engine.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_loaders import _save_tokenizer
 

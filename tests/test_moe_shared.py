@@ -12,11 +12,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import FastGGUFReader, config_from_gguf, load_gguf
 from ternlm.models.moe import ExpertStore, MoE, SharedExpert, StreamedExperts
-from ternlm.models.linear import Linear
-from ternlm.weights import choose_weights
+from ternlm.linear.dense import Linear
+from ternlm.engine.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_model import hf_greedy
 from test_moe import MODELS, hf_model, ids_of

@@ -12,10 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
+from ternlm.engine.core import Engine
 from ternlm.models.gguf import FastGGUFReader, config_from_gguf, expert_slabs, load_gguf
 from ternlm.models.moe import EXPERTS_IN_USE, ExpertStore, StreamedExperts, plan_expert_cache
-from ternlm.weights import choose_weights
+from ternlm.engine.weights import choose_weights
 from hf_to_gguf import write_gguf
 from test_moe import hf_model, ids_of
 
@@ -397,7 +397,7 @@ def test_chunk_auto_plans_more_rows_where_experts_stream(moe_file, monkeypatch):
     """--chunk auto (chunk_size None): 256 rows where the experts are resident; where they stream, the
     chunk is planned with the cache (every chunk sweeps the experts again: fewer chunks, fewer reads) and
     the cache planned again beside that chunk's work. The logits are the resident engine's either way."""
-    import ternlm.engine as engine_mod
+    import ternlm.engine.core as engine_mod
     import ternlm.models.moe as moe
     real, seen = moe.plan_expert_cache, []
 

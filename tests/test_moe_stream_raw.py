@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ternlm.kernels import moe_layer
+from ternlm.models import native_moe as moe_layer
 from ternlm.models.gguf import load_gguf
 from ternlm.models.moe import EXPERTS_IN_USE, StreamedExperts
 from test_moe import _engine, ids_of

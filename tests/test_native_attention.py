@@ -117,7 +117,7 @@ def test_engine_without_native_kernels_falls_back(tmp_path):
     --weights gguf refused in one line."""
     script = textwrap.dedent("""
         from ternlm import Engine
-        from ternlm.weights import WeightsUnavailable
+        from ternlm.engine.weights import WeightsUnavailable
         e = Engine.load("smollm2-135m", dtype="float32")
         assert e.kernels is None and "attention=torch" in e.kernel_fingerprint
         out = e.generate(e.apply_chat_template([{"role": "user", "content": "Hi"}]), max_tokens=4)

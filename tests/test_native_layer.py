@@ -14,10 +14,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.config import ModelConfig
+from ternlm.models.config import ModelConfig
 from ternlm.kernels.build import Unavailable, load
 from ternlm.models.llama import Segment, Transformer
-from ternlm.models.qweight import from_gguf
+from ternlm.linear.qweight import from_gguf
 from ternlm.models.rope import Rope
 from test_qweight import random_blocks
 from lesser_isa import LESSER, run_built_for

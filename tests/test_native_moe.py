@@ -14,14 +14,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.engine import Engine
-from ternlm.kernels.moe_layer import NativeMoELayer
+from ternlm.engine.core import Engine
+from ternlm.models.native_moe import NativeMoELayer
 from ternlm.models import moe
 from ternlm.models.gguf import load_gguf
 from ternlm.models.moe import select_experts
-from ternlm.models.qlinear import QLinear
-from ternlm.weights import choose_weights
-from ternlm.models.qweight import to_int8, to_lanes
+from ternlm.linear.qlinear import QLinear
+from ternlm.engine.weights import choose_weights
+from ternlm.linear.qweight import to_int8, to_lanes
 from hf_to_gguf import write_gguf
 from lesser_isa import LESSER, run_built_for
 from test_moe import _engine, hf_logits, hf_model, ids_of

@@ -14,7 +14,7 @@ import httpx2 as httpx
 import pytest
 
 from server_proc import openai_client, serving
-from ternlm.sampling import Penalties
+from ternlm.engine.sampling import Penalties
 from ternlm.server import ollama as ollama_api
 from ternlm.server import schemas
 from ternlm.server.errors import APIError

@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from ternlm.kv.placement import plan_placement
-from ternlm.step_plan import Want, plan_step
+from ternlm.engine.step_plan import Want, plan_step
 
 
 @st.composite

@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from ternlm.kernels.build import load
-from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
-from ternlm.models.qweight import QWeight, from_gguf, to_int8, to_lanes
+from ternlm.linear.qconvert import NATIVE, lanes_empty, lanes_from_gguf
+from ternlm.linear.qweight import QWeight, from_gguf, to_int8, to_lanes
 from test_qweight import _F16_AT, kernels, random_blocks
 from lesser_isa import LESSER, run_built_for
 
@@ -167,7 +167,7 @@ def test_out_that_does_not_fit_is_refused():
 
 
 def test_threads_do_not_change_bits(monkeypatch):
-    from ternlm.models import qconvert
+    from ternlm.linear import qconvert
     monkeypatch.setattr(qconvert, "PARALLEL_BYTES", 0)           # this small matrix converts with the threads too
     raw = torch.from_numpy(random_blocks(QT.Q5_K, 256, 1024, seed=9))
     k = load()
@@ -185,8 +185,8 @@ def test_threads_do_not_change_bits(monkeypatch):
 _ISA_SCRIPT = """
 import torch
 from ternlm.kernels.build import load
-from ternlm.models.qconvert import NATIVE, lanes_empty, lanes_from_gguf
-from ternlm.models.qweight import to_int8
+from ternlm.linear.qconvert import NATIVE, lanes_empty, lanes_from_gguf
+from ternlm.linear.qweight import to_int8
 from test_qconvert import assert_same, extreme_blocks, python_path
 k = load()
 for qtype in NATIVE:

@@ -14,8 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import GROUP, to_int8, to_lanes
+from ternlm.linear.qlinear import QLinear
+from ternlm.linear.qweight import GROUP, to_int8, to_lanes
 from lesser_isa import run_built_for
 from test_qweight import K_LAYOUTS, LAYOUTS, _weights, kernels
 
@@ -135,8 +135,8 @@ def test_int8_rows_are_batch_and_thread_invariant(layout):
 _BITS_SCRIPT = textwrap.dedent("""
     import dataclasses, hashlib, torch
     from ternlm.kernels.build import load
-    from ternlm.models.qlinear import QLinear
-    from ternlm.models.qweight import to_int8, to_lanes
+    from ternlm.linear.qlinear import QLinear
+    from ternlm.linear.qweight import to_int8, to_lanes
     from test_qweight import _weights, LAYOUTS, K_LAYOUTS
     k = dataclasses.replace(load(), activations="int8")
     print(k.int8_path)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from ternlm.models.qconvert import lanes_from_gguf
+from ternlm.linear.qconvert import lanes_from_gguf
 from test_qconvert import _bits, extreme_blocks
 from test_qweight import kernels, random_blocks
 from lesser_isa import LESSER, run_built_for

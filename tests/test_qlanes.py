@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from ternlm.models.qlinear import QLinear
-from ternlm.models.qweight import Q8, QWeight, to_lanes
+from ternlm.linear.qlinear import QLinear
+from ternlm.linear.qweight import Q8, QWeight, to_lanes
 from lesser_isa import run_built_for
 from test_qweight import K_LAYOUTS, LAYOUTS, _weights, kernels
 
@@ -66,7 +66,7 @@ def test_row_layout_without_lanes_has_no_kernel():
 _BITS_SCRIPT = textwrap.dedent("""
     import hashlib, torch
     from ternlm.kernels.build import load
-    from ternlm.models.qlinear import QLinear
+    from ternlm.linear.qlinear import QLinear
     from test_qweight import _weights, LAYOUTS, K_LAYOUTS
     k = load()
     print(k.isa)

@@ -17,10 +17,10 @@ from gguf import GGUFReader, quants
 
 from ternlm.kernels.build import Kernels, Unavailable, load
 from ternlm.models.gguf import hf_name
-from ternlm.models.qlinear import QLinear
-from ternlm.models import qweight
-from ternlm.models.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf, to_lanes
-from ternlm.weights import WeightsUnavailable, choose_weights
+from ternlm.linear.qlinear import QLinear
+from ternlm.linear import qweight
+from ternlm.linear.qweight import QUANTIZED_TYPES, Q4, Q5, Q8, Q8W, QWeight, _CONVERT, from_gguf, to_lanes
+from ternlm.engine.weights import WeightsUnavailable, choose_weights
 from test_model import CHATS, LOGIT_ATOL, TEXTS, hf_greedy, hf_logits
 from lesser_isa import LESSER, run_built_for
 
@@ -212,7 +212,7 @@ def test_mixed_layouts_in_one_projection(M):
 _ISA_SCRIPT = textwrap.dedent("""
     import torch
     from ternlm.kernels.build import load
-    from ternlm.models.qlinear import QLinear
+    from ternlm.linear.qlinear import QLinear
     from test_qweight import _weights, LAYOUTS, K_LAYOUTS
     k = load()
     print(k.isa)
@@ -246,7 +246,7 @@ _AMX_SCRIPT = textwrap.dedent("""
     k = load()
     print(k.isa)
     if k.isa == "amx":
-        from ternlm.models.qlinear import QLinear
+        from ternlm.linear.qlinear import QLinear
         from test_qweight import _weights, LAYOUTS, K_LAYOUTS
         cases = [(f, s) for f in LAYOUTS for s in ((200, 576), (576, 1536))]
         cases += [(f, s) for f in K_LAYOUTS for s in ((200, 512), (256, 4864))]

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from server_proc import openai_client, serving
-from ternlm.reasoning import Split, Splitter, prompt_opens_thinking, split, template_thinks
+from ternlm.text.reasoning import Split, Splitter, prompt_opens_thinking, split, template_thinks
 
 TEMPLATE = Path(__file__).parent / "data" / "thinking.jinja"
 THINK_THEN_ANSWER = {"type": "regex", "regex": r"<think>\n[a-z]{2,8}( [a-z]{2,8}){8,14}\n</think>\n\n[a-z]{2,8}( [a-z]{2,8}){2,5}"}
@@ -160,7 +160,7 @@ def test_chat_cli_shows_thinking_apart_and_keeps_only_the_answer():
     the thinking's tokens, and the history keeps the answer alone (as templates do)."""
     import io
 
-    from ternlm.chat_cli import Chat, Thinking, TurnStats
+    from ternlm.cli.chat import Chat, Thinking, TurnStats
 
     class Backend:
         label = "fake"

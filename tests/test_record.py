@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ternlm.config import ModelConfig
+from ternlm.models.config import ModelConfig
 from ternlm.kv.record import PrefixRecord, decide_reuse, lcp
 from ternlm.kv.slots import ContextOverflow, KVShape, Slot
-from ternlm.runner import Embed, Runner
+from ternlm.engine.runner import Embed, Runner
 
 NS = b"ns"
 

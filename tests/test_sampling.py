@@ -2,7 +2,7 @@
 whose first-maximum rule the product relied on before, on the tensors a step hands it."""
 import torch
 
-from ternlm.sampling import Sampler, SamplingParams
+from ternlm.engine.sampling import Sampler, SamplingParams
 
 
 def test_greedy_is_torch_argmax_ties_views_and_inference_tensors():
@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from ternlm.kernels.build import Kernels, load
-from ternlm.sampling import Penalties, PenaltyState, draw_uniform, reference_probs
+from ternlm.engine.sampling import Penalties, PenaltyState, draw_uniform, reference_probs
 
 
 def _torch_path(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -86,7 +86,7 @@ def kernels() -> Kernels:
 
 
 def _native_probs(x: torch.Tensor, t: float, k: int, p: float, mp: float) -> np.ndarray:
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     return Sampler(SamplingParams(t, k, p, mp, seed=1)).probs(x.numpy()).astype(np.float64)
 
 
@@ -112,7 +112,7 @@ def test_native_distribution_is_the_torch_paths_for_every_combination(kernels):
 
 
 def test_one_token_nucleus_and_top_k_1_always_draw_the_max(kernels):
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     x = _rows()[2]
     best = int(x.argmax())
     for params in (SamplingParams(1.0, top_k=1, seed=3), SamplingParams(1.0, top_p=1e-6, seed=3),
@@ -124,7 +124,7 @@ def test_one_token_nucleus_and_top_k_1_always_draw_the_max(kernels):
 def test_draws_follow_the_probabilities_chi_square(kernels):
     """20,000 draws (u from draw_seed, a fixed seed) against the exact probabilities: Pearson's chi-square below
     its 0.1% critical value. Deterministic: the same seed gives the same counts on every host."""
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     g = torch.Generator().manual_seed(7)
     for x, params in ((torch.randn(40, generator=g) * 1.5, SamplingParams(1.0, seed=2026)),
                       (torch.randn(3000, generator=g) * 3, SamplingParams(0.8, top_p=0.9, seed=5)),
@@ -149,7 +149,7 @@ def test_draws_follow_the_probabilities_chi_square(kernels):
 def test_native_draw_is_the_inverse_cdf_of_the_reference(kernels):
     """The kernel's token for u is the reference's (index-order inverse CDF, float64) but where u lies within
     rounding of a boundary of the CDF."""
-    from ternlm.sampling import Sampler, SamplingParams, _reference_draw
+    from ternlm.engine.sampling import Sampler, SamplingParams, _reference_draw
     for x in _rows()[:5]:
         for t, k, p, mp in ((1.0, 0, 1.0, 0.0), (0.7, 0, 0.95, 0.0), (1.0, 40, 1.0, 0.05)):
             s = Sampler(SamplingParams(t, k, p, mp, seed=77))
@@ -164,7 +164,7 @@ def test_native_draw_is_the_inverse_cdf_of_the_reference(kernels):
 
 
 def test_draws_are_position_keyed_not_stateful(kernels):
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     x = _rows()[1]
     a, b = Sampler(SamplingParams(1.0, seed=4)), Sampler(SamplingParams(1.0, seed=4))
     seq = [a.sample(x, i) for i in range(50)]
@@ -174,7 +174,7 @@ def test_draws_are_position_keyed_not_stateful(kernels):
 
 def test_the_row_is_left_as_it_came():
     """Bias and penalties are written into the row for the choice and restored (logprobs read it after)."""
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     x = _rows()[1]
     before = x.clone()
     s = Sampler(SamplingParams(0.9, top_p=0.9, seed=1, logit_bias=((3, 50.0), (9, -100.0)),
@@ -244,7 +244,7 @@ def test_llama_cpp_window_counts_the_last_n_of_prompt_and_answer():
 
 
 def test_greedy_with_penalties_takes_the_penalized_argmax():
-    from ternlm.sampling import Sampler, SamplingParams
+    from ternlm.engine.sampling import Sampler, SamplingParams
     x = torch.zeros(10)
     x[4], x[6] = 3.0, 2.9
     s = Sampler(SamplingParams(penalties=Penalties(repetition=1.2)), prompt=[4])
@@ -273,8 +273,8 @@ def test_lesser_isa_builds_sample_the_same_distribution(march, isa, tmp_path):
 def test_without_native_kernels_the_float64_rule_draws(monkeypatch):
     """No C compiler (or TERNLM_NATIVE=0): the sampler draws by reference_probs + the index-order inverse CDF, the
     rule the kernel is tested against above."""
-    import ternlm.sampling as sampling
-    from ternlm.sampling import Sampler, SamplingParams, _reference_draw
+    import ternlm.engine.sampling as sampling
+    from ternlm.engine.sampling import Sampler, SamplingParams, _reference_draw
     monkeypatch.setattr(sampling, "_native", lambda: None)
     x = _rows()[1]
     s = Sampler(SamplingParams(0.8, top_p=0.9, seed=12))

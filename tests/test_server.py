@@ -23,8 +23,8 @@ from openai import APIStatusError, AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from server_proc import ServerProc
-from ternlm.engine import Completion, Delta
-from ternlm.scheduler import (Admitted, Cancelled, Failed, Finished, GenParams, GenRequest, QueueFull,
+from ternlm.engine.core import Completion, Delta
+from ternlm.engine.scheduler import (Admitted, Cancelled, Failed, Finished, GenParams, GenRequest, QueueFull,
                               Scheduler, ShuttingDown)
 from tiny import tiny_engine
 

@@ -6,7 +6,7 @@ recently used slot instead of evicting the newcomer's warm KV for nothing.
 """
 from __future__ import annotations
 
-from ternlm.scheduler import Finished, GenParams, GenRequest, Scheduler
+from ternlm.engine.scheduler import Finished, GenParams, GenRequest, Scheduler
 from tiny import tiny_engine
 
 P1 = [(7 * i + 1) % 250 for i in range(40)]

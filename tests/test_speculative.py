@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_batching import alone, together
 from test_reuse import assert_record_matches_kv
 from tiny import tiny_engine
-from ternlm.drafter import MAX_DRAFT, PromptLookup
-from ternlm.engine import Engine
-from ternlm.grammar import GrammarSpec
+from ternlm.engine.spec.drafter import MAX_DRAFT, PromptLookup
+from ternlm.engine.core import Engine
+from ternlm.text.grammar import GrammarSpec
 from ternlm.kv.store import CacheConfig
-from ternlm.sampling import Penalties
+from ternlm.engine.sampling import Penalties
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,7 @@ def test_tool_call_grammar_on_every_verify_row(smollm2):
     """tool_choice "required"'s grammar (tools.call_grammar: a Hermes-style <tool_call> holding a JSON call) masks
     every verify row: speculation on == off, greedy and seeded; the prompt shows the call twice, so lookup drafts
     it and the grammar judges drafted rows."""
-    from ternlm.tools import call_grammar, prepare, supports_tools
+    from ternlm.text.tools import call_grammar, prepare, supports_tools
     e = smollm2
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city",

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from ternlm.sampling import Penalties
+from ternlm.engine.sampling import Penalties
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -21,8 +21,8 @@ from test_batching import alone, together
 from test_hybrid import hf_qwen35
 from test_reuse import assert_record_matches_kv
 from tiny import tiny_loaded
-from ternlm.draft_model import DraftModel
-from ternlm.engine import Engine
+from ternlm.engine.spec.draft_model import DraftModel
+from ternlm.engine.core import Engine
 from ternlm.kv.slots import Slot
 
 

@@ -22,17 +22,17 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_batching import alone, together
 from test_reuse import assert_record_matches_kv
 from tiny import tiny_loaded
-from ternlm.draft_model import DraftModel
-from ternlm.engine import Engine
-from ternlm.grammar import GrammarSpec
-from ternlm.tools import call_grammar
+from ternlm.engine.spec.draft_model import DraftModel
+from ternlm.engine.core import Engine
+from ternlm.text.grammar import GrammarSpec
+from ternlm.text.tools import call_grammar
 
 KW = dict(dtype=torch.float32, min_reuse=1, chunk_size=16, slots=4)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_gguf):
-    from ternlm.tokenizer import Tokenizer
+    from ternlm.text.tokenizer import Tokenizer
     return Tokenizer.from_gguf(smollm2_gguf)
 
 

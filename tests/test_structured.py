@@ -146,10 +146,10 @@ def test_bad_response_format_is_400(server, fmt):
 def test_grammar_mask_touches_only_its_own_row_in_a_batch():
     """A constrained request batched with unconstrained ones: every request's tokens equal its
     tokens alone (the mask is per Sequence, applied to a copy of its own logits row)."""
-    from ternlm.engine import Engine
-    from ternlm.grammar import GrammarSpec
-    from ternlm.sequence import Completion
-    from ternlm.step_plan import plan_step
+    from ternlm.engine.core import Engine
+    from ternlm.text.grammar import GrammarSpec
+    from ternlm.engine.sequence import Completion
+    from ternlm.engine.step_plan import plan_step
     e = Engine.load(MODEL, dtype="float32", slots=4, prefix_reuse=False)
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS["nested"]))
     prompts = [e.apply_chat_template([{"role": "user", "content": t}]) for t in

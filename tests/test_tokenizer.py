@@ -1,4 +1,4 @@
-"""ternlm.tokenizer against Hugging Face tokenizers built from the same files, and against
+"""ternlm.text.tokenizer against Hugging Face tokenizers built from the same files, and against
 llama.cpp's tokenization rules where transformers' GGUF conversion departs from them."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 
 from ternlm.models.registry import model_path
-from ternlm.tokenizer import Tokenizer, supported_pre_types
+from ternlm.text.tokenizer import Tokenizer, supported_pre_types
 
 
 def model_file(name: str) -> Path:

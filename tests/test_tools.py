@@ -15,7 +15,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from server_proc import ServerProc, openai_client, serving
-from ternlm.tools import FALLBACK_HEADER, ContentFilter, parse_calls, prepare, supports_tools
+from ternlm.text.tools import FALLBACK_HEADER, ContentFilter, parse_calls, prepare, supports_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",

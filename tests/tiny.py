@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ternlm.config import ModelConfig
+from ternlm.models.config import ModelConfig
 from ternlm.models.loaded import LoadedModel
 
 VOCAB = 300
@@ -85,7 +85,7 @@ def tiny_loaded(arch: str, seed: int = 0, **kw) -> tuple[object, LoadedModel]:
 
 
 def tiny_engine(arch: str = "llama", seed: int = 0, **engine_kw):
-    from ternlm.engine import Engine
+    from ternlm.engine.core import Engine
     hf, loaded = tiny_loaded(arch, seed)
     engine_kw.setdefault("dtype", torch.float32)
     return hf, Engine(loaded, **engine_kw)

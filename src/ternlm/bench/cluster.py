@@ -1,4 +1,4 @@
-"""`ternlm bench cluster`: replicas sharing a Redis KV tier behind HAProxy (ternlm/cluster.py), measured.
+"""`ternlm bench cluster`: replicas sharing a Redis KV tier behind HAProxy (ternlm/server/cluster.py), measured.
 
 1. moved: a long conversation answered on replica A, its next turn sent to replica B (which never saw
    it): B's time to first token, loading the prefix from Redis, against the same prompt cold on B (a
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from ..cluster import free_ports, started
+from ..server.cluster import free_ports, started
 from .common import command_line, median, synthetic_conversation, synthetic_text, write_json
 
 

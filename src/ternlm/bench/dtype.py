@@ -16,7 +16,7 @@ from .engine import _prompt_ids, _ternlm
 
 def run(args) -> dict:
     """Loads one engine per runnable dtype; prints a table; writes dtype-<model>-<isa class>.json."""
-    from ..engine import Engine
+    from ..engine.core import Engine
     torch.set_num_threads(args.threads)
     cpu = probe()
     runnable = []

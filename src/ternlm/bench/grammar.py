@@ -17,7 +17,7 @@ import torch
 
 from pathlib import Path
 
-from ..grammar import GrammarSpec
+from ..text.grammar import GrammarSpec
 from .common import command_line, median, write_json
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 200, "maxItems": 200}

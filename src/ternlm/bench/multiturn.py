@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..chat_backends import OpenAIBackend, TurnStats
+from ..cli.chat_backends import OpenAIBackend, TurnStats
 from ..procs import die_with_parent
 from .common import command_line, synthetic_text, write_json
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
@@ -124,7 +124,7 @@ class ServeProcess:
         if "--cache-dir" not in serve_args:
             self._kv_dir = tempfile.mkdtemp(prefix="ternlm-bench-kv-")
             serve_args = [*serve_args, "--cache-dir", self._kv_dir]
-        cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *serve_args]
+        cmd = [sys.executable, "-m", "ternlm.cli.main", "serve", "--port", str(self.port), *serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent)
 

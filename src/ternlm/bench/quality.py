@@ -92,7 +92,7 @@ def _rss(model: str, weights: str, ctx: int) -> dict:
 
 
 def run(args) -> dict:
-    from ..engine import Engine
+    from ..engine.core import Engine
     from ..models.registry import resolve
     torch.set_num_threads(args.threads)
     llama = getattr(args, "llama_perplexity", None)

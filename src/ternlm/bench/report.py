@@ -173,7 +173,7 @@ class StepResult:
 def _ternlm() -> list[str]:
     """The `ternlm` console script beside this interpreter (bench JSON then records `ternlm bench ...`)."""
     script = Path(sys.executable).parent / "ternlm"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "ternlm.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ternlm.cli.main"]
 
 
 def _shown(argv: list[str], env_prefix: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
-from ..sampling import Penalties, SamplingParams
+from ..engine.sampling import Penalties, SamplingParams
 
 GREEDY = "greedy"
 # the report's and the settings: greedy, OpenAI's default, a chat client's

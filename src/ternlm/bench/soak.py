@@ -78,7 +78,7 @@ class SoakServer:
         self.starts += 1
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        cmd = [sys.executable, "-m", "ternlm.cli", "serve", "--port", str(self.port), *self.serve_args]
+        cmd = [sys.executable, "-m", "ternlm.cli.main", "serve", "--port", str(self.port), *self.serve_args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -149,7 +149,7 @@ def free_port() -> int:
 def cache_verify(cache_dir: Path, dry_run: bool) -> dict:
     """Run `ternlm cache verify` (the command a user would) and parse its last line.
     Side effect without dry_run: damaged files are deleted (that is what verify does)."""
-    cmd = [sys.executable, "-m", "ternlm.cli", "cache", "verify", "--cache-dir", str(cache_dir)]
+    cmd = [sys.executable, "-m", "ternlm.cli.main", "cache", "verify", "--cache-dir", str(cache_dir)]
     p = subprocess.run(cmd + (["--dry-run"] if dry_run else []), capture_output=True, text=True, timeout=600)
     m = re.search(r"verified (\d+) blocks: (\d+) good, (\d+) damaged", p.stdout)
     files, good, damaged = (int(x) for x in m.groups()) if m else (0, 0, -1)

@@ -89,7 +89,7 @@ def serving(c: Contender, args, gguf: Path | None, n_ctx: int, logs: Path):
 
 
 def _ids(tok, template: str, messages: list[dict]) -> list[int]:
-    from ..chat import render_chat
+    from ..text.chat import render_chat
     text = render_chat(template, messages, add_generation_prompt=True, bos_token=tok.bos_token,
                        eos_token=tok.eos_token)
     return tok.encode(text, add_special_tokens=False)     # as Engine.apply_chat_template
@@ -129,7 +129,7 @@ def pick_questions(n: int):
 
 
 def _tokenizer(m, chat_template: str | None):
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(m.path) if m.gguf else Tokenizer.from_hf_folder(m.path)
     template = chat_template or tok.chat_template
     if not template:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..chat_backends import OpenAIBackend
+from ..cli.chat_backends import OpenAIBackend
 from .common import command_line, median, synthetic_text, write_json
 from .latency import pcts, steady_decode_tok_s, steady_window
 from .multiturn import ServeProcess, ternlm_serve_args

@@ -276,7 +276,7 @@ def bandwidth_round(seq_path: Path, disk_root: Path, buf: bytearray) -> dict:
 # ---- the run -------------------------------------------------------------------------------------
 
 def run(args) -> int:
-    from ..engine import Engine
+    from ..engine.core import Engine
     from ..kv.store import CacheConfig, TieredStore
     from ..server.cli import default_kv_dir
     torch.set_num_threads(args.threads)

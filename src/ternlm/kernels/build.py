@@ -229,7 +229,7 @@ def load() -> Kernels | Unavailable:
     """The native kernels, built on first use. Side effects: may create $XDG_CACHE_HOME/ternlm/kernels
     (0700) and write one .so there; loads it into the process."""
     from ..kv.disk import secure_dir
-    from ..models.registry import cache_root
+    from ..paths import cache_root
     if os.environ.get("TERNLM_NATIVE", "1") == "0":
         return Unavailable("native kernels turned off (TERNLM_NATIVE=0)")
     cc = _compiler()

@@ -48,7 +48,7 @@ def recurrent_shape(cfg) -> RecurrentShape | None:
         return None
     if cfg.kind(cfg.recurrent_layers[0]) == "shortconv":  # lfm2: the conv's inputs only, no ssm (zero-sized)
         return RecurrentShape(len(cfg.recurrent_layers), cfg.hidden_size, cfg.shortconv_kernel - 1, 0, 0, 0)
-    if cfg.kind(cfg.recurrent_layers[0]) == "mamba2":     # every recurrent layer is one kind (config.py checks)
+    if cfg.kind(cfg.recurrent_layers[0]) == "mamba2":     # every recurrent layer is one kind (models/config.py checks)
         H, P, N, G = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
         return RecurrentShape(len(cfg.recurrent_layers), H * P + 2 * G * N, cfg.mamba_conv_kernel - 1, H, P, N)
     conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim

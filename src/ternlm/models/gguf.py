@@ -25,11 +25,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
-from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
-from ..tokenizer import Tokenizer
-from .ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
+from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
+from ..text.tokenizer import Tokenizer
+from ..linear.ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
 from . import lfm2, nemotron_h
-from .deltanet import fused_rows
+from .recurrent.deltanet import fused_rows
 from .loaded import LoadedModel
 from .registry import cached_sha256
 from .rope import Rope, rotary_row_order
@@ -728,7 +728,7 @@ def _keeps_quantized(t: ReaderTensor, name: str) -> bool:
     """Whether `--weights gguf` keeps this tensor in a QWeight layout: the projection matrices and
     the embedding/LM head, when their type has an exact layout (qweight.py); norms, biases and float
     tensors stay dense."""
-    from .qweight import QUANTIZED_TYPES
+    from ..linear.qweight import QUANTIZED_TYPES
     return (t.tensor_type in QUANTIZED_TYPES and (len(t.shape) == 2 or ".experts.*." in name)
             and (name.endswith("_proj.weight") or ".linear_attn.in_proj_" in name
                  or name in ("lm_head.weight", "model.embed_tokens.weight")))
@@ -747,11 +747,11 @@ def expert_weight(raw: torch.Tensor, slab: "Slab", dtype: torch.dtype, keep_quan
     (an inf/nan fp16 scale), the weight comes in new tensors and out is untouched. ValueError: an out
     whose fields do not fit the slab. int8 (with lanes): the int layout instead (qint8.c's; a streamed
     expert read straight into it, one pass: convert.c's tq_convert_int)."""
-    from .qweight import QUANTIZED_TYPES, from_gguf, to_int8, to_lanes
+    from ..linear.qweight import QUANTIZED_TYPES, from_gguf, to_int8, to_lanes
     qtype = QT(slab.qtype)
     if keep_quantized and qtype in QUANTIZED_TYPES:
         if lanes:
-            from .qconvert import lanes_from_gguf
+            from ..linear.qconvert import lanes_from_gguf
             native = lanes_from_gguf(raw, qtype, slab.rows, slab.cols, out=out, int8=int8)
             if native is not None:
                 return native
@@ -767,11 +767,11 @@ def expert_blank(slab: "Slab", keep_quantized: bool, lanes: bool, int8: bool = F
     """Buffers that `expert_weight(..., out=)` converts this slab into (qconvert.lanes_empty: its native
     lanes weight, allocated, not filled), or None where expert_weight makes new tensors anyway (kept
     dense, a row layout, a type or shape convert.c does not cover). Pure."""
-    from .qweight import QUANTIZED_TYPES
+    from ..linear.qweight import QUANTIZED_TYPES
     qtype = QT(slab.qtype)
     if not (keep_quantized and lanes and qtype in QUANTIZED_TYPES):
         return None
-    from .qconvert import lanes_empty
+    from ..linear.qconvert import lanes_empty
     return lanes_empty(qtype, slab.rows, slab.cols, int8)
 
 
@@ -803,7 +803,7 @@ def expert_slabs(reader: GGUFReader, config: ModelConfig) -> dict[tuple[int, int
 def _expert_memory(reader: GGUFReader, dtype: torch.dtype, keep_quantized: bool) -> tuple[int, int]:
     """(experts, the rest): bytes the weights take in memory once loaded, estimated from the header:
     a tensor kept quantized ~ its file bytes, a dense one elements x the dtype's size."""
-    from .qweight import QUANTIZED_TYPES
+    from ..linear.qweight import QUANTIZED_TYPES
     experts = rest = 0
     for t in reader.tensors:
         kept = keep_quantized and t.tensor_type in QUANTIZED_TYPES
@@ -909,8 +909,8 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
         dense.clear()
         if quantized:
             from .moe import Slab
-            from .qconvert import lanes_from_gguf
-            from .qweight import from_gguf, to_lanes
+            from ..linear.qconvert import lanes_from_gguf
+            from ..linear.qweight import from_gguf, to_lanes
             for t in _each_then_dropped(reader, quantized):     # one at a time, each read once
                 experts = expert_parts(hf_name(t.name, config) or "", config.num_experts)
                 if experts is not None:             # quantization blocks run along the input: an

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
-from ..tokenizer import Tokenizer
+from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
+from ..text.tokenizer import Tokenizer
 from . import lfm2, nemotron_h
-from .deltanet import fused_rows
+from .recurrent.deltanet import fused_rows
 from .loaded import LoadedModel
 from .param_check import require_exactly
 from .registry import cached_sha256

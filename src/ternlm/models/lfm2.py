@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, UnsupportedModelError
+from .config import ModelConfig, UnsupportedModelError
 from .param_check import require_exactly
 
 _HF_KINDS = {"conv": "shortconv", "full_attention": "attention"}

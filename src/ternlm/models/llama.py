@@ -44,18 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from ..invariants import check
 from ..kernels.build import Kernels
 from .moe import ExpertStore, MoE, SharedExpert, silu_mul
-from .qlinear import projection
-from .deltanet import DeltaNet
-from .mamba2 import Mamba2
-from .shortconv import ShortConv
-from .qweight import QWeight, to_int8, to_lanes
+from ..linear.qlinear import projection
+from .recurrent.deltanet import DeltaNet
+from .recurrent.mamba2 import Mamba2
+from .recurrent.shortconv import ShortConv
+from ..linear.qweight import QWeight, to_int8, to_lanes
 
 if TYPE_CHECKING:
-    from ..kernels.layer import NativeLayer
+    from .native_layer import NativeLayer
 
 log = logging.getLogger("ternlm")
 
@@ -462,8 +462,8 @@ class Transformer(nn.Module):
         projection quantized, shapes it takes; gemma3's kinds are data there: window, GeGLU, output
         norms, query scale, each layer's own RoPE tables); else None and the torch layers run.
         Deterministic in the model, --weights and dtype, which the KV namespace holds, with the kernels' digest."""
-        from ..kernels.layer import NativeLayer
-        from ..kernels.moe_layer import NativeMoELayer
+        from .native_layer import NativeLayer
+        from .native_moe import NativeMoELayer
         built = [(NativeLayer if layer.moe is None else NativeMoELayer).build(self.kernels, layer, *self.ropes[layer.rope])
                  for layer in self.layers]
         why = next((b for b in built if isinstance(b, str)), None)

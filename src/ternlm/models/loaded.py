@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from .config import ModelConfig
 
 
 @dataclass
@@ -17,7 +17,7 @@ class LoadedModel:
     # When config.tie_word_embeddings, "lm_head.weight" may be absent. With `--weights gguf` the
     # quantized projection/embedding matrices are QWeights (models/qweight.py) instead of tensors.
     weights: dict[str, "torch.Tensor | object"]
-    tokenizer: "object"          # ternlm.tokenizer.Tokenizer
+    tokenizer: "object"          # ternlm.text.tokenizer.Tokenizer
     chat_template: str | None    # jinja2 source, HF semantics; None when the model has none
     sha256: str                  # hex digest identifying the weights (part of the cache namespace)
     source: Path

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from ..sizes import format_size as fs
 from ..sizes import parse_size
-from .linear import Linear
+from ..linear.dense import Linear
 
 
 @dataclass

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from ..config import ModelConfig, UnsupportedModelError
+from .config import ModelConfig, UnsupportedModelError
 from .param_check import require_exactly
 
 GGUF_ARCHS = ("nemotron_h", "nemotron_h_moe")

@@ -3,7 +3,7 @@ run (an o_proj bias, experts where none are expected), a missing one a broken ch
 whose names are data of their own (models/nemotron_h.py, models/lfm2.py) and hf._check_params."""
 from __future__ import annotations
 
-from ..config import UnsupportedModelError
+from .config import UnsupportedModelError
 
 
 def require_exactly(names: set[str], expected: set[str], optional: set[str] = frozenset()) -> None:

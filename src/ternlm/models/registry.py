@@ -30,6 +30,8 @@ from typing import BinaryIO, Iterator, Literal
 
 from tqdm import tqdm
 
+from ..paths import cache_dir, cache_root  # noqa: F401  (callers that resolve models name them here)
+
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # 1 MiB: big enough that hashing is I/O-bound, small enough for smooth progress
@@ -186,21 +188,8 @@ REGISTRY: dict[str, RegistryEntry] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Cache directory and cached hashing.
+# Cached hashing (the cache directory: ternlm/paths.py).
 # ---------------------------------------------------------------------------------------------
-
-def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/ternlm`` (default ``~/.cache/ternlm``). Pure: creates nothing."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ternlm"
-
-
-def cache_dir() -> Path:
-    """cache_root(). Side effect: creates it if missing."""
-    path = cache_root()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
 
 def cached_file(entry: RegistryEntry) -> Path | None:
     """Where ``entry``'s file sits in the cache, if it is there at the registry's size; else None.

@@ -261,7 +261,7 @@ def add_routes(app, st, run_chat: Callable, read_json: Callable) -> None:
         raw = await read_json(request, st.config.max_body_bytes)
         engine, _ = st.ready()
         chat = to_chat(raw, counting=True)
-        from .. import tools
+        from ..text import tools
         msgs, extra = tools.prepare(chat["messages"], [t for t in chat.get("tools", [])] or None,
                                     tools.supports_tools(engine.chat_template))
         try:

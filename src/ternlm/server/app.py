@@ -34,13 +34,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
-from ..engine import Completion, Delta, Engine
+from ..engine.core import Completion, Delta, Engine
 from ..kv.store import CacheConfig
-from ..scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
+from ..engine.scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
-from ..weights import WEIGHTS
-from .. import reasoning, tools
-from ..grammar import GrammarSpec
+from ..engine.weights import WEIGHTS
+from ..text import reasoning, tools
+from ..text.grammar import GrammarSpec
 from . import anthropic, ollama, responses, schemas
 from .dialect import OPENAI, Dialect
 from .errors import APIError, bad_request, install_handlers, unauthorized, unavailable

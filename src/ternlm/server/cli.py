@@ -67,7 +67,7 @@ def _size(text: str) -> int:
 
 def default_kv_dir() -> str:
     """$XDG_CACHE_HOME/ternlm/kv (default ~/.cache/ternlm/kv). Creates nothing."""
-    from ..models.registry import cache_root
+    from ..paths import cache_root
     return str(cache_root() / "kv")
 
 
@@ -105,7 +105,7 @@ def cmd_serve(args) -> int:
                          activations=args.activations, speculative=args.speculative != "off",
                          state_interval=args.state_interval)
     if not args.no_fit_check:    # one line and exit 2 before the port opens (fit.py); fetches a new model first
-        from ..fit import require_fit
+        from ..engine.fit import require_fit
         require_fit(config.model, dtype=config.dtype, weights=config.weights, kv_dtype=config.kv_dtype,
                     ctx=config.ctx, slots=config.slots, ram_tier=config.cache_ram if config.prefix_reuse else 0,
                     expert_cache=config.expert_cache, draft_model=config.draft_model, slots_flag=True)

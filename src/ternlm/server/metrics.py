@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..scheduler import Cancelled, Event, Failed, Finished, SchedulerState, Ticket
+from ..engine.scheduler import Cancelled, Event, Failed, Finished, SchedulerState, Ticket
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

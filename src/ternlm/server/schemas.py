@@ -18,12 +18,12 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..engine import Completion, Delta
-from ..grammar import GrammarSpec, json_schema_source
-from ..reasoning import Splitter, split
-from ..tools import ContentFilter, parse_calls
-from ..sampling import Penalties
-from ..scheduler import MAX_LOGPROBS
+from ..engine.core import Completion, Delta
+from ..text.grammar import GrammarSpec, json_schema_source
+from ..text.reasoning import Splitter, split
+from ..text.tools import ContentFilter, parse_calls
+from ..engine.sampling import Penalties
+from ..engine.scheduler import MAX_LOGPROBS
 from .errors import APIError, bad_request, unsupported
 
 MAX_STOP = 4

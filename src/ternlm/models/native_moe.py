@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import RAW_LAYOUT, RAW_TYPES, Kernels
-from .build import Part as _Part
-from .layer import _Proj, _proj, layer_spec
+from ..kernels.build import RAW_LAYOUT, RAW_TYPES, Kernels
+from ..kernels.build import Part as _Part
+from .native_layer import _Proj, _proj, layer_spec
 
 
 class _Expert(ctypes.Structure):
@@ -76,7 +76,7 @@ class _RawExperts:
                 and gate.cols == up.cols == self.hidden and down.cols == self.inter)
 
     def build(self, slabs, views, nbytes: int):
-        from ..models.moe import Expert
+        from .moe import Expert
 
         def proj(xs, vs) -> _Proj:
             p = _Proj(nparts=len(xs), n_out=sum(x.rows for x in xs), bias=None)
@@ -117,7 +117,7 @@ class NativeMoELayer:
         """layer: a models/llama.Layer with a MoE MLP -> the native layer, or why not."""
         moe = getattr(layer, "moe", None)
         if moe is None:
-            return "a dense layer (kernels/layer.py runs those)"
+            return "a dense layer (models/native_layer.py runs those)"
         if not kernels.lanes:
             return "the experts are in row layouts (TERNLM_AMX=1): layer.c's experts take lanes layouts"
         built = layer_spec(kernels, layer, cos, sin, mlp=False)
@@ -245,7 +245,7 @@ PREFETCH_ROWS = 8
 
 def _in_use() -> int:
     """How many experts a streamed store lets a caller hold at once (models/moe.py's contract)."""
-    from ..models import moe
+    from . import moe
     return getattr(moe, "EXPERTS_IN_USE", 1)
 
 
@@ -262,7 +262,7 @@ def _experts_native(store, layer: int) -> str:
     checked; streamed: every slab's GGML type converts to a lanes layout, qweight.QUANTIZED_TYPES)."""
     if store.streamed:
         from gguf import GGMLQuantizationType as QT
-        from ..models.qweight import QUANTIZED_TYPES
+        from ..linear.qweight import QUANTIZED_TYPES
         bad = sorted(QT(t).name for t in store.slab_types(layer) if QT(t) not in QUANTIZED_TYPES)
         return f"experts of type {', '.join(bad)} (dequantized: no lanes product)" if bad else ""
     for ex in store.of_layer(layer):

@@ -17,12 +17,12 @@ def gather() -> dict:
     into the cache (kernels/build.py), nothing else."""
     import torch
 
-    from . import __version__
-    from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
-    from .kernels.build import Unavailable
-    from .kernels.build import load as load_kernels
-    from .models.registry import cache_root
-    from .server.cli import default_kv_dir
+    from .. import __version__
+    from ..cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+    from ..kernels.build import Unavailable
+    from ..kernels.build import load as load_kernels
+    from ..paths import cache_root
+    from ..server.cli import default_kv_dir
 
     cpu: CpuInfo = probe()
     dtypes = {}
@@ -59,8 +59,8 @@ def experts_info(model: str, expert_cache: str = "auto", ctx: int | None = None,
     gguf sizes: quantized experts ~ their file bytes). Reads the header only. {} for a dense model."""
     import torch
 
-    from .engine import _expert_budget
-    from .models.gguf import FastGGUFReader, _expert_memory, config_from_gguf
+    from ..engine.core import _expert_budget
+    from ..models.gguf import FastGGUFReader, _expert_memory, config_from_gguf
     reader = FastGGUFReader(model)
     cfg = config_from_gguf(reader)
     if not cfg.num_experts:
@@ -77,14 +77,14 @@ def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float3
     """A hybrid GGUF's recurrent state (kv/recurrent.py): bytes a snapshot holds, and a token's share of them at
     one snapshot every `state_interval` positions, beside the KV bytes a token takes. Reads the header only.
     {} for a model with no recurrent layer."""
-    from .fit import kv_bytes_per_token
-    from .kv.recurrent import recurrent_shape
-    from .models.gguf import FastGGUFReader, config_from_gguf
+    from ..engine.fit import kv_bytes_per_token
+    from ..kv.recurrent import recurrent_shape
+    from ..models.gguf import FastGGUFReader, config_from_gguf
     cfg = config_from_gguf(FastGGUFReader(model))
     shape = recurrent_shape(cfg)
     if shape is None:
         return {}
-    from .kv.recurrent import SNAPSHOT_BUDGET
+    from ..kv.recurrent import SNAPSHOT_BUDGET
     return {"arch": cfg.arch, "layers": cfg.num_layers, "recurrent_layers": shape.layers,
             "recurrent_kind": {"deltanet": "gated DeltaNet", "mamba2": "Mamba-2",
                                "shortconv": "gated short conv"}[cfg.kind(cfg.recurrent_layers[0])],
@@ -124,7 +124,7 @@ def _print(info: dict, out) -> None:
     lines.append(f"kernel fingerprint (auto, a GGUF model): {fp};weights={weights};attention={attn};"
                  f"kv={'float16' if n['available'] else 'float32'};activations={'int8' if n['available'] else 'fp32'}")
     if e := info.get("experts"):
-        from .sizes import format_size
+        from ..sizes import format_size
         how = (f"streamed: {format_size(e['expert_bytes'])} of expert slabs mapped from the file, read on demand "
                f"into a cache of {format_size(e['budget'])}" if e["streamed"]
                else f"resident: {format_size(e['expert_bytes'])} converted at load")
@@ -134,7 +134,7 @@ def _print(info: dict, out) -> None:
     elif "experts" in info:
         lines.append("experts   none (a dense model)")
     if r := info.get("recurrent"):
-        from .sizes import format_size
+        from ..sizes import format_size
         lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers {r.get('recurrent_kind', 'gated DeltaNet')} · "
                      f"{format_size(r['snapshot_bytes'])} a state snapshot, one every {r['state_interval']} positions "
                      f"and at each prefill's end and message start: {format_size(int(r['snapshot_bytes_per_token']))} "

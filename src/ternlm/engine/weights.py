@@ -4,7 +4,7 @@
         native kernels (kernels/qlanes.c; kernels/qamx.c with the opt-in TERNLM_AMX=1) with fp32 activations: 4-5-bit weights read ~2.7x fewer
         bytes per decode step than bf16. Needs a .gguf model and a C compiler (the kernel is built
         for this CPU on first use). Computes in float32.
-  bf16, fp32  every matrix dequantized to that dtype, multiplied by oneDNN (models/linear.py); the
+  bf16, fp32  every matrix dequantized to that dtype, multiplied by oneDNN (linear/dense.py); the
         same as `--dtype bfloat16/float32`.
   auto  gguf where the model is a GGUF, `--dtype` is left at auto and the native kernel builds here
         (the file's own precision, held exactly); otherwise dense in the compute dtype `--dtype`
@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .cpu import UnsupportedDtypeError
-from .kernels.build import Unavailable
+from ..cpu import UnsupportedDtypeError
+from ..kernels.build import Unavailable
 
 WEIGHTS = ("auto", "gguf", "bf16", "fp32")
 ACTIVATIONS = ("auto", "int8", "fp32")
@@ -126,7 +126,7 @@ def _auto(dtype: str, is_gguf: bool, build, activations: str, params: int | None
 
 def _build(build):
     """kernels.build.Kernels, or kernels.build.Unavailable with its reason. May compile on first use."""
-    from .kernels.build import load
+    from ..kernels.build import load
     return (build or load)()
 
 
@@ -146,7 +146,7 @@ def _gguf(kernels, requested: str, activations: str, params: int | None = None) 
 def gguf_parameters(path) -> int | None:
     """The parameter count of a GGUF file from its header (no tensor data read), or None when the header cannot
     be read (the load then reports the file's fault itself). Pure but for reading the header."""
-    from .models.gguf import FastGGUFReader
+    from ..models.gguf import FastGGUFReader
     try:
         reader = FastGGUFReader(path)
         return sum(int(t.n_elements) for t in reader.tensors)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .models.rope import Rope
+from .rope import Rope
 
 # phi3 and mistral run the llama layout: the loaders split phi3's fused q/k/v and gate/up into it,
 # and mistral files are llama files (GGUF says "llama"; config.json says "mistral"). Mixtral is the

@@ -1,6 +1,6 @@
 """What a chat turn cost and where answers come from: the backends `ternlm chat` and the benchmarks
 (`ternlm bench multiturn`, `streams`) drive, so the chat's numbers and the benchmarks' are measured by
-the same code. Kept apart from the REPL (chat_cli.py) so the benchmarks import no command-line module.
+the same code. Kept apart from the REPL (cli/chat.py) so the benchmarks import no command-line module.
 
   TurnStats       one answer's figures (reuse, prefill, decode, first token, thinking tokens)
   EngineBackend   the engine in this process;  OpenAIBackend: any OpenAI-compatible server
@@ -101,9 +101,9 @@ class EngineBackend:
 
     def stream(self, messages: list[dict], *, max_tokens: int, temperature: float,
                seed: int | None = None) -> Iterator[str | TurnStats]:
-        from .engine import Completion
+        from ..engine.core import Completion
         t0 = time.perf_counter()
-        from . import reasoning
+        from ..text import reasoning
         ids = self.engine.apply_chat_template(messages, add_generation_prompt=True)
         split = (reasoning.Splitter(reasoning.prompt_opens_thinking(self.engine.tokenizer.decode(ids[-16:])))
                  if reasoning.template_thinks(self.engine.chat_template) else None)

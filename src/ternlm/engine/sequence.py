@@ -34,11 +34,11 @@ from typing import Callable
 import torch
 
 from .detok import IncrementalDetokenizer, StopMatcher
-from .grammar import Constraint
-from .invariants import check
-from .kv.record import Reuse
-from .kv.slots import Slot
-from .drafter import DraftAsk, Drafter
+from ..text.grammar import Constraint
+from ..invariants import check
+from ..kv.record import Reuse
+from ..kv.slots import Slot
+from .spec.drafter import DraftAsk, Drafter
 from .runner import Embed
 from .sampling import Sampler
 

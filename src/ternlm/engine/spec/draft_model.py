@@ -36,10 +36,10 @@ import dataclasses
 
 from .draft_batch import Lane, draft_together
 from .drafter import DraftAsk, DraftPace
-from .invariants import check
-from .kv.slots import Slot
-from .kv.store import CacheConfig
-from .sequence import Restored
+from ...invariants import check
+from ...kv.slots import Slot
+from ...kv.store import CacheConfig
+from ..sequence import Restored
 
 FIRST_DRAFT = 4          # a small model's draft costs a forward per token: start shorter than lookup's
 MAX_DRAFT = 8
@@ -85,7 +85,7 @@ class DraftModel:
     many slots as the target; Engine.load(draft_model=...) builds one)."""
 
     def __init__(self, engine):
-        self.engine = engine       # engine.Engine (not imported: engine.py imports this module)
+        self.engine = engine       # engine.core.Engine (not imported: core.py imports this module)
         self.vocab = engine.config.vocab_size
 
     def check(self, target) -> None:

@@ -27,22 +27,22 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
-from .drafter import DrafterFactory, PromptLookups
-from .grammar import GrammarCompiler, GrammarSpec
-from .invariants import check
-from .kernels.build import Kernels
-from .kernels.build import load as load_kernels
-from .kv.blocks import BLOCK_TOKENS
-from .kv.placement import Placement, plan_placement
-from .kv.record import Reuse, decide_reuse
-from .kv.recurrent import recurrent_shape
-from .kv.slots import KVShape, Slot
-from .message_marks import message_marks
-from .kv.store import CacheConfig, StoreIdentity, TieredStore
-from .models.llama import ATTN_BLOCK, Transformer
-from .models.loaded import LoadedModel
-from .models.moe import CHUNK_RESIDENT
+from ..cpu import CpuInfo, choose_dtype, kernel_fingerprint, probe
+from .spec.drafter import DrafterFactory, PromptLookups
+from ..text.grammar import GrammarCompiler, GrammarSpec
+from ..invariants import check
+from ..kernels.build import Kernels
+from ..kernels.build import load as load_kernels
+from ..kv.blocks import BLOCK_TOKENS
+from ..kv.placement import Placement, plan_placement
+from ..kv.record import Reuse, decide_reuse
+from ..kv.recurrent import recurrent_shape
+from ..kv.slots import KVShape, Slot
+from ..text.message_marks import message_marks
+from ..kv.store import CacheConfig, StoreIdentity, TieredStore
+from ..models.llama import ATTN_BLOCK, Transformer
+from ..models.loaded import LoadedModel
+from ..models.moe import CHUNK_RESIDENT
 from .runner import Embed, Feed, Runner, digest_tensor
 from .sampling import Penalties, Sampler, SamplingParams
 from .sequence import Completion, Delta, Limits, Restored, Sequence, Timings
@@ -125,7 +125,7 @@ class Engine:
         self.kernels = native if isinstance(native, Kernels) else None
         if self.kernels is None:
             log.warning("native kernels unavailable (%s): torch attention, slower decode", native.reason)
-            from .malloc import keep_large_buffers
+            from ..malloc import keep_large_buffers
             keep_large_buffers()   # its (queries x keys) score buffers would page-fault in every layer
         self.model = Transformer.from_weights(cfg, loaded.weights, dtype,
                                               pack=self.dtype_choice.kernel == "onednn-packed",
@@ -193,14 +193,14 @@ class Engine:
         Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (high
         while loading, so the loader's temporaries reuse the heap, which is trimmed after; raised to
         1 GiB when the torch attention runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
-        from .malloc import loading, one_arena, streamed_blocks_return
-        from .models.registry import resolve
+        from ..malloc import loading, one_arena, streamed_blocks_return
+        from ..models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
         if weights not in WEIGHTS:
             raise ValueError(f"unknown --weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
         if draft_model is not None:              # its own engine: slots paired with ours, never speculating
-            from .draft_model import DraftModel
+            from .spec.draft_model import DraftModel
             keys = ("slots", "ctx", "chunk_size", "min_reuse", "prefix_reuse", "kv_dtype")
             small = cls.load(draft_model, dtype=dtype, cpu=cpu, weights=weights, activations=activations,
                              speculative=False, **{k: kw[k] for k in keys if k in kw})
@@ -218,17 +218,17 @@ class Engine:
         plans: list = []                         # the expert cache's plan, once the header is read
         with loading():                          # the loader's temporaries reuse the heap, returned after
             if r.kind == "gguf":
-                from .models.gguf import load_gguf
+                from ..models.gguf import load_gguf
                 quantized = wchoice.mode == "gguf"
                 loaded = load_gguf(r.path, tdtype, sha256=r.sha256, keep_quantized=quantized,
                                    lanes=quantized and wchoice.kernels.lanes,
                                    int8=quantized and wchoice.kernels.lanes and wchoice.kernels.int8,
                                    expert_budget=_expert_budget(expert_cache, kw, plans))
             else:
-                from .models.hf import load_hf_folder
+                from ..models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
             if draft_model is not None and kw.get("cache") is not None:   # the draft model's KV in tiers too
-                from .draft_model import share_cache
+                from .spec.draft_model import share_cache
                 kw["cache"], small_cache = share_cache(kw["cache"], loaded.config, small.config)
                 small.open_store(small_cache)
             engine = cls(loaded, dtype=choice.dtype, cpu=cpu, weights=wchoice, **kw)
@@ -243,7 +243,7 @@ class Engine:
 
     # ---- text ----------------------------------------------------------------------------------
     def _render(self, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
-        from .chat import render_chat
+        from ..text.chat import render_chat
         if not self.chat_template:
             raise ValueError("this model has no chat template; use raw completion")
         tok = self.tokenizer
@@ -262,7 +262,7 @@ class Engine:
         def message_ends() -> list[int]:
             # Token offset where each message ends; computed only when a divergence's reason is
             # read (Reuse.reason), on the reader's thread, once.
-            from .chat import message_boundaries
+            from ..text.chat import message_boundaries
             tok = self.tokenizer
             text = self._render(messages, add_generation_prompt, **kw)
             chars = message_boundaries(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
@@ -628,7 +628,7 @@ def _expert_budget(requested: "str | int | None", kw: dict, plans: list):
     experts streamed, the chunk is planned with the cache (moe.streamed_chunk: fewer sweeps of the
     experts) and the cache planned again beside that chunk's work. Side effects: appends the plan to
     `plans`, sets kw["chunk_size"] when it planned one, logs both."""
-    from .models.moe import plan_expert_cache, step_work_bytes, streamed_chunk
+    from ..models.moe import plan_expert_cache, step_work_bytes, streamed_chunk
 
     def decide(cfg, experts: int, rest: int) -> int | None:
         ctx = min(kw.get("ctx") or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .invariants import check
+from ..invariants import check
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 
@@ -61,7 +61,7 @@ class GrammarCompiler:
     constraint factory. Thread-safe: routes validate on their threads while the worker builds matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
-        """tokenizer: ternlm.tokenizer.Tokenizer (its `backend` is a tokenizers.Tokenizer).
+        """tokenizer: ternlm.text.tokenizer.Tokenizer (its `backend` is a tokenizers.Tokenizer).
         vocab_size: the model's logits width (may exceed the tokenizer's: padding rows, always masked)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size

@@ -186,7 +186,7 @@ class _Scratch:
 
 
 def _native():
-    from .kernels.build import Kernels, load
+    from ..kernels.build import Kernels, load
     k = load()
     return k if isinstance(k, Kernels) else None
 

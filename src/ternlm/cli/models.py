@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .models.registry import DEFAULT_MODEL, REGISTRY, RegistryEntry, cached_file
-from .sizes import format_size
+from ..models.registry import DEFAULT_MODEL, REGISTRY, RegistryEntry, cached_file
+from ..sizes import format_size
 
 
 def add_models_parser(subparsers) -> None:

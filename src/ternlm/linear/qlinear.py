@@ -85,7 +85,7 @@ def projection(parts: list, bias: torch.Tensor | None, dtype: torch.dtype, pack:
     """The projection for weights stacked along the outputs: a QLinear when every part is a QWeight
     and the kernels are here, else a dense Linear (QWeights dequantized exactly, then cast to dtype).
     parts: [(out_i, in)] tensors (already in dtype) and/or QWeights."""
-    from .linear import Linear
+    from .dense import Linear
     if kernels is not None and all(isinstance(p, QWeight) for p in parts):
         return QLinear(parts, bias, kernels)
     dense = [p.dequantize().to(dtype) if isinstance(p, QWeight) else p for p in parts]

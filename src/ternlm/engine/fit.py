@@ -33,7 +33,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sizes import format_size
+from ..sizes import format_size
 
 log = logging.getLogger("ternlm")
 
@@ -290,8 +290,8 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     Mixture-of-experts files: the experts count only as `--expert-cache` keeps them (resident: all; a
     size: that many bytes; auto: nothing, since the engine then keeps what fits and streams the rest).
     draft_model: its weights and its slots' KV are added (the module docstring's "draft"), resolved the same way."""
-    from .cpu import choose_dtype, probe
-    from .models.registry import REGISTRY, cached_file, resolve
+    from ..cpu import choose_dtype, probe
+    from ..models.registry import REGISTRY, cached_file, resolve
     from .weights import choose_weights
 
     choose_dtype(dtype, probe())        # an unusable --dtype fails here as in Engine.load
@@ -307,7 +307,7 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     layers, kv_heads, head_dim, max_ctx, params, tied_embed, expert_bytes, recurrent, aside = shape
     model_bytes = (params + tied_embed) * elem if dense else path.stat().st_size - aside
     if expert_bytes and expert_cache != "resident":
-        from .sizes import parse_size
+        from ..sizes import parse_size
         kept = 0 if expert_cache == "auto" else min(parse_size(expert_cache), expert_bytes)
         model_bytes = max(model_bytes - expert_bytes, 0) + kept
     # Transformer._choose_kv_dtype: auto is fp16 where every layer runs fused in C (--weights gguf);
@@ -323,7 +323,7 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
 
 def _state_bytes(cfg) -> int:
     """A slot's recurrent state with as many snapshots as it may keep (kv/recurrent.py); 0 without."""
-    from .kv.recurrent import RecurrentState, recurrent_shape
+    from ..kv.recurrent import RecurrentState, recurrent_shape
     shape = recurrent_shape(cfg)
     if shape is None:
         return 0
@@ -335,7 +335,7 @@ def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int, int
     parameters or 0, bytes of expert tensors, a slot's recurrent state bytes, bytes of the blocks set aside
     ([MTP-ASIDE]: in the file, never loaded)) from the GGUF header (FastGGUFReader maps the file; reads no tensor
     data)."""
-    from .models.gguf import FastGGUFReader, config_from_gguf
+    from ..models.gguf import FastGGUFReader, config_from_gguf
     reader = FastGGUFReader(path)
     cfg = config_from_gguf(reader)
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
@@ -348,7 +348,7 @@ def _gguf_shape(path: Path) -> tuple[int, int, int, int, int, int, int, int, int
 
 def _hf_shape(folder: Path) -> tuple[int, int, int, int, int, int, int, int, int]:
     """The same from config.json and the safetensors files' JSON headers (no tensor is read)."""
-    from .models.hf import config_from_hf, run_name, text_part
+    from ..models.hf import config_from_hf, run_name, text_part
     outer = json.loads((folder / "config.json").read_text())
     text = text_part(outer)          # a vision-language folder: its language model (what loads)
     sizes: dict[str, int] = {}

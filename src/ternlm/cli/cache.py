@@ -11,13 +11,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .kv.blockfile import BadBlock, decode, meta_of, read_file_header
-from .kv.disk import unlink_quiet, dir_lock, scan
-from .sizes import format_size
+from ..kv.blockfile import BadBlock, decode, meta_of, read_file_header
+from ..kv.disk import unlink_quiet, dir_lock, scan
+from ..sizes import format_size
 
 
 def add_cache_parser(subparsers) -> None:
-    from .server.cli import default_kv_dir
+    from ..server.cli import default_kv_dir
     p = subparsers.add_parser("cache", help="inspect, verify or clear the on-disk KV cache",
                               description="The disk tier that `ternlm serve` keeps KV blocks in.")
     sub = p.add_subparsers(dest="cache_cmd", required=True)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .build import LAYOUT_CODE, MM_VARIANTS, MODE_CODE, Kernels
-from .build import Part as _Part
+from ..kernels.build import LAYOUT_CODE, MM_VARIANTS, MODE_CODE, Kernels
+from ..kernels.build import Part as _Part
 
 ACT_CODE = {"silu": 0, "gelu_tanh": 1}          # layer.c's ACT_SILU, ACT_GELU_TANH (config.MLP_ACTS)
 MAXPARTS = 4
@@ -45,7 +45,7 @@ def _ptr_of(t: torch.Tensor | None) -> int:
 
 def _proj(q, keep: list) -> _Proj | str:
     """A QLinear (models/qlinear.py) -> _Proj, or why not."""
-    from ..models.qlinear import QLinear
+    from ..linear.qlinear import QLinear
     if not isinstance(q, QLinear):
         return "a projection is not quantized"
     if len(q.parts) > MAXPARTS:
@@ -105,7 +105,7 @@ class NativeLayer:
         """layer: a models/llama.Layer; cos/sin: (max_pos, head_dim) fp32, that layer's own rope tables
         (Gemma 3: base 10k on windowed layers, 1e6 on global ones; kept alive here)."""
         if getattr(layer, "moe", None) is not None:
-            return "a mixture-of-experts layer (kernels/moe_layer.py runs those)"
+            return "a mixture-of-experts layer (models/native_moe.py runs those)"
         built = layer_spec(kernels, layer, cos, sin, mlp=True)
         return built if isinstance(built, str) else cls(kernels, *built)
 

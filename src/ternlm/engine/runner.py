@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch
 
-from .invariants import check
-from .kv.blockfile import BlockKV
-from .kv.recurrent import RecurrentState, recurrent_shape
-from .kv.slots import Slot
-from .models.llama import ATTN_BLOCK, Segment, Transformer
+from ..invariants import check
+from ..kv.blockfile import BlockKV
+from ..kv.recurrent import RecurrentState, recurrent_shape
+from ..kv.slots import Slot
+from ..models.llama import ATTN_BLOCK, Segment, Transformer
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,19 @@ import argparse
 import logging
 import sys
 
-from .engine_args import DEFAULT_MODEL, engine_args as _engine_args, load_engine as _load  # noqa: F401
+from ..engine.args import DEFAULT_MODEL, engine_args as _engine_args, load_engine as _load  # noqa: F401
 
 
 def cmd_pull(args) -> int:
-    from .models.registry import model_path
+    from ..models.registry import model_path
     for name in args.names:
         print(model_path(name, progress=True))
     return 0
 
 
 def cmd_generate(args) -> int:
-    from .engine import Completion
-    from .sampling import Penalties
+    from ..engine.core import Completion
+    from ..engine.sampling import Penalties
     engine = _load(args)
     if args.chat:
         ids = engine.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
@@ -71,19 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.set_defaults(func=cmd_generate)
 
-    from .server.cli import add_serve_parser
+    from ..server.cli import add_serve_parser
     add_serve_parser(sub, _engine_args)
-    from .chat_cli import add_chat_parser
+    from .chat import add_chat_parser
     add_chat_parser(sub, _engine_args, _load)
-    from .bench.cli import add_bench_parser
+    from ..bench.cli import add_bench_parser
     add_bench_parser(sub, _engine_args, _load)
-    from .models_cli import add_models_parser
+    from .models import add_models_parser
     add_models_parser(sub)
-    from .cache_cli import add_cache_parser
+    from .cache import add_cache_parser
     add_cache_parser(sub)
-    from .info_cli import add_info_parser
+    from .info import add_info_parser
     add_info_parser(sub)
-    from .cluster import add_cluster_parser
+    from ..server.cluster import add_cluster_parser
     add_cluster_parser(sub)
 
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """The flags that say which model and engine to run (-m, --dtype, --weights, --ctx, ...) and the loader
-they drive, shared by every command that runs a model (generate, serve, chat, bench). Apart from cli.py
-so `python -m ternlm.chat_cli` and the benchmarks take the same flags without importing the CLI."""
+they drive, shared by every command that runs a model (generate, serve, chat, bench). Apart from cli/main.py
+so `python -m ternlm.cli.chat` and the benchmarks take the same flags without importing the CLI."""
 from __future__ import annotations
 
 import argparse
@@ -69,7 +69,7 @@ def template_file(path: str) -> str:
 
 def load_engine(args, slots: int = 1):
     import torch
-    from .engine import Engine
+    from .core import Engine
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.no_fit_check:      # refuse in one line before any weight is read (fit.py)

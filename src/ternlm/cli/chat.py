@@ -294,8 +294,8 @@ def cmd_chat(args: argparse.Namespace, load_engine, default_model: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ternlm.chat_cli ARGS` == `ternlm chat ARGS` (same parser, same loader)."""
-    from .engine_args import engine_args, load_engine
+    """`python -m ternlm.cli.chat ARGS` == `ternlm chat ARGS` (same parser, same loader)."""
+    from ..engine.args import engine_args, load_engine
     ap = argparse.ArgumentParser(prog="ternlm")
     ap.add_argument("-v", "--verbose", action="store_true")
     add_chat_parser(ap.add_subparsers(dest="cmd", required=True), engine_args, load_engine)

@@ -32,13 +32,13 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .engine import Completion, Delta, Engine, Sequence
-from .grammar import GrammarSpec
+from .core import Completion, Delta, Engine, Sequence
+from ..text.grammar import GrammarSpec
 from .sampling import Penalties
-from .invariants import check
+from ..invariants import check
 from .step_plan import plan_step
 
-log = logging.getLogger("ternlm.scheduler")
+log = logging.getLogger("ternlm.engine.scheduler")
 
 MAX_LOGPROBS = 20
 

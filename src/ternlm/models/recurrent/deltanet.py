@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..kernels.build import Kernels
+from ...kernels.build import Kernels
 
 
 def fused_rows(cfg: ModelConfig, fused: str) -> dict[str, torch.Tensor]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv.slots import Slot
-from .runner import Feed, Runner
+from ...kv.slots import Slot
+from ..runner import Feed, Runner
 
 
 @dataclass

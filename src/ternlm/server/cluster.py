@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .procs import die_with_parent
+from ..procs import die_with_parent
 
 
 def add_cluster_parser(subparsers) -> argparse.ArgumentParser:
@@ -240,7 +240,7 @@ def started(*, model: str, replicas: int, port: int, serve_args: list[str], logd
         reps = [(f"replica{i}", port + 1 + i) for i in range(replicas)]
         for name, p in reps:
             children.append(_spawn(stack, name, [
-                sys.executable, "-m", "ternlm.cli", "serve", "-m", model, "--port", str(p),
+                sys.executable, "-m", "ternlm.cli.main", "serve", "-m", model, "--port", str(p),
                 "--cache-redis", redis_url, *serve_args], logdir))
         cfg = logdir / "haproxy.cfg"
         sock = logdir / "haproxy.sock"

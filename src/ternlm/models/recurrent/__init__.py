@@ -1,0 +1,3 @@
+"""The recurrent mixers of hybrid models: deltanet.py (Qwen3.5 / Qwen3-Next gated DeltaNet), mamba2.py
+(Nemotron-H), shortconv.py (LFM2). Their state lives in kv/recurrent.py's slots.
+May import: kernels, models' own helpers, invariants."""
