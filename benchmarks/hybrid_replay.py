@@ -45,7 +45,7 @@ from pathlib import Path
 
 from replay_common import Answer, LlamaServer, Renderer, Ternlm, command_line, lcp, md_table  # noqa: E402
 from replay_variants import VARIANTS, add_answer, add_user  # noqa: E402
-from ternlm.bench.peers import free_port  # noqa: E402
+from ternlm.bench.procs import free_port  # noqa: E402
 
 REUSE, NO_REUSE, LS, RESTARTED = "ternlm-reuse", "ternlm-no-reuse", "llama-server", "ternlm-restarted"
 VLLM_BLOCK = 528

@@ -46,7 +46,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -56,8 +55,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ternlm.bench.peers import (SERVER_MODULE, find_llama_server, llama_server_argv,  # noqa: E402
-                               llamacpp_server_argv, peers_python)
+from ternlm.bench.llamacpp import (LLAMA_SERVER, SERVER_MODULE, find_bin, llama_server_argv,  # noqa: E402
+                                   llamacpp_server_argv, peers_python)
+from ternlm.bench.procs import HttpChild  # noqa: E402
 from ternlm.sizes import parse_size  # noqa: E402
 
 MEMCG = Path("/sys/fs/cgroup/memory")
@@ -259,7 +259,7 @@ PORTS = {"reuse": 0, "no-reuse": 1, "llama.cpp": 2, "llama.cpp-repack": 3, "llam
 
 def command(kind: str, model: Path, port: int, args) -> list[str]:
     if kind == "llama-server":
-        binary = args.llama_server or find_llama_server(ROOT)
+        binary = args.llama_server or find_bin(LLAMA_SERVER, ROOT)
         if binary is None:
             raise SystemExit("no llama-server: build it with scripts/build-llamacpp (~15 min) or give --llama-server")
         return llama_server_argv(binary, model, args.threads, 1, args.ctx, port) + args.llama_server_args
@@ -274,22 +274,10 @@ def command(kind: str, model: Path, port: int, args) -> list[str]:
     return cmd + (["--no-prefix-kv"] if kind == "no-reuse" else [])
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float, health: bool) -> str:
-    """The served model's id once the server is ready (ternlm: /health 200, it answers /v1/models
-    while still loading; llama.cpp: /v1/models after its load). Raises if the process dies or time
-    runs out."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} while loading")
-        try:
-            if health:
-                urllib.request.urlopen(f"{url}/health", timeout=2).close()     # 503 while loading: raises
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                return json.loads(r.read())["data"][0]["id"]
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
+def served_model(url: str) -> str:
+    """The served model's id (asked once the server is ready)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
 
 
 def run_contender(kind: str, args, out: Path) -> dict:
@@ -306,15 +294,21 @@ def run_contender(kind: str, args, out: Path) -> dict:
            "turns": [], "died": False, "error": None}
     drop_file_pages(args.model)
     cg = Cgroup.create(f"ternlm-moe-capped-{kind}-{os.getpid()}", args.cap)   # this run's own: never another's
-    log = open(out / f"{name}.log", "w")
     env = dict(os.environ, **(dict(args.env) if kind not in LLAMA else {}))
     if args.omp_wait == "passive":          # both engines alike; "default" leaves OpenMP spinning, as users run
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     rec["omp_wait"] = args.omp_wait
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, preexec_fn=_preexec(cg))
+    # ready: ternlm and llama-server at /health 200 (ternlm answers /v1/models while still loading);
+    # llama-cpp-python's server has no /health, its /v1/models answers after the load
+    ready = "/v1/models" if kind in LLAMA and kind != "llama-server" else "/health"
+    # _preexec: setsid (stopped as a group) and the cgroup; ternlm's shutdown grace waits for a running request
+    child = HttpChild(cmd, port, out / f"{name}.log", ready, env=env, preexec_fn=_preexec(cg), cwd=ROOT, group=True,
+                      stop_timeout_s=10)
+    t0 = time.perf_counter()
+    proc = child.start().proc
     try:
-        t0 = time.perf_counter()
-        model = wait_ready(url, proc, args.load_timeout, health=kind not in LLAMA or kind == "llama-server")
+        child.wait_ready(args.load_timeout)
+        model = served_model(url)
         rec["load_s"] = time.perf_counter() - t0
         rec["after_load"] = {"cgroup": cg.snapshot(), "proc": proc_status(proc.pid), "io": proc_io(proc.pid)}
         # ternlm's load hashes the whole file (sha256: the KV namespace) through the page cache; drop
@@ -339,14 +333,7 @@ def run_contender(kind: str, args, out: Path) -> dict:
         rec["died"] = proc.poll() is not None
         rec["returncode"] = proc.returncode
         rec["cgroup_end"] = cg.snapshot()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)           # ternlm's shutdown grace waits for a running request
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        child.stop()
         cg.remove()
     rec["log_tail"] = (out / f"{name}.log").read_text().splitlines()[-30:]
     rec["chunk_plan"] = next((line.split("prefill chunk: ", 1)[1] for line in (out / f"{name}.log").read_text().splitlines()

@@ -16,7 +16,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from ternlm.bench.peers import LlamaCppServer, find_llama_server, free_port, llama_server_argv
+from ternlm.bench.llamacpp import LLAMA_SERVER, find_bin, llama_server
 from ternlm.engine.core import Engine
 from ternlm.models.registry import model_path
 from ternlm.engine.sampling import Penalties
@@ -51,17 +51,15 @@ def main() -> None:
     ap.add_argument("--activations", default="int8", help="ternlm's (llama.cpp multiplies 8-bit activations)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    binary = find_llama_server(ROOT)
+    binary = find_bin(LLAMA_SERVER, ROOT)
     if binary is None:
         sys.exit("no llama-server: run `make bench-peers`")
     e = Engine.load(a.model, activations=a.activations, slots=1, prefix_reuse=False, speculative=False)
     qs = [json.loads(line)["turns"][0] for line in (ROOT / "tests/data/mt_bench_question.jsonl").read_text().splitlines()]
     prompts = [list(e.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True))
                for q in qs[:a.questions]]
-    port = free_port()
     report = {"command": " ".join(["python", *sys.argv]), "settings": {}}
-    with LlamaCppServer(llama_server_argv(binary, model_path(a.model), 2, 1, 4096, port), port,
-                        Path("/tmp/penalty-parity-llama-server.log")) as srv:
+    with llama_server(binary, model_path(a.model), 2, 1, 4096, Path("/tmp/penalty-parity-llama-server.log")) as srv:
         for name, s in SETTINGS.items():
             same, firsts = 0, []
             for ids in prompts:

@@ -1,5 +1,5 @@
 """Replay glue shared by benchmarks/reasoning_replay.py, swa_replay.py and hybrid_replay.py: the llama.cpp
-peers (started by ternlm.bench.peers, the project's one llama.cpp launcher), one streaming client for every
+peers (started by ternlm.bench.llamacpp, the project's one llama.cpp launcher), one streaming client for every
 engine, and the prompt arithmetic.
 
 Two llama.cpp peers. `LlamaCpp`: llama-cpp-python 0.3.36's OpenAI server (`make bench-peers`,
@@ -29,12 +29,11 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from ternlm.bench.llamacpp import (LLAMA_SERVER, LlamaCppServer, find_bin, llama_server_argv, llamacpp_server_argv,
+                                   peers_python)
+from ternlm.bench.procs import TernlmServe
 
-from server_proc import ServerProc  # noqa: E402
-from ternlm.bench.peers import (LlamaCppServer, find_llama_server, llama_server_argv,  # noqa: E402
-                                llamacpp_server_argv, peers_python)
+ROOT = Path(__file__).resolve().parents[1]
 
 ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 MODELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ternlm" / "models"
@@ -114,12 +113,12 @@ def collect(url: str, body: dict) -> Answer:
 # ---- ternlm -----------------------------------------------------------------------------------
 
 class Ternlm:
-    """`ternlm serve` through tests/server_proc.py (closed pass or fail). complete() sends token ids to
+    """`ternlm serve` through ternlm.bench.procs.TernlmServe (closed pass or fail). complete() sends token ids to
     /v1/completions; chat() sends messages to /v1/chat/completions. Both stream, greedy."""
 
     def __init__(self, label: str, *flags: str):
         self.label = label
-        self.proc = ServerProc(*flags, env=ENV)
+        self.proc = TernlmServe(*flags, env=ENV)
         self.model = ""
 
     def __enter__(self) -> "Ternlm":
@@ -162,7 +161,7 @@ class Ternlm:
 
 class LlamaCpp(LlamaCppServer):
     """llama-cpp-python's OpenAI server on `port`, one context (its server has one), output to a temporary log
-    file that its client methods read. A context manager (peers.LlamaCppServer): the process is stopped on the
+    file that its client methods read. A context manager (llamacpp.LlamaCppServer): the process is stopped on the
     way out, pass or fail, and dies with this process; the log file is removed after."""
 
     label = "llama.cpp"
@@ -230,19 +229,19 @@ class LlamaCpp(LlamaCppServer):
 class LlamaServer(LlamaCppServer):
     """llama.cpp's `llama-server` on `port` with one slot (`-np 1`, as `ternlm serve --slots 1`), `threads` for
     prompt and generation, its defaults otherwise (prefix cache, context checkpoints, RAM prompt cache: what a
-    user gets), output to a temporary log removed after. A context manager (peers.LlamaCppServer): stopped on
+    user gets), output to a temporary log removed after. A context manager (llamacpp.LlamaCppServer): stopped on
     the way out, pass or fail, and dies with this process. `binary`: None = the build scripts/build-llamacpp
-    made (peers.find_llama_server)."""
+    made (llamacpp.find_bin)."""
 
     label = "llama-server"
 
     def __init__(self, model_path: Path, port: int, n_ctx: int, threads: int = 2, binary: str | None = None):
-        binary = binary or find_llama_server(ROOT)
+        binary = binary or find_bin(LLAMA_SERVER, ROOT)
         if not binary:
             raise SystemExit("no llama-server: run scripts/build-llamacpp (make bench-peers) or pass its path")
         argv = llama_server_argv(binary, model_path, threads, 1, n_ctx, port)
         log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
-        super().__init__(argv, port, log, env=dict(os.environ, **ENV))
+        super().__init__(argv, port, log, env=dict(os.environ, **ENV), ready="/health")
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)

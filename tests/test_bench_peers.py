@@ -1,4 +1,4 @@
-"""ternlm.bench.peers is the one llama.cpp launcher: the CLI benchmarks and the scripts under benchmarks/
+"""ternlm.bench.llamacpp is the one llama.cpp launcher: the CLI benchmarks and the scripts under benchmarks/
 find the same peers interpreter for a checkout laid out in tmp_path, build their server command lines
 with it, and start and stop servers and the worker through it. No llama.cpp needed: the peers venv's
 python is a stand-in script that serves /v1/models or answers the worker's JSON lines."""
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ternlm.bench import peers
+from ternlm.bench import llamacpp, peers
+from ternlm.bench.procs import free_port
 from ternlm.bench.cli import add_bench_parser
 from ternlm.engine.args import engine_args, load_engine
 
@@ -26,7 +27,7 @@ import http.server, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_response(200 if self.path in ("/v1/models", "/health") else 404)
         self.end_headers()
         self.wfile.write(b"{}")
     def log_message(self, *a):
@@ -72,14 +73,14 @@ def test_the_cli_and_the_scripts_build_the_same_server_command(tmp_path, monkeyp
 
     base = [str(py), "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", "2", "--n_threads_batch", "2",
             "--n_ctx", "8192", "--host", "127.0.0.1", "--port", "8100"]
-    assert peers.llamacpp_server_argv(str(py), gguf, 2, 8192, 8100) == base          # bench report's multiturn
+    assert llamacpp.llamacpp_server_argv(str(py), gguf, 2, 8192, 8100) == base          # bench report's multiturn
 
     replay = _script("replay_common")
     monkeypatch.setattr(replay, "ROOT", tmp_path)
     assert replay.LlamaCpp(gguf, 8100, 8192).argv == base + ["--logits_all", "False"]
     ls = replay.LlamaServer(gguf, 8100, 8192, 2, "/bin/llama-server")          # hybrid_replay's peer
     ls.log_path.unlink()
-    assert ls.argv == peers.llama_server_argv("/bin/llama-server", gguf, 2, 1, 8192, 8100)
+    assert ls.argv == llamacpp.llama_server_argv("/bin/llama-server", gguf, 2, 1, 8192, 8100)
 
     moe = _script("moe_capped")
     monkeypatch.setattr(moe, "ROOT", tmp_path)
@@ -92,9 +93,9 @@ def test_the_cli_and_the_scripts_build_the_same_server_command(tmp_path, monkeyp
 
 def test_server_starts_answers_and_stops(tmp_path, monkeypatch):
     py = _peers_venv(tmp_path, SERVER)
-    port = peers.free_port()
-    argv = peers.llamacpp_server_argv(str(py), tmp_path / "m.gguf", 1, 512, port)
-    with peers.LlamaCppServer(argv, port, tmp_path / "logs" / "s.log") as s:
+    port = free_port()
+    argv = llamacpp.llamacpp_server_argv(str(py), tmp_path / "m.gguf", 1, 512, port)
+    with llamacpp.LlamaCppServer(argv, port, tmp_path / "logs" / "s.log") as s:
         with urllib.request.urlopen(f"{s.url}/models", timeout=5) as r:
             assert r.status == 200
         assert f"stand-in llama.cpp server on {port}" in s.log()
@@ -102,7 +103,7 @@ def test_server_starts_answers_and_stops(tmp_path, monkeypatch):
 
     replay = _script("replay_common")
     monkeypatch.setattr(replay, "ROOT", tmp_path)
-    with replay.LlamaCpp(tmp_path / "m.gguf", peers.free_port(), 512) as s:
+    with replay.LlamaCpp(tmp_path / "m.gguf", free_port(), 512) as s:
         log = s.log_path
         assert log.exists() and s.base == f"http://127.0.0.1:{s.port}"
     assert s.proc.poll() is not None and not log.exists()       # the replay's temporary log goes with it
@@ -111,17 +112,17 @@ def test_server_starts_answers_and_stops(tmp_path, monkeypatch):
 def test_a_server_that_exits_is_an_error_with_its_log(tmp_path):
     argv = [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"]
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*no such model"):
-        with peers.LlamaCppServer(argv, peers.free_port(), tmp_path / "s.log"):
+        with llamacpp.LlamaCppServer(argv, free_port(), tmp_path / "s.log"):
             pass
 
 
 def test_worker_runs_the_packaged_worker_script(tmp_path):
     py = _peers_venv(tmp_path, WORKER)
-    w = peers.LlamaCppWorker(str(py), tmp_path / "m.gguf", 2, 4096)
+    w = llamacpp.LlamaCppWorker(str(py), tmp_path / "m.gguf", 2, 4096)
     try:
-        assert w.call({"op": "ping"}) == {"argv": [str(peers.WORKER), str(tmp_path / "m.gguf"), "2", "4096"]}
-        assert peers.WORKER.is_file() and "def main" in peers.WORKER.read_text()
+        assert w.call({"op": "ping"}) == {"argv": [str(llamacpp.WORKER), str(tmp_path / "m.gguf"), "2", "4096"]}
+        assert llamacpp.WORKER.is_file() and "def main" in llamacpp.WORKER.read_text()
         assert w.status()["VmRSS"] > 0
     finally:
         w.close()
-    assert w.proc.returncode == 0 and os.path.dirname(peers.WORKER) == os.path.dirname(peers.__file__)
+    assert w.proc.returncode == 0 and os.path.dirname(llamacpp.WORKER) == os.path.dirname(llamacpp.__file__)

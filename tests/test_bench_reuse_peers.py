@@ -4,7 +4,7 @@ the report carries both engines' rows, llama-server's processed counts are its t
 
 A stand-in llama-server (a script that keeps one slot's ids and answers /completion with timings the way
 llama-server does) runs everywhere; the real binary runs too where scripts/build-llamacpp built one
-(peers.find_llama_server: this checkout's .peers/ or its main worktree's), and skips otherwise."""
+(llamacpp.find_llama_server: this checkout's .peers/ or its main worktree's), and skips otherwise."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ternlm.bench import peers
+from ternlm.bench import llamacpp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ open(os.environ["STAND_IN_PID"], "w").write(str(os.getpid()))
 held = []
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_response(200 if self.path in ("/v1/models", "/health") else 404)
         self.end_headers()
         self.wfile.write(b"{}")
     def do_POST(self):
@@ -99,7 +99,7 @@ def peers_gguf() -> Path:
     return model_path("smollm2-135m", progress=False)
 
 
-REAL = peers.find_llama_server(ROOT)
+REAL = llamacpp.find_llama_server(ROOT)
 
 
 @pytest.mark.skipif(REAL is None, reason="no llama-server built (scripts/build-llamacpp)")
@@ -115,12 +115,12 @@ def test_find_llama_server_in_the_checkout_or_its_main_worktree(tmp_path):
     (main / ".git" / "worktrees" / "wt").mkdir(parents=True)
     wt.mkdir()
     (wt / ".git").write_text(f"gitdir: {main / '.git' / 'worktrees' / 'wt'}\n")
-    assert peers.find_llama_server(wt) is None and peers.find_llama_server(main) is None
+    assert llamacpp.find_llama_server(wt) is None and llamacpp.find_llama_server(main) is None
     built = main / ".peers" / "llama.cpp-0.3.36-abc" / "bin" / "llama-server"
     built.parent.mkdir(parents=True)
     built.write_text("")
-    assert peers.find_llama_server(main) == str(built) == peers.find_llama_server(wt)
+    assert llamacpp.find_llama_server(main) == str(built) == llamacpp.find_llama_server(wt)
     own = wt / ".peers" / "llama.cpp-0.3.36-def" / "bin" / "llama-server"
     own.parent.mkdir(parents=True)
     own.write_text("")
-    assert peers.find_llama_server(wt) == str(own)           # the worktree's own build first
+    assert llamacpp.find_llama_server(wt) == str(own)           # the worktree's own build first

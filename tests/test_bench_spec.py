@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from ternlm.bench import peers, spec, spec_edits
+from ternlm.bench import llamacpp, spec, spec_edits
 from ternlm.bench.sampling_settings import Sampling
 from ternlm.bench.spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, request_body
 from ternlm.bench.spec_summary import TERNLM_DRAFT, TERNLM_OFF, TERNLM_ON, identity, markdown, part, ratios
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL = peers.find_llama_server(ROOT)
+REAL = llamacpp.find_llama_server(ROOT)
 
 
 def test_edits_apply_and_the_history_is_fixed():

@@ -20,7 +20,7 @@ import torch
 
 from .common import (BenchModel, LoadMemory, bench_model, command_line, kv_budget_bytes, measure_load, median,
                      proc_status, synthetic_text, write_json)
-from .peers import LlamaCppWorker
+from .llamacpp import LlamaCppWorker
 from .sampling_settings import GREEDY, Sampling
 
 _MIB = 1 << 20

@@ -1,7 +1,7 @@
 """llama.cpp's own `llama-server` as a timed peer, over its native /completion API with token ids, so it
 evaluates exactly the ids ternlm was given (no second tokenizer, no BOS added: a prompt of ids is taken
 as is). What it did with a prompt is read from its answer's `timings`: `cache_n` prompt tokens taken from
-its slot, `prompt_n` evaluated, `prompt_ms` spent on them. peers.py starts and stops the process."""
+its slot, `prompt_n` evaluated, `prompt_ms` spent on them. llamacpp.py starts and stops the process."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""llama.cpp (llama-cpp-python) timing worker for ternlm's benchmarks, started by peers.LlamaCppWorker.
+"""llama.cpp (llama-cpp-python) timing worker for ternlm's benchmarks, started by llamacpp.LlamaCppWorker.
 Runs by path under the peers venv (`make bench-peers`), so it imports llama_cpp and nothing of ternlm;
 reads one JSON command per line on stdin, answers one JSON line on stdout.
 

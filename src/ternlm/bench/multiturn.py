@@ -31,16 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -49,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cli.chat_backends import OpenAIBackend, TurnStats
-from ..procs import die_with_parent
+from .procs import TernlmServe
 from .common import command_line, synthetic_text, write_json
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
 from .sampling_settings import describe, request_fields
@@ -108,64 +101,11 @@ def load_conversations(path: Path, n: int, turns: int) -> list[Conversation]:
 
 # ---- contenders ---------------------------------------------------------------------------------
 
-class ServeProcess:
-    """A `ternlm serve` child on a free port; output to `log_path`. stop() sends SIGTERM (the server
-    drains and exits) and kills it after 30 s. Its disk KV tier is a fresh temporary directory (unless
-    serve_args name one), so blocks from an earlier run never flatter the first turn."""
-
-    def __init__(self, serve_args: list[str], log_path: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self._kv_dir = None
-        if "--cache-dir" not in serve_args:
-            self._kv_dir = tempfile.mkdtemp(prefix="ternlm-bench-kv-")
-            serve_args = [*serve_args, "--cache-dir", self._kv_dir]
-        cmd = [sys.executable, "-m", "ternlm.cli.main", "serve", "--port", str(self.port), *serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=die_with_parent)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until GET /health is 200 (the model is loaded). Raises if the process exits or times out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ternlm serve exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass       # not listening yet, or 503 while loading
-            time.sleep(0.2)
-        raise TimeoutError(f"ternlm serve not ready after {timeout_s:.0f} s; log {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        if self._kv_dir is not None:
-            shutil.rmtree(self._kv_dir, ignore_errors=True)
-
-
 @dataclass
 class Contender:
     label: str
     url: str
-    started: ServeProcess | None = None      # a server this bench started (and stops)
+    started: TernlmServe | None = None       # a server this bench started (and stops)
     backend: OpenAIBackend | None = None
 
 
@@ -452,7 +392,8 @@ def run(args) -> int:
     try:
         for c in contenders:
             if c.label in (REUSE, NO_REUSE):
-                c.started = ServeProcess(ternlm_serve_args(args, c.label == REUSE), out_dir / "logs" / f"{c.label}.log")
+                c.started = TernlmServe(*ternlm_serve_args(args, c.label == REUSE),
+                                        log_path=out_dir / "logs" / f"{c.label}.log").start()
                 c.url = c.started.url
         with err.status("starting servers and warming up ..."):
             for c in contenders:
@@ -466,7 +407,7 @@ def run(args) -> int:
     finally:
         for c in contenders:
             if c.started:
-                c.started.stop()
+                c.started.close()
 
     comparisons = [compare(turns, a, b, req) for a, b, req in comparison_pairs(names, required)]
     result = {

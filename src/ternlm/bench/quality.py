@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .common import command_line, synthetic_text, write_json
+from .llamacpp import LLAMA_PERPLEXITY, llama_perplexity, resolve_bin
 
 _RSS_SCRIPT = """
 import json, sys, torch
@@ -73,16 +73,6 @@ def _chunked_ppl(engine, ids: list[int], n_ctx: int) -> float:
     return math.exp(nll / count)
 
 
-def _llama_perplexity(binary: str, model_path: Path, text_file: Path, n_ctx: int, threads: int) -> dict:
-    """llama.cpp's own perplexity of the file on the text (it tokenizes the text itself)."""
-    cmd = [binary, "-m", str(model_path), "-f", str(text_file), "-c", str(n_ctx), "-t", str(threads), "-b", str(n_ctx)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
-    if r.returncode != 0 or not m:
-        return {"command": " ".join(cmd), "error": (r.stderr.strip().splitlines() or [str(r.returncode)])[-1]}
-    return {"command": " ".join(cmd), "perplexity": float(m.group(1))}
-
-
 def _rss(model: str, weights: str, ctx: int) -> dict:
     r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, model, weights, str(ctx)], capture_output=True,
                        text=True, timeout=600, env=dict(os.environ))
@@ -95,7 +85,7 @@ def run(args) -> dict:
     from ..engine.core import Engine
     from ..models.registry import resolve
     torch.set_num_threads(args.threads)
-    llama = getattr(args, "llama_perplexity", None)
+    llama = resolve_bin(LLAMA_PERPLEXITY, getattr(args, "llama_perplexity", None))
     n_ctx = getattr(args, "ppl_ctx", 512)
     chunked = {}                 # llama-perplexity's protocol, each mode and llama.cpp itself (--llama-perplexity)
     ref = Engine.load(args.model, weights="fp32", prefix_reuse=False)
@@ -129,7 +119,7 @@ def run(args) -> dict:
            "max_abs_logit_diff": per_act["int8"]["max_abs_logit_diff"], "activations": per_act,
            "gguf_file_bytes": size, "ctx": args.ctx, "rss_after_load": mem}
     if llama:
-        chunked["llama.cpp"] = _llama_perplexity(llama, resolve(args.model).path, text_file, n_ctx, args.threads)
+        chunked["llama.cpp"] = llama_perplexity(llama, resolve(args.model).path, text_file, n_ctx, args.threads)
         res["llama_perplexity_protocol"] = {"n_ctx": n_ctx, "text_file": str(text_file), "perplexity": chunked}
         lc = chunked["llama.cpp"]
         print(f"{args.model}: perplexity in chunks of {n_ctx} (llama-perplexity's protocol): "

@@ -7,7 +7,7 @@ summary.json copies its figures from the JSON the benchmark wrote, nothing is me
 plots the benchmarks make (multi-turn TTFT by turn, streams) stay beside their JSON and are linked.
 
 Peers are optional: transformers (this venv) and llama.cpp (llama-cpp-python in .venv-peers, `make
-bench-peers`) are found and started by bench/peers.py; a missing one is a line in its table, not a failure.
+bench-peers`) are found by bench/peers.py and started by bench/llamacpp.py; a missing one is a line in its table, not a failure.
 The multi-turn replay gets llama-cpp-python's server on the same GGUF as a --url contender; the streams
 benchmark gets `llama-server` only when given (--llama-server BIN): llama-cpp-python's server serves one
 request at a time, which is no batching peer; the reuse benchmark then runs it too, beside the worker. A benchmark that fails is recorded with its exit status
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .common import command_line, write_json
-from .peers import LLAMACPP, TRANSFORMERS, LlamaCppServer, Peer, find_llamacpp, find_transformers, free_port, \
-    llama_server_argv, llamacpp_server_argv
+from .llamacpp import LlamaCppServer, llama_server, llamacpp_server_argv
+from .peers import LLAMACPP, TRANSFORMERS, Peer, find_llamacpp, find_transformers
+from .procs import free_port
 from .report_tables import FIGURES, LLAMA_SERVER, markdown
 from .sampling_settings import STANDARD as SAMPLING
 
@@ -201,11 +202,16 @@ def run_step(step: Step, env: dict[str, str], env_prefix: str, logs: Path, o: Op
     try:
         if step.server:
             from .common import bench_model
-            port, gguf = free_port(), bench_model(step.model).gguf
-            server = (llamacpp_server_argv(o.llamacpp.python, gguf, o.threads, SERVER_CTX, port) if step.server == LLAMACPP
-                      else llama_server_argv(o.llama_server, gguf, o.threads, STREAMS_TOP, SERVER_CTX * STREAMS_TOP, port))
-            res.server_command = env_prefix + " ".join(shlex.quote(a) for a in server)
-            with LlamaCppServer(server, port, logs / f"{step.key}-{step.server}.log", env) as s:
+            gguf, log = bench_model(step.model).gguf, logs / f"{step.key}-{step.server}.log"
+            if step.server == LLAMACPP:
+                port = free_port()
+                server = LlamaCppServer(llamacpp_server_argv(o.llamacpp.python, gguf, o.threads, SERVER_CTX, port),
+                                        port, log, env)
+            else:
+                server = llama_server(o.llama_server, gguf, o.threads, STREAMS_TOP, SERVER_CTX * STREAMS_TOP, log,
+                                      env=env)
+            res.server_command = env_prefix + " ".join(shlex.quote(a) for a in server.argv)
+            with server as s:
                 argv += ["--url", s.url, "--label", step.server]
                 res.command = _shown(argv, env_prefix)
                 res.exit = _run(argv, env, logs / f"{step.key}.log")

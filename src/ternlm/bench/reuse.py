@@ -3,7 +3,7 @@ its prompt; time to first token of that turn with reuse, without (--no-prefix-kv
 prefilling only the tail at that offset (so the cost of the reuse path itself is visible); and the
 same conversation through llama.cpp with its own prefix reuse: llama-cpp-python's worker when the peers venv
 is there, and llama.cpp's own `llama-server` binary with --llama-server BIN (or `auto`: the one
-scripts/build-llamacpp built, peers.find_llama_server), sent the same turn-2 ids as ternlm, its processed
+scripts/build-llamacpp built, llamacpp.find_bin), sent the same turn-2 ids as ternlm, its processed
 tokens read from its answer's timings (llama_server.py). Issue 46's target: ternlm's turn 2 <= 1/3 of
 llama-server's.
 
@@ -20,7 +20,8 @@ import torch
 
 from .common import bench_model, command_line, long_chat, median, synthetic_text, write_json
 from .llama_server import ServerTurn, complete_ids
-from .peers import LlamaCppServer, LlamaCppWorker, find_llama_server, find_llamacpp, free_port, llama_server_argv
+from .llamacpp import LLAMA_SERVER, LlamaCppWorker, llama_server, resolve_bin
+from .peers import find_llamacpp
 
 LS_REUSE, LS_NO_REUSE = "llama-server reuse", "llama-server no-reuse"
 TARGET_VS_LLAMA_SERVER = 1 / 3      # issue 46: ternlm's turn 2 at most a third of llama-server's
@@ -60,13 +61,7 @@ def _tail_only(engine, prompt: list[int], k: int) -> float:
 
 def llama_server_binary(arg: str | None) -> str | None:
     """--llama-server's value: None (not asked), a path, or `auto` (the checkout's build; an error if none)."""
-    if arg != "auto":
-        return arg
-    found = find_llama_server(Path(__file__).resolve().parents[3])
-    if found is None:
-        raise FileNotFoundError("--llama-server auto: no .peers/llama.cpp-*/bin/llama-server here; "
-                                "run scripts/build-llamacpp (or make bench-peers) or pass its path")
-    return found
+    return resolve_bin(LLAMA_SERVER, arg) if arg == "auto" else arg
 
 
 def _llama_server_round(base: str, turn1: list[int], turn2: list[int]) -> dict[str, ServerTurn]:
@@ -97,10 +92,9 @@ def run(args, load_engine) -> dict:
         if binary and m.gguf is None:
             print(f"llama-server: skipped ({m.path} is a Hugging Face folder, not a GGUF file)")
         elif binary:
-            port = free_port()     # one slot, its defaults otherwise (prefix cache on, context checkpoints)
-            server = stack.enter_context(LlamaCppServer(
-                llama_server_argv(binary, m.gguf, args.threads, 1, n_ctx, port), port,
-                Path(args.out) / f"reuse-{m.label}-llama-server.log"))
+            # one slot, its defaults otherwise (prefix cache on, context checkpoints)
+            server = stack.enter_context(llama_server(binary, m.gguf, args.threads, 1, n_ctx,
+                                                      Path(args.out) / f"reuse-{m.label}-llama-server.log"))
         return _measure(args, m, engine, turn1, turn2, k, worker, server)
 
 

@@ -37,7 +37,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 import httpx2 as httpx
 
 from .common import command_line, write_json
+from .procs import free_port, stop as stop_proc, ternlm_serve_argv, wait_http
 from .soak_client import (Answer, ConversationSource, Outcomes, ServerPhase, converse, model_id,
                           pick_for_cold_check, replay_cold)
 from .soak_mix import Mix, mix_named
@@ -78,22 +78,12 @@ class SoakServer:
         self.starts += 1
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        cmd = [sys.executable, "-m", "ternlm.cli.main", "serve", "--port", str(self.port), *self.serve_args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(ternlm_serve_argv(self.port, self.serve_args), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Block until GET /health is 200. Raises if the process exits or the time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ternlm serve exited with {self.proc.returncode}: see {self.log_dir}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"ternlm serve not ready after {timeout_s:.0f} s: see {self.log_dir}")
+        wait_http(f"http://127.0.0.1:{self.port}/health", self.proc, timeout_s, f"ternlm serve (logs in {self.log_dir})")
 
     def rss_mib(self) -> dict[str, float] | None:
         """The live process's VmRSS and its parts RssAnon (heap, tensors) and RssFile (mapped files:
@@ -116,13 +106,7 @@ class SoakServer:
         self._close_log()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_proc(self.proc, timeout_s=60)      # the drain writes the KV down: a longer grace than a bench server's
         self._close_log()
 
     def _close_log(self) -> None:
@@ -138,12 +122,6 @@ def resolve_dtype(args, server: SoakServer) -> None:
         m = re.search(r"dtype auto -> (\w+)", (server.log_dir / "serve-0.log").read_text(errors="replace"))
         if m:
             args.dtype = m.group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cache_verify(cache_dir: Path, dry_run: bool) -> dict:

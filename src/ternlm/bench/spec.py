@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .common import bench_model, command_line, write_json
-from .multiturn import ServeProcess, load_conversations, ternlm_serve_args
-from .peers import LlamaCppServer, find_llama_server, free_port, llama_server_argv
+from .multiturn import load_conversations, ternlm_serve_args
+from .procs import TernlmServe
+from .llamacpp import LLAMA_SERVER, BUILD_HOW, find_bin, llama_server
 from .sampling_settings import Sampling
 from .spec_edits import SOURCE, conversation, expected
 from .spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, served_model, stream_ids
@@ -72,19 +73,18 @@ def serving(c: Contender, args, gguf: Path | None, n_ctx: int, logs: Path):
     if c.kind == TERNLM:
         proc = None
         try:
-            proc = ServeProcess([*ternlm_serve_args(args, not args.no_prefix_kv), "--speculative", c.spec, *c.extra],
-                                logs / f"{c.label.replace(' ', '-')}.log")
+            proc = TernlmServe(*ternlm_serve_args(args, not args.no_prefix_kv), "--speculative", c.spec, *c.extra,
+                               log_path=logs / f"{c.label.replace(' ', '-')}.log").start()
             proc.wait_ready()
             base = f"http://127.0.0.1:{proc.port}"
             yield Target(TERNLM, base, served_model(base), proc.proc.pid)
         finally:
             if proc is not None:
-                proc.stop()
+                proc.close()
     else:
-        port = free_port()
-        argv = llama_server_argv(args.llama_server_bin, gguf, args.threads, 1, n_ctx, port)
-        argv += [] if c.spec == "none" else ["--spec-type", c.spec]
-        with LlamaCppServer(argv, port, logs / f"{c.label.replace(' ', '-')}.log") as s:
+        extra = [] if c.spec == "none" else ["--spec-type", c.spec]
+        with llama_server(args.llama_server_bin, gguf, args.threads, 1, n_ctx,
+                          logs / f"{c.label.replace(' ', '-')}.log", extra) as s:
             yield Target(LLAMA_SERVER, s.base, pid=s.proc.pid)
 
 
@@ -205,9 +205,9 @@ def _llama_server(arg: str | None, m) -> tuple[str | None, str | None]:
     binary or None, and the line the page prints when it does not run."""
     if arg == "none":
         return None, "llama-server: not run (--llama-server none)"
-    binary = arg or find_llama_server(Path(__file__).resolve().parents[3])
+    binary = arg if arg and arg != "auto" else find_bin(LLAMA_SERVER)
     if binary is None:
-        return None, "llama-server: not found (scripts/build-llamacpp builds it; or --llama-server BIN)"
+        return None, f"llama-server: not found ({BUILD_HOW}; or --llama-server BIN)"
     if m.gguf is None:
         return None, f"llama-server: skipped ({m.path} is a Hugging Face folder, not a GGUF file)"
     if not Path(binary).exists():

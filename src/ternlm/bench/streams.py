@@ -23,7 +23,8 @@ from pathlib import Path
 from ..cli.chat_backends import OpenAIBackend
 from .common import command_line, median, synthetic_text, write_json
 from .latency import pcts, steady_decode_tok_s, steady_window
-from .multiturn import ServeProcess, ternlm_serve_args
+from .multiturn import ternlm_serve_args
+from .procs import TernlmServe
 
 TERNLM = "ternlm"
 
@@ -107,7 +108,7 @@ def run(args) -> int:
     try:
         backends = {lb: OpenAIBackend(u, args.api_key, label=lb) for lb, u in zip(labels, urls)}
         if args.model:
-            started = ServeProcess(ternlm_serve_args(args, True), out_dir / "logs" / f"{TERNLM}.log")
+            started = TernlmServe(*ternlm_serve_args(args, True), log_path=out_dir / "logs" / f"{TERNLM}.log").start()
             started.wait_ready()
             backends = {TERNLM: OpenAIBackend(started.url, None, label=TERNLM), **backends}
         for b in backends.values():      # untimed: first-call costs (allocation, connection) are not a round's
@@ -123,7 +124,7 @@ def run(args) -> int:
                           f"ITL p50 {1000 * (f['itl_s']['p50'] or 0):6.1f} ms", flush=True)
     finally:
         if started:
-            started.stop()
+            started.close()
 
     names = list(backends)
     figs = [(r, r.figures()) for r in rounds]
