@@ -4,7 +4,7 @@ The dense reference for llama.cpp's own quality figures (issue 46): `llama-perpl
 on this file saves the dense model's log-probabilities, and `--kl-divergence` on the quantized file compares
 with them ("Same top p" = top-token agreement). Every tensor is dequantized with llama.cpp's own gguf-py
 (`gguf.quants.dequantize`), the package from the llama-cpp-python sdist that builds our llama.cpp peer
-(scripts/llamacpp-src; its gguf-py/ is put first on sys.path), so the F32 values are exactly GGML's.
+(scripts/build-llamacpp --src; its gguf-py/ is put first on sys.path), so the F32 values are exactly GGML's.
 
     python benchmarks/dequant_gguf.py IN.gguf OUT.gguf [--llama-src DIR]
 
@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gguf_py(src: Path | None) -> None:
-    """Put llama.cpp's gguf-py (the peer's own source: `src`, else scripts/llamacpp-src's, which fetches the
+    """Put llama.cpp's gguf-py (the peer's own source: `src`, else scripts/build-llamacpp --src's, which fetches the
     sdist on first use) first on sys.path."""
     if src is None:
-        out = subprocess.run([str(ROOT / "scripts" / "llamacpp-src")], capture_output=True, text=True, check=True)
+        out = subprocess.run([str(ROOT / "scripts" / "build-llamacpp"), "--src"], capture_output=True, text=True,
+                             check=True)
         src = Path(out.stdout.strip().splitlines()[-1])
     sys.path.insert(0, str(src / "gguf-py"))
 
@@ -65,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("src", type=Path)
     ap.add_argument("dst", type=Path)
-    ap.add_argument("--llama-src", type=Path, help="llama.cpp's source (default: scripts/llamacpp-src's)")
+    ap.add_argument("--llama-src", type=Path, help="llama.cpp's source (default: scripts/build-llamacpp --src's)")
     args = ap.parse_args()
     _gguf_py(args.llama_src)
     n = dequantize_file(args.src, args.dst)

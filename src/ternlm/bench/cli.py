@@ -18,6 +18,10 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--decode-context", type=int, default=32,
                    help="prompt tokens before the timed decode (the issue's targets: 1024 and 4000)")
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list: transformers,llamacpp")
+    p.add_argument("--llama-bench", default=None, metavar="BIN|auto",
+                   help="after ternlm's runs, llama.cpp's own llama-bench on the same GGUF with the same threads and "
+                        "--repeats: prefill of --prompt-tokens (-p N -n 0) and decode of --decode-tokens after "
+                        "--decode-context (-p 0 -n N -d C); `auto`: the one scripts/build-llamacpp built")
     p.add_argument("--sampling", default=None, metavar="NAMES",
                    help="ternlm's decode at each of these settings, interleaved in every round, medians and "
                         "ratios to greedy (default: greedy). A name is `greedy` or fields joined by -: t temperature, "
@@ -40,9 +44,10 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--ctx", type=int, default=4096, help="KV context of the RSS measurement (one slot)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--llama-perplexity", metavar="BIN", default=None,
-                   help="llama.cpp's own llama-perplexity (make bench-peers builds it): run on the same file and "
-                        "text, beside ternlm's perplexity under its protocol (chunks of --ppl-ctx, second halves)")
+    p.add_argument("--llama-perplexity", metavar="BIN|auto", default=None,
+                   help="llama.cpp's own llama-perplexity (make bench-peers builds it; `auto`: that build): run on "
+                        "the same file and text, beside ternlm's perplexity under its protocol (chunks of --ppl-ctx, "
+                        "second halves)")
     p.add_argument("--ppl-ctx", type=int, default=512, help="llama-perplexity's -c: the chunk length")
     p.set_defaults(func=_quality)
 
@@ -132,6 +137,13 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                    help="seconds after a contender's batch starts before the cold prompt is sent")
     p.add_argument("--require-identical", action="append", metavar="A,B",
                    help="also require these two contenders to answer identically (repeatable)")
+    p.add_argument("--llama-server", default=None, metavar="BIN|auto",
+                   help="also llama.cpp's own llama-server on -m's GGUF (one slot per client, --threads for prompt and "
+                        "generation, its defaults otherwise), labelled llama-server; `auto`: the one "
+                        "scripts/build-llamacpp built")
+    p.add_argument("--llama-server-ctx", type=int, default=8192, help="llama-server's -c (default 8192)")
+    p.add_argument("--llama-server-args", default="", metavar="'FLAGS'",
+                   help="more llama-server flags, one shell-quoted string (e.g. '--swa-full')")
     p.add_argument("--out", default="benchmarks/results/multiturn")
     p.set_defaults(func=lambda a: _multiturn(a, default_model))
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from .common import (BenchModel, LoadMemory, bench_model, command_line, kv_budget_bytes, measure_load, median,
                      proc_status, synthetic_text, write_json)
-from .llamacpp import LlamaCppWorker
+from .llamacpp import LLAMA_BENCH, LlamaCppWorker, format_bench_row, llama_bench, resolve_bin
 from .sampling_settings import GREEDY, Sampling
 
 _MIB = 1 << 20
@@ -178,9 +179,30 @@ def _print_load(load: dict, m: BenchModel, kv_bytes: int, ctx: int) -> None:
               f"({r['file_mib']:.0f} of it mapped files), lifetime peak {r['process_peak_mib']:.0f} MiB")
 
 
+def _llama_bench(args, model: BenchModel, prompt_tokens: int, ctx: int, ternlm: dict) -> dict:
+    """llama.cpp's llama-bench on the same file, threads and repetitions, after ternlm's runs (one engine at a
+    time on the cores): prefill of the prompt (pp, no context), decode after the decode context (tg @ d).
+    Its figure is its own: the mean of its repetitions (its table's); ratios are ternlm's median over it."""
+    binary = args.llama_bench
+    if model.gguf is None:
+        print(f"llama-bench: skipped ({model.path} is a Hugging Face folder, not a GGUF file)")
+        return {"skipped": "not a GGUF file"}
+    pp = llama_bench(binary, model.gguf, args.threads, args.repeats, prompt_tokens, 0)
+    tg = llama_bench(binary, model.gguf, args.threads, args.repeats, 0, args.decode_tokens, ctx)
+    rows = pp + tg
+    print(f"\nllama-bench ({binary}; mean ± stddev of {args.repeats}, as its table):")
+    for r in rows:
+        print(f"  {format_bench_row(r)}")
+    ratios = {"prefill": ternlm["prefill"] / pp[0].avg_tok_s, "decode": ternlm["decode"] / tg[0].avg_tok_s}
+    print(f"ternlm/llama-bench       prefill x{ratios['prefill']:.2f}  decode x{ratios['decode']:.2f}")
+    return {"binary": binary, "rows": [asdict(r) for r in rows], "ratios": ratios}
+
+
 def run(args, load_engine) -> dict:
     import ternlm.engine.core  # noqa: F401  imported before the baseline: the baseline holds no model, only code
     torch.set_num_threads(args.threads)
+    if getattr(args, "llama_bench", None):          # a missing binary fails now, not after ternlm's runs
+        args.llama_bench = resolve_bin(LLAMA_BENCH, args.llama_bench)
     model = bench_model(args.model)
     engine, mem = measure_load(lambda: load_engine(args))
     kv_bytes = kv_budget_bytes(engine)
@@ -257,6 +279,8 @@ def run(args, load_engine) -> dict:
     if result["experts"] is not None:
         _print_experts(result["experts"], engine)
     _print_load(load, model, kv_bytes, engine.ctx)
+    if getattr(args, "llama_bench", None):
+        result["llama_bench"] = _llama_bench(args, model, len(ids), ctx, med["ternlm"])
     named = "" if [s.name for s in settings] == [GREEDY] else "-" + "+".join(s.name for s in settings)
     path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}{named}.json", result)
     print(f"wrote {path}")

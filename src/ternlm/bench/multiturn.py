@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import shlex
 import sys
 import time
 import zlib
@@ -43,7 +45,8 @@ import numpy as np
 
 from ..cli.chat_backends import OpenAIBackend, TurnStats
 from .procs import TernlmServe
-from .common import command_line, synthetic_text, write_json
+from .common import bench_model, command_line, synthetic_text, write_json
+from .llamacpp import LLAMA_SERVER, llama_server, resolve_bin
 from .latency import aggregate_decode_tok_s, gaps, pcts, split_gaps
 from .sampling_settings import describe, request_fields
 
@@ -352,6 +355,27 @@ def warm_up(c: Contender) -> None:
 
 
 def run(args) -> int:
+    """With --llama-server: llama.cpp's llama-server on -m's GGUF as one more contender (labelled `llama-server`,
+    after the --url ones), started before and stopped after the replay, pass or fail; then _replay."""
+    binary = resolve_bin(LLAMA_SERVER, getattr(args, "llama_server", None))
+    if not binary:
+        return _replay(args)
+    if not args.model:
+        raise ValueError("--llama-server needs -m (the GGUF it serves)")
+    gguf = bench_model(args.model).gguf
+    if gguf is None:
+        raise ValueError(f"--llama-server: {args.model} is not a GGUF file")
+    urls, labels = list(args.url or []), list(args.label or [])
+    labels += [f"url{i + 1}" for i in range(len(labels), len(urls))]
+    threads = args.threads or os.cpu_count() or 1
+    # one slot per concurrent client, as the ternlm servers get; its defaults otherwise (prefix cache on)
+    with llama_server(binary, gguf, threads, max(1, args.clients), args.llama_server_ctx,
+                      Path(args.out) / "logs" / "llama-server.log", shlex.split(args.llama_server_args or "")) as s:
+        args.url, args.label = [*urls, s.url], [*labels, LLAMA_SERVER]
+        return _replay(args)
+
+
+def _replay(args) -> int:
     """Start what -m asks for, replay, report. Returns the exit status: 1 if a required pair differs."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
