@@ -126,3 +126,52 @@ def test_worker_runs_the_packaged_worker_script(tmp_path):
     finally:
         w.close()
     assert w.proc.returncode == 0 and os.path.dirname(llamacpp.WORKER) == os.path.dirname(llamacpp.__file__)
+
+
+# llama-bench's `-o json` for one decode test (fields trimmed to those read), and llama-perplexity's summaries.
+BENCH_JSON = json.dumps([{"n_prompt": 0, "n_gen": 4, "n_depth": 16, "n_threads": 1, "avg_ts": 64.6,
+                          "stddev_ts": 0.5, "samples_ts": [64.9, 64.2, 70.0]}])
+PPL_TEXT = """[1]12.3,[2]13.4,
+Final estimate: PPL = 13.4567 +/- 0.51234
+"""
+KLD_TEXT = """====== Perplexity statistics ======
+Mean PPL(Q)                   :  13.501234 ±   0.512345
+Mean PPL(base)                :  13.401234 ±   0.502345
+====== KL divergence statistics ======
+Mean    KLD:   0.012345 ±   0.000123
+Maximum KLD:   1.234567
+Median  KLD:   0.004321
+====== Token probability statistics ======
+RMS Δp    :  3.210 ± 0.050 %
+Same top p: 97.123 ± 0.123 %
+"""
+
+
+def test_llama_bench_and_perplexity_output_is_parsed():
+    (row,) = llamacpp.parse_llama_bench(BENCH_JSON)
+    assert (row.test, row.n_gen, row.n_depth, row.avg_tok_s, row.median_tok_s) == ("tg4 @ d16", 4, 16, 64.6, 64.9)
+    assert llamacpp.llama_bench_argv("/b/llama-bench", Path("m.gguf"), 2, 3, 0, 64, 512) == [
+        "/b/llama-bench", "-m", "m.gguf", "-t", "2", "-r", "3", "-p", "0", "-n", "64", "-d", "512", "-o", "json"]
+    assert llamacpp.parse_perplexity(PPL_TEXT) == {"perplexity": 13.4567, "perplexity_err": 0.51234}
+    kld = llamacpp.parse_perplexity(KLD_TEXT)["kld"]
+    assert kld["Same top p"] == 97.123 and kld["Mean KLD"] == 0.012345 and kld["Mean PPL(Q)"] == 13.501234
+
+
+def test_a_binary_is_found_auto_or_named_and_a_missing_one_is_named(tmp_path):
+    assert llamacpp.resolve_bin(llamacpp.LLAMA_BENCH, None, tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="llama-bench: not found"):
+        llamacpp.resolve_bin(llamacpp.LLAMA_BENCH, "auto", tmp_path)
+    built = tmp_path / ".peers" / "llama.cpp-0.3.36-abc" / "bin" / "llama-bench"
+    built.parent.mkdir(parents=True)
+    built.write_text("")
+    assert llamacpp.resolve_bin(llamacpp.LLAMA_BENCH, "auto", tmp_path) == str(built)
+
+
+REAL_BENCH = llamacpp.find_bin(llamacpp.LLAMA_BENCH)
+
+
+@pytest.mark.skipif(REAL_BENCH is None, reason="no llama-bench built (scripts/build-llamacpp)")
+def test_the_real_llama_bench_runs_and_its_rows_are_read():
+    from ternlm.models.registry import model_path
+    rows = llamacpp.llama_bench(REAL_BENCH, model_path("smollm2-135m", progress=False), 1, 1, 8, 0)
+    assert [r.test for r in rows] == ["pp8"] and rows[0].avg_tok_s > 0
