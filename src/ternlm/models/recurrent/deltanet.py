@@ -24,6 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ...kernels.build import Kernels
+from .conv_state import advance, conv_window
 
 
 def fused_rows(cfg: ModelConfig, fused: str) -> dict[str, torch.Tensor]:
@@ -89,13 +90,9 @@ class DeltaNet:
         mixed (T, C); g, beta (T, Hv); out (T, Hv, dv) written. Side effects: p.state's conv and ssm of
         this layer advanced to start + T; p.captures[pos] filled at this layer's index."""
         cfg, st, ri = self.cfg, p.state, self.ri
-        T, K = mixed.shape[0], cfg.linear_conv_kernel
+        T = mixed.shape[0]
         Hk, Hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
-        # [start - K + 1, start) kept inputs | [start, start + T) this call: window row j = position start - K + 1 + j
-        window = torch.cat([st.conv[ri].T, mixed])                               # (T + K - 1, C)
-        conv = self.conv_w[0] * window[0:T]
-        for i in range(1, K):                                                    # taps in order: position-local sums
-            conv = conv + self.conv_w[i] * window[i:i + T]
+        window, conv = conv_window(st.conv[ri], mixed, self.conv_w)             # (T + K - 1, C), (T, C)
         x = self.kernels.pointwise("silu", conv)                                 # (T, C)
         q, k, v = torch.split(x, [self.key_dim, self.key_dim, self.value_dim], dim=1)
         q = _l2norm(q.reshape(T, Hk, dk)) * (dk ** -0.5)
@@ -103,18 +100,11 @@ class DeltaNet:
         q, k, v = q.contiguous(), k.contiguous(), v.reshape(T, Hv, dv).contiguous()
         g, beta = g.contiguous(), beta.contiguous()
         ssm = st.ssm[ri]                                                         # (Hv, dk, dv), in place
-        cuts = sorted(e - p.start for e in (p.captures or {}) if p.start < e <= p.start + T)
-        t0 = 0
-        for t1 in cuts + ([T] if not cuts or cuts[-1] != T else []):
-            if t1 > t0:
-                self._scan(q[t0:t1], k[t0:t1], v[t0:t1], g[t0:t1], beta[t0:t1], ssm, out[t0:t1])
-            e = p.start + t1
-            if p.captures is not None and e in p.captures:                      # the state after position e - 1
-                c_conv, c_ssm = p.captures[e]
-                c_conv[ri].copy_(window[t1:t1 + K - 1].T)
-                c_ssm[ri].copy_(ssm)
-            t0 = t1
-        st.conv[ri].copy_(window[T:T + K - 1].T)
+
+        def scan(t0: int, t1: int) -> None:
+            self._scan(q[t0:t1], k[t0:t1], v[t0:t1], g[t0:t1], beta[t0:t1], ssm, out[t0:t1])
+
+        advance(p, ri, window, scan)
 
     def _scan(self, q, k, v, g, beta, ssm, out) -> None:
         cfg = self.cfg

@@ -21,6 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ...kernels.build import Kernels
+from .conv_state import advance, conv_window
 
 
 class Mamba2:
@@ -69,29 +70,17 @@ class Mamba2:
         xbc (T, conv_dim); dt (T, H); out (T, H, P) written. Side effects: p.state's conv and ssm of this
         layer advanced to start + T; p.captures[pos] filled at this layer's index."""
         cfg, st, ri = self.cfg, p.state, self.ri
-        T, K = xbc.shape[0], cfg.mamba_conv_kernel
-        H, P, N, G = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
-        # [start - K + 1, start) kept inputs | [start, start + T) this call: window row j = position start - K + 1 + j
-        window = torch.cat([st.conv[ri].T, xbc])                                 # (T + K - 1, conv_dim)
-        conv = self.conv_w[0] * window[0:T]
-        for i in range(1, K):                                                    # taps in order: position-local sums
-            conv = conv + self.conv_w[i] * window[i:i + T]
+        N, G = cfg.mamba_state, cfg.mamba_groups
+        window, conv = conv_window(st.conv[ri], xbc, self.conv_w)               # (T + K - 1, conv_dim), (T, conv_dim)
         xs = self.kernels.pointwise("silu", conv + self.conv_b)                  # (T, conv_dim)
         x, B, C = torch.split(xs, [self.inner, G * N, G * N], dim=1)
         x, B, C, dt = x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous()
         ssm = st.ssm[ri]                                                         # (H, P, N), in place
-        cuts = sorted(e - p.start for e in (p.captures or {}) if p.start < e <= p.start + T)
-        t0 = 0
-        for t1 in cuts + ([T] if not cuts or cuts[-1] != T else []):
-            if t1 > t0:
-                self._scan(x[t0:t1], B[t0:t1], C[t0:t1], dt[t0:t1], ssm, out[t0:t1])
-            e = p.start + t1
-            if p.captures is not None and e in p.captures:                      # the state after position e - 1
-                c_conv, c_ssm = p.captures[e]
-                c_conv[ri].copy_(window[t1:t1 + K - 1].T)
-                c_ssm[ri].copy_(ssm)
-            t0 = t1
-        st.conv[ri].copy_(window[T:T + K - 1].T)
+
+        def scan(t0: int, t1: int) -> None:
+            self._scan(x[t0:t1], B[t0:t1], C[t0:t1], dt[t0:t1], ssm, out[t0:t1])
+
+        advance(p, ri, window, scan)
 
     def _scan(self, x, B, C, dt, ssm, out) -> None:
         """x (T, H P), B/C (T, G N), dt (T, H) contiguous fp32 slices; ssm (H, P, N) and out (T, H, P) written."""

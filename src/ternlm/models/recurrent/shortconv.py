@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .conv_state import advance, conv_window
 
 
 class ShortConv:
@@ -44,15 +45,6 @@ class ShortConv:
     def _sequence(self, bx: torch.Tensor, p) -> torch.Tensor:
         """One sequence's rows [start, start + T): (T, H) conv outputs. Side effects: p.state's conv inputs of
         this layer advanced to start + T; p.captures[e][0] (conv) filled at this layer's index."""
-        st, ri, T, K = p.state, self.ri, bx.shape[0], self.cfg.shortconv_kernel
-        # [start - K + 1, start) kept inputs | [start, start + T) this call: window row j = position start - K + 1 + j
-        window = torch.cat([st.conv[ri].T, bx])                                  # (T + K - 1, H)
-        conv = self.conv_w[0] * window[0:T]
-        for i in range(1, K):                                                    # taps in order: position-local sums
-            conv = conv + self.conv_w[i] * window[i:i + T]
-        for e, (c_conv, _) in (p.captures or {}).items():                        # the inputs before position e
-            if p.start < e <= p.start + T:
-                t1 = e - p.start
-                c_conv[ri].copy_(window[t1:t1 + K - 1].T)
-        st.conv[ri].copy_(window[T:T + K - 1].T)
+        window, conv = conv_window(p.state.conv[self.ri], bx, self.conv_w)     # (T + K - 1, H), (T, H)
+        advance(p, self.ri, window)
         return conv
