@@ -143,7 +143,7 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                         "scripts/build-llamacpp built")
     p.add_argument("--llama-server-ctx", type=int, default=8192, help="llama-server's -c (default 8192)")
     p.add_argument("--llama-server-args", default="", metavar="'FLAGS'",
-                   help="more llama-server flags, one shell-quoted string (e.g. '--swa-full')")
+                   help="more llama-server flags, one shell-quoted string after = (e.g. --llama-server-args='--swa-full')")
     p.add_argument("--out", default="benchmarks/results/multiturn")
     p.set_defaults(func=lambda a: _multiturn(a, default_model))
 
