@@ -92,3 +92,37 @@ def test_no_import_cycles():
     graph = {name: imports(name, path, known) for name, path in known.items()}
     assert graph["ternlm.cli.main"], "the graph sees imports"
     assert cycles(graph) == []
+
+
+# What each package may import (issue 60; each package's __init__ says the same in words). A package
+# not listed may import anything; "<top>" is the helper modules directly under ternlm/ (cpu, sizes, ...).
+ALLOWED = {
+    "ternlm.text": {"<top>"},
+    "ternlm.kv": {"<top>"},
+    "ternlm.kernels": {"<top>", "ternlm.kv"},
+    "ternlm.linear": {"<top>", "ternlm.kernels"},
+    "ternlm.models": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.text", "ternlm.kv"},
+    "ternlm.engine": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.models", "ternlm.text", "ternlm.kv"},
+    "ternlm.server": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.models", "ternlm.text", "ternlm.kv",
+                      "ternlm.engine"},
+}
+
+
+def test_packages_import_only_what_their_layer_allows():
+    known = modules()
+    pkgs = {".".join(n.split(".")[:2]) for n, p in known.items() if p.name == "__init__.py" and n.count(".") == 1}
+    where = {n: (".".join(n.split(".")[:2]) if ".".join(n.split(".")[:2]) in pkgs else "<top>") for n in known}
+    broken = []
+    for name, path in known.items():
+        allowed = ALLOWED.get(where[name])
+        if allowed is None or name == "ternlm":
+            continue
+        for dep in imports(name, path, known):
+            if where[dep] != where[name] and where[dep] not in allowed:
+                broken.append(f"{name} imports {dep}")
+    assert not broken, broken
+
+
+def test_at_most_twelve_modules_at_the_top():
+    top = sorted(p.name for p in (SRC / "ternlm").glob("*.py"))
+    assert len(top) <= 12, top           # the rest lives in packages by concern

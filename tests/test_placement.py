@@ -1,13 +1,14 @@
 """The two pure planners, property-tested without a model.
 
 kv/placement.plan_placement: [0, keep) reused from the slot | [keep, loaded) loaded from tier blocks |
-[loaded, n) prefilled. step_plan.plan_step: how many rows each running sequence feeds in one step.
+[loaded, n) prefilled; plan_tiers / settle_tiers: the same around a fetch, with a hybrid slot's
+recurrent-state rules. step_plan.plan_step: how many rows each running sequence feeds in one step.
 """
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from ternlm.kv.placement import plan_placement
+from ternlm.kv.placement import Fetched, plan_placement, plan_tiers, settle_tiers
 from ternlm.engine.step_plan import Want, plan_step
 
 
@@ -106,6 +107,85 @@ def test_placement_examples():
     p = plan_placement(n=300, record_len=200, slot_usable=150, tier_blocks=4, first_embed=300,
                        min_reuse=16, store=False, block=64)
     assert (p.keep, p.loaded, p.save_slot) == (150, 150, False)
+
+
+@st.composite
+def tier_inputs(draw):
+    """A placement with tiers, the slot's resume points (a hybrid slot's snapshots; None: attention alone),
+    and what a fetch of the plan then reads."""
+    kw = draw(placement_inputs())
+    del kw["store"]                            # plan_tiers is for a slot with tiers behind it
+    hybrid = draw(st.booleans())
+    snaps = None
+    if hybrid:                                 # open() hands _place a resumable k: k is one of them
+        snaps = sorted({0, kw["slot_usable"], *draw(st.lists(st.integers(0, kw["record_len"]), max_size=6))})
+    return kw, snaps
+
+
+def _resumable(snaps):
+    return None if snaps is None else (lambda x: max(s for s in snaps if s <= x))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(tier_inputs(), st.data())
+def test_tiers_plan_and_settle(inputs, data):
+    kw, snaps = inputs
+    block, k, n = kw["block"], kw["slot_usable"], kw["n"]
+    facts = {key: kw[key] for key in ("n", "record_len", "slot_usable", "first_embed", "min_reuse", "block")}
+    ask = plan_tiers(**kw, resumable=_resumable(snaps))
+    a = ask.placement
+    assert ask.set_aside <= (snaps is not None and a.loads)              # only a hybrid slot, only for a load
+    if ask.set_aside:
+        assert a.keep == 0                                              # the tiers load from block 0
+    elif snaps is not None and a.loads:
+        assert _resumable(snaps)(a.keep) == a.keep                      # [RESUME-AT-SNAPSHOT]
+    if not a.loads:
+        return
+    got = data.draw(st.integers(0, a.blocks))                           # entries can vanish before the fetch
+    whole_tail = data.draw(st.booleans())
+    fetched = Fetched(blocks=got, complete=a.first_block + got == kw["tier_blocks"],
+                      tail_tokens=kw["tail_tokens"], tail_whole=whole_tail,
+                      states=None if snaps is None else tuple(data.draw(st.lists(st.booleans(), min_size=got,
+                                                                                  max_size=got))),
+                      tail_state=snaps is not None and data.draw(st.booleans()))
+    p = settle_tiers(ask, fetched, **facts)
+    # the plan acted on is one plan_placement gives (all of its rules hold), never worse than the slot
+    assert p.loaded >= k and p.prefill >= 1
+    assert p.first_block + p.blocks <= a.first_block + got or p.tail == 0 and p.blocks == 0
+    if p.tail:                                                          # a tail only after every matched block
+        assert fetched.complete and p.loaded == (a.first_block + got) * block + p.tail
+    if snaps is not None:
+        if p.loads:                                                     # the load ends at a state
+            if p.tail:
+                assert fetched.tail_state and fetched.tail_whole
+            else:
+                assert p.loaded % block == 0 and fetched.states[p.loaded // block - 1 - a.first_block]
+        assert _resumable(snaps)(p.keep) == p.keep
+        if ask.set_aside:                                               # set aside only for more than k
+            assert (p.keep, p.loaded) == (k, k) or (p.keep == 0 and p.loaded > k)
+    else:
+        assert p == plan_placement(**(kw | {"tier_blocks": a.first_block + got,
+                                            "tail_tokens": kw["tail_tokens"] if fetched.complete else 0}),
+                                   store=True)
+
+
+def test_tiers_examples():
+    # a hybrid slot with snapshots at 0 and 100 of 120; tiers hold 3 blocks of 64 of a 300-token prompt:
+    # continuing from block 1 would resume at 64, where the slot holds no state -> set aside, load from 0
+    kw = dict(n=300, record_len=120, slot_usable=100, first_embed=300, min_reuse=16, block=64)
+    ask = plan_tiers(**kw, tier_blocks=3, tail_tokens=0, resumable=lambda x: 100 if x >= 100 else 0)
+    assert ask.set_aside and (ask.placement.keep, ask.placement.first_block, ask.placement.blocks) == (0, 0, 3)
+    # every block carries a state: load all three
+    p = settle_tiers(ask, Fetched(blocks=3, complete=True, states=(True, True, True)), **kw)
+    assert (p.keep, p.loaded, p.blocks) == (0, 192, 3)
+    # only block 0 carries one: the tiers reach 64 < the slot's 100, so the slot's prefix is kept after all
+    p = settle_tiers(ask, Fetched(blocks=3, complete=True, states=(True, False, False)), **kw)
+    assert (p.keep, p.loaded, p.blocks, p.loads) == (100, 100, 0, False)
+    # attention alone: no set-aside, blocks 1-2 continue the slot's block 0
+    ask = plan_tiers(**kw, tier_blocks=3, tail_tokens=0, resumable=None)
+    assert not ask.set_aside
+    p = settle_tiers(ask, Fetched(blocks=2, complete=True), **kw)
+    assert (p.keep, p.loaded, p.first_block, p.blocks) == (64, 192, 1, 2)
 
 
 wants = st.lists(st.builds(Want, st.integers(1, 500), st.booleans()), max_size=12).map(

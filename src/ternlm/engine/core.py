@@ -34,7 +34,7 @@ from ..invariants import check
 from ..kernels.build import Kernels
 from ..kernels.build import load as load_kernels
 from ..kv.blocks import BLOCK_TOKENS
-from ..kv.placement import Placement, plan_placement
+from ..kv.placement import Fetched, plan_placement, plan_tiers, settle_tiers
 from ..kv.record import Reuse, decide_reuse
 from ..kv.recurrent import recurrent_shape
 from ..kv.slots import KVShape, Slot
@@ -420,8 +420,8 @@ class Engine:
             except Exception as e:           # ContextOverflow: this sequence only
                 outcomes[i] = self._fail(seq, e)
                 continue
-            if logits == "all" and seq.slot.state is not None:
-                seq.slot.state.hold()        # [VERIFY-REWIND] a hybrid slot's state before its verify rows
+            if logits == "all":
+                seq.slot.hold_for_verify()   # [VERIFY-REWIND] Sequence._verify's slot.reject goes back to it
             feeds.append(Feed(seq.slot, ids, seq.embeds or None, logits))
             live.append(i)
         if feeds:
@@ -528,12 +528,8 @@ class Engine:
         discarding any of its positions; truncates or resets the slot; may load entries into it.
         `first_embed`: first position fed from a caller embedding."""
         rec, store, n = slot.record, self.store, len(prompt)
-
-        def plan(tier_blocks: int, tail_tokens: int = 0, usable: int = k) -> Placement:
-            return plan_placement(n=n, record_len=len(rec), slot_usable=usable, tier_blocks=tier_blocks,
-                                  first_embed=first_embed, min_reuse=self.min_reuse, store=store is not None,
-                                  tail_tokens=tail_tokens)
-        p = plan(0)                            # save_slot never depends on the tiers' match
+        facts = dict(n=n, record_len=len(rec), slot_usable=k, first_embed=first_embed, min_reuse=self.min_reuse)
+        p = plan_placement(**facts, tier_blocks=0, store=store is not None)   # save_slot never depends on the tiers
         if p.save_slot:
             store.save(slot)                   # what the slot is about to lose goes down a tier
         if store is None:
@@ -544,26 +540,22 @@ class Engine:
         t0 = time.perf_counter()
         tail = store.find_tail(prompt, ns, refs, limit, beat=max(k, self.min_reuse - 1))
         tail_s = time.perf_counter() - t0            # a disk tail is read and verified here
-        usable = k
-        p = plan(len(refs), tail.tokens if tail is not None else 0)
-        if p.loads and slot.resumable(p.keep) != p.keep:   # [RESUME-AT-SNAPSHOT] no state where tiers go on
+        ask = plan_tiers(**facts, tier_blocks=len(refs), tail_tokens=tail.tokens if tail is not None else 0,
+                         resumable=slot.resumable if slot.state is not None else None)
+        if ask.set_aside:
             store.save(slot)
-            usable = 0
-            p = plan(len(refs), tail.tokens if tail is not None else 0, usable)
-        if not p.loads:
-            self._keep(slot, p.keep, ns)
-            return Restored(slot=p.keep)
-        got = store.fetch(refs[p.first_block:p.first_block + p.blocks], ns)
-        complete = p.first_block + len(got.blocks) == len(refs)    # a tail follows only the last block
-        tier_blocks, tail_tokens = p.first_block + len(got.blocks), tail.tokens if tail is not None and complete else 0
-        if slot.state is not None:
-            tier_blocks, tail_tokens = _stateful_reach(got.blocks, p.first_block, tail, tail_tokens, limit)
-        p = plan(tier_blocks, tail_tokens, usable)
-        if usable != k and (not p.loads or p.loaded <= k):
-            # the slot's prefix was set aside for the tiers, but their states reach no further than the slot's
-            # own resume point k: keep the slot's (an edit replay's turn re-processed 10,201 of 10,393 tokens
-            # when a tier's early state replaced the slot's snapshot 6 tokens before the divergence)
-            p = plan(0)
+        if not ask.placement.loads:
+            self._keep(slot, ask.placement.keep, ns)
+            return Restored(slot=ask.placement.keep)
+        first, count = ask.placement.first_block, ask.placement.blocks
+        got = store.fetch(refs[first:first + count], ns)
+        hybrid = slot.state is not None
+        p = settle_tiers(ask, Fetched(
+            blocks=len(got.blocks), complete=first + len(got.blocks) == len(refs),
+            tail_tokens=tail.tokens if tail is not None else 0,
+            tail_whole=tail is not None and tail.tokens == len(tail.block.meta.ids),
+            states=tuple(b.state is not None for b in got.blocks) if hybrid else None,
+            tail_state=hybrid and tail is not None and tail.block.state is not None), **facts)
         self._keep(slot, p.keep, ns)
         if not p.loads:
             return Restored(slot=p.keep)
@@ -605,19 +597,6 @@ class Engine:
             result = ev
         check(isinstance(result, Completion), "a stream ends with its Completion")
         return result
-
-
-def _stateful_reach(blocks: list, first_block: int, tail, tail_tokens: int, limit: int) -> tuple[int, int]:
-    """A hybrid model's tier load must end where a loaded entry carries the recurrent state
-    ([RESUME-AT-SNAPSHOT]: attention KV can stop anywhere, the state only at an entry's end): the whole
-    tail when it is used in full and carries one, else the last fetched block that carries one and
-    lies within `limit`. Returns (tier blocks, tail positions) for plan_placement; (first_block, 0)
-    when nothing fetched carries a state. Pure."""
-    if tail_tokens and tail.block.state is not None and tail_tokens == len(tail.block.meta.ids):
-        return first_block + len(blocks), tail_tokens
-    ends = [i + 1 for i, b in enumerate(blocks)
-            if b.state is not None and (first_block + i + 1) * BLOCK_TOKENS <= limit]
-    return first_block + (ends[-1] if ends else 0), 0
 
 
 def _expert_budget(requested: "str | int | None", kw: dict, plans: list):

@@ -1,6 +1,6 @@
 """Next-token choice from logits: logit bias, penalties, greedy, temperature, top-k, top-p, min-p, seeded.
 
-The draw is part of the answer (ARCHITECTURE.md): a token depends only on its row's logits after the request's
+The draw is part of the answer (docs/architecture.md: the invariants): a token depends only on its row's logits after the request's
 bias, penalties and grammar mask, and on (seed, index of the token in its answer). Each draw takes its uniform
 number from draw_seed(seed, index) (an inverse CDF, no generator state), so speculative decoding (sequence.py),
 which samples several positions in one step and keeps a drafted token only if it equals the token sampled there,

@@ -13,10 +13,10 @@ Speculative decoding (lossless): while decoding, `pending` may hold the last sam
 (drafter.py). The step feeds them all and returns every row's logits; `accept` samples row by row exactly as
 plain decoding would (the same bias, grammar mask and per-position draw, sampling.py) and keeps a drafted token
 only while it equals the token sampled before it. The first row that differs ends the step: its sampled token is
-the next pending one, and the rows after it, fed drafts the model did not produce, are cut from the slot's
-record (Slot.truncate) before anything can store or reuse them. A hybrid model's slot cannot cut its recurrent
-state back past rows it took: it rewinds to the state held before the step [VERIFY-REWIND] (Slot.rewind), and
-the step's rows that stand are fed again at the head of the next step (`refeed`), which gives them the same
+the next pending one, and the rows after it, fed drafts the model did not produce, leave the slot in one
+operation (Slot.reject) before anything can store or reuse them: cut from its record, or, as a hybrid model's
+slot cannot cut its recurrent state back past rows it took, back to the state held before the step
+(Slot.hold_for_verify) [VERIFY-REWIND], and the step's rows that stand are fed again at the head of the next step (`refeed`), which gives them the same
 bits (the scan's per-token steps do not depend on how rows are grouped, [RESUME-EXACT]). A verify row has exactly
 the bits of a one-row decode step (batch-invariant kernels, [CHUNKS-EXACT]), so the answer is the same, token for
 token, on or off.
@@ -223,9 +223,9 @@ class Sequence:
     def _verify(self, fed: list[int], logits: torch.Tensor) -> list[Delta | Completion]:
         """A decode step that fed [*refed, token, *draft] (refed: a rewound step's rows that stand, fed again;
         their logits were sampled then): logits (len(fed), vocab). Row r after them is sampled as plain decoding
-        would at that point; the draft's next token is kept only if it is that sample. Rejected rows leave the
-        record (Slot.truncate), or a hybrid slot rewinds to the step's start and feeds the rows that stand again
-        next step [VERIFY-REWIND]. Side effects: samples; the slot's record (and state); pending, refeed."""
+        would at that point; the draft's next token is kept only if it is that sample. Rejected rows go in one
+        slot operation (Slot.reject): cut from the record, or a hybrid slot goes back to the step's start and
+        the rows that stand are fed again next step [VERIFY-REWIND]. Side effects: samples; the slot's record (and state); pending, refeed."""
         j = self.refeed
         draft = fed[j + 1:]
         k = len(draft)
@@ -239,14 +239,11 @@ class Sequence:
             taken += 1
         rejected = k - taken          # rows after the last one that stands (a mismatch, a stop, the limit)
         self.refeed = 0
-        if rejected and self.slot.state is None:    # [RECORD-WHERE-FED] the record no longer vouches for them
-            self.slot.truncate(len(self.slot.record) - rejected)
-        elif rejected:                # [VERIFY-REWIND] the state took them: back to the step's start
-            self.slot.rewind()
-            if not self.done:         # (done: the record ends at the step's start; the answer is complete)
-                standing = fed[:j + 1 + taken]
-                self.pending = standing + self.pending
-                self.refeed = len(standing)
+        if rejected:                  # [RECORD-WHERE-FED] the record no longer vouches for them [VERIFY-REWIND]
+            again = self.slot.reject(rejected)
+            if again and not self.done:   # (done: the record ends at the step's start; the answer is complete)
+                self.pending = fed[:again] + self.pending
+                self.refeed = again
         self.timings.decode_tokens += 1 + taken
         self.timings.drafted += k
         self.timings.accepted += taken

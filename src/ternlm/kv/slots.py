@@ -108,13 +108,26 @@ class Slot:
             self.state.restore(k)
         self.record.truncate(k)
 
-    def rewind(self) -> int:
-        """[VERIFY-REWIND] A hybrid slot after a verify step that fed rejected rows: back to the recurrent
-        state held before that step (RecurrentState.hold) and the record cut there; returns that position.
-        The rows of the step that stand are fed again by the next step (sequence.py), with the same bits."""
-        k = self.state.rewind()
-        self.record.truncate(k)
-        return k
+    def hold_for_verify(self) -> None:
+        """[VERIFY-REWIND] Before a step that feeds draft rows to verify: a hybrid slot copies its recurrent
+        state (its layers cannot be cut back past rows they took), so that `reject` can go back to it.
+        Side effect: the state's held copy; nothing for attention alone (its rows are cut from the record)."""
+        if self.state is not None:
+            self.state.hold()
+
+    def reject(self, rows: int) -> int:
+        """[VERIFY-REWIND] After that step: drop its last `rows` rows (drafts the model did not take). Attention
+        alone: the record is cut by `rows` (the KV past it is overwritten later). A hybrid slot goes back to the
+        state held at the step's start and its record is cut there: the step's rows that stand must be fed
+        again, with the same bits. Returns how many that is (0 for attention alone). Side effects: the
+        record (and the recurrent state, its snapshots past the step's start)."""
+        if self.state is None:
+            self.record.truncate(len(self.record) - rows)
+            return 0
+        standing = len(self.record) - rows
+        start = self.state.rewind()
+        self.record.truncate(start)
+        return standing - start
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
