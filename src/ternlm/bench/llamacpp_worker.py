@@ -20,7 +20,8 @@ def main() -> None:
     # swa_full=False: llama-server's default (common params), a sliding-window cache trimmed to the window;
     # llama-cpp-python's own default is llama_context_default_params' full-size SWA cache, whose decode on
     # gemma3 attends all of the context on every layer (0.9 tok/s at 16,000 tokens here). Only sliding-window
-    # models are affected; their `ttft` reuse past the window is then not exact (benchmarks/llamacpp_swa_probe.py).
+    # models are affected; their `ttft` reuse past the window is then not exact (a one-off probe:
+    # `git show d5bfd79:benchmarks/llamacpp_swa_probe.py`).
     llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 swa_full=False, verbose=False)
     for line in sys.stdin:
