@@ -103,8 +103,7 @@ ALLOWED = {
     "ternlm.linear": {"<top>", "ternlm.kernels"},
     "ternlm.models": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.text", "ternlm.kv"},
     "ternlm.engine": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.models", "ternlm.text", "ternlm.kv"},
-    "ternlm.server": {"<top>", "ternlm.kernels", "ternlm.linear", "ternlm.models", "ternlm.text", "ternlm.kv",
-                      "ternlm.engine"},
+    "ternlm.server": {"<top>", "ternlm.engine", "ternlm.models", "ternlm.text", "ternlm.kv"},
 }
 
 
