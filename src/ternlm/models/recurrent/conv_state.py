@@ -15,6 +15,20 @@ from typing import Callable
 import torch
 
 
+def conv_taps(weight: torch.Tensor, channels: int, kernel: int) -> torch.Tensor:
+    """A depthwise conv1d weight as loaded ((C, 1, K) or (C, K)) -> (K, C): row i is tap i's weights, the
+    layout conv_window reads. Pure (a new fp32 tensor)."""
+    return weight.float().reshape(channels, kernel).T.contiguous()
+
+
+def require_kernels(kernels, what: str):
+    """The native kernels a mixer's scan runs on (kernels/recurrent.c): returned as given, or ValueError
+    naming the layer kind (there is no torch fallback for the scans). Pure."""
+    if kernels is None:
+        raise ValueError(f"{what} layers need the native kernels (kernels/recurrent.c)")
+    return kernels
+
+
 def conv_window(kept: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kept (C, K - 1): the inputs at [start - K + 1, start) (a state's conv[ri]); x (T, C): this call's
     inputs at [start, start + T); w (K, C): tap i's weights (no bias: a mixer adds its own).

@@ -24,7 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ...kernels.build import Kernels
-from .conv_state import advance, conv_window
+from .conv_state import advance, conv_taps, conv_window, require_kernels
 
 
 def fused_rows(cfg: ModelConfig, fused: str) -> dict[str, torch.Tensor]:
@@ -49,9 +49,7 @@ class DeltaNet:
     """Frozen weights of one layer; `build` makes its projection (models/qlinear.projection)."""
 
     def __init__(self, cfg: ModelConfig, w: dict, build, ri: int, kernels: Kernels | None):
-        if kernels is None:
-            raise ValueError("gated DeltaNet layers need the native kernels (kernels/recurrent.c)")
-        self.cfg, self.ri, self.kernels = cfg, ri, kernels
+        self.cfg, self.ri, self.kernels = cfg, ri, require_kernels(kernels, "gated DeltaNet")
         Hk, Hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
         self.key_dim, self.value_dim = Hk * dk, Hv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -59,7 +57,7 @@ class DeltaNet:
         self.in_proj = build([w[f"linear_attn.in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")])
         self.out = build([w["linear_attn.out_proj.weight"]])                   # (hidden, Hv dv)
         K = cfg.linear_conv_kernel
-        self.conv_w = w["linear_attn.conv1d.weight"].float().reshape(self.conv_dim, K).T.contiguous()  # (K, C)
+        self.conv_w = conv_taps(w["linear_attn.conv1d.weight"], self.conv_dim, K)   # (K, C)
         self.neg_a = w["linear_attn.A"].float()                                 # (Hv,) -exp(A_log), as loaded
         self.dt_bias = w["linear_attn.dt_bias"].float()                         # (Hv,)
         self.norm = w["linear_attn.norm.weight"].float()                        # (dv,)

@@ -21,23 +21,21 @@ import torch
 
 from ..config import ModelConfig
 from ...kernels.build import Kernels
-from .conv_state import advance, conv_window
+from .conv_state import advance, conv_taps, conv_window, require_kernels
 
 
 class Mamba2:
     """Frozen weights of one layer; `build` makes its projection (models/qlinear.projection)."""
 
     def __init__(self, cfg: ModelConfig, w: dict, build, ri: int, kernels: Kernels | None):
-        if kernels is None:
-            raise ValueError("Mamba-2 layers need the native kernels (kernels/recurrent.c)")
-        self.cfg, self.ri, self.kernels = cfg, ri, kernels
+        self.cfg, self.ri, self.kernels = cfg, ri, require_kernels(kernels, "Mamba-2")
         H, P, N, G = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
         self.inner = H * P
         self.conv_dim = self.inner + 2 * G * N
         self.in_proj = build([w["mixer.in_proj.weight"]])                      # (inner + conv_dim + H, hidden)
         self.out = build([w["mixer.out_proj.weight"]])                         # (hidden, inner)
         K = cfg.mamba_conv_kernel
-        self.conv_w = w["mixer.conv1d.weight"].float().reshape(self.conv_dim, K).T.contiguous()   # (K, conv_dim)
+        self.conv_w = conv_taps(w["mixer.conv1d.weight"], self.conv_dim, K)   # (K, conv_dim)
         self.conv_b = w["mixer.conv1d.bias"].float()                           # (conv_dim,)
         self.neg_a = w["mixer.A"].float().reshape(H).contiguous()              # (H,) -exp(A_log), as loaded
         self.d = w["mixer.D"].float().reshape(H).contiguous()                  # (H,)

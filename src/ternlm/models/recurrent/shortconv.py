@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .conv_state import advance, conv_window
+from .conv_state import advance, conv_taps, conv_window
 
 
 class ShortConv:
@@ -28,7 +28,7 @@ class ShortConv:
         H, K = cfg.hidden_size, cfg.shortconv_kernel
         self.in_proj = build([w["conv.in_proj.weight"]])                      # (3 H, hidden): B | C | x
         self.out = build([w["conv.out_proj.weight"]])                         # (hidden, H)
-        self.conv_w = w["conv.conv.weight"].float().reshape(H, K).T.contiguous()   # (K, H): tap i's weights
+        self.conv_w = conv_taps(w["conv.conv.weight"], H, K)   # (K, H): tap i's weights
 
     def __call__(self, h: torch.Tensor, parts: list) -> torch.Tensor:
         """h: (M, hidden), the normed input of every part's rows; parts: llama._Part with `state` (a
