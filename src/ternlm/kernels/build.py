@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,27 +29,47 @@ log = logging.getLogger("ternlm")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qlanes.c", "qamx.c", "qint8.c", "attention.c", "layer.c", "convert.c",
                                                      "recurrent.c", "sample.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h",)]   # in the digest, not on the command line
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "layouts.h")]   # in the digest, not on the command line
 # TERNLM_KERNEL_MARCH: build for a lesser ISA than the host's (tests run the AVX2 and scalar paths on
 # an AVX-512 machine with x86-64-v3 / x86-64); it is part of the digest, so builds never mix.
 MARCH = os.environ.get("TERNLM_KERNEL_MARCH", "native")
 # TERNLM_KERNEL_MTUNE: another CPU's tuning (tests build as a Zen 3 host's -march=native does, on any
 # host: the tuning changes code shapes, never the ISA); in the digest too.
 MTUNE = os.environ.get("TERNLM_KERNEL_MTUNE")
+
+
+def _layout_table() -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """layouts.h's LAYOUT, MODE and RAW_TYPE lines, as written: the one list of the native weight layouts
+    (the C files build their entries and layer.c's table from the same lines, so the codes cannot drift)."""
+    text = Path(__file__).with_name("layouts.h").read_text()
+    layouts = [(n, int(c), fam, int(bits), tuple(map(int, flags.split(","))))
+               for n, c, fam, bits, flags in re.findall(
+                   r"^\s*LAYOUT\((\w+),\s*(\d+),\s*(\w+),\s*(\d+),\s*([01](?:,\s*[01])*)\)", text, re.M)]
+    modes = [(n, int(c)) for n, c in re.findall(r"^\s*MODE\((\w+),\s*(\d+)\)", text, re.M)]
+    raw = [(n, int(c), lay, m) for n, c, lay, m in re.findall(
+        r"^\s*RAW_TYPE\((\w+),\s*(\d+),\s*(\w+),\s*(\w+),\s*\d+\)", text, re.M)]
+    if not layouts or not modes or any(len(f) != len(modes) for *_, f in layouts):
+        raise RuntimeError("kernels/layouts.h: no LAYOUT / MODE lines, or a row's flags do not match the modes")
+    return layouts, modes, raw
+
+
+_LAYOUTS, _MODES, _RAW_TYPES = _layout_table()
+
+
+def _variants(family: str) -> tuple[tuple[str, str], ...]:
+    """(layout, scale mode) of every tq_<layout>_<mode>_mm entry of one family, in the header's order."""
+    return tuple((name, mode) for name, _, fam, _, flags in _LAYOUTS if fam == family
+                 for (mode, _), on in zip(_MODES, flags) if on)
+
+
 # qlanes.c's (layout, scale mode) variants: 16 weight rows interleaved (models/qweight.py to_lanes), every
 # product but the opt-in AMX build's
-LANES_VARIANTS = (("q4x16", "f32"), ("q4x16", "f16"), ("q4x16", "k"), ("q4x16", "f16s"),
-                  ("q5x16", "f32"), ("q5x16", "f16"), ("q5x16", "k"), ("q5x16", "f16s"),
-                  ("q8x16", "f32"), ("q8x16", "f16"), ("q8x16", "f16s"), ("q6x16", "k6"))
+LANES_VARIANTS = _variants("LANES")
 # qamx.c's: the row layouts, on AMX tiles (TERNLM_AMX=1 on a CPU with them; elsewhere stubs nothing calls)
-AMX_VARIANTS = (("q4g32", "f32"), ("q4g32", "f16"), ("q4g32", "k"), ("q4g32", "f16s"),
-                ("q5g32", "f32"), ("q5g32", "f16"), ("q5g32", "k"), ("q5g32", "f16s"),
-                ("q8g16", "k6"), ("q8g32", "f32"), ("q8g32", "f16"), ("q8g32", "f16s"))
+AMX_VARIANTS = _variants("ROW")
 # qint8.c's: the integer products (int8 activations) on the int layouts (models/qweight.py to_int8), the
 # default for quantized weights (--activations auto)
-INT8_VARIANTS = (("i4x16", "f32"), ("i4x16", "f16"), ("i4x16", "k"), ("i4x16", "f16s"),
-                 ("i5x16", "f32"), ("i5x16", "f16"), ("i5x16", "k"), ("i5x16", "f16s"),
-                 ("i8x16", "f32"), ("i8x16", "f16"), ("i8x16", "f16s"), ("i6x16", "k6"))
+INT8_VARIANTS = _variants("INT")
 MM_VARIANTS = LANES_VARIANTS + AMX_VARIANTS + INT8_VARIANTS
 # -ffp-contract=off [BATCH-INVARIANT]: GCC may fuse a written `a * b + c` into one FMA or not, by code
 # shape and by -mtune: with -march=native on an AVX2-only Zen 3 (znver3 tuning avoids FMA chains) the
@@ -143,13 +164,15 @@ class Kernels:
         return self.lib.tq_convert_finite(qtype, src, nblocks)
 
 
-LAYOUT_CODE = {"q4g32": 0, "q5g32": 1, "q8g16": 2, "q8g32": 3, "q4x16": 4, "q5x16": 5, "q8x16": 6, "q6x16": 7,
-               "i4x16": 8, "i5x16": 9, "i8x16": 10, "i6x16": 11}   # layer.c's MM table: [layout][mode]
-MODE_CODE = {"f32": 0, "f16": 1, "k": 2, "k6": 3, "f16s": 4}
-# [RAW] layer.c's layout 12: an expert matrix's GGML blocks as read, its mode field the GGML type (Q4_K 12, Q5_K 13,
-# Q6_K 14: RAW_TYPES), multiplied with its int layout's bits by qint8.c's tq_int8_raw_range (experts only)
-RAW_LAYOUT = 12
-RAW_TYPES = (12, 13, 14)
+# TqPart.layout / .mode codes (layer.c's MM table: [layout][mode]), from layouts.h
+LAYOUT_CODE = {name: code for name, code, fam, *_ in _LAYOUTS if fam != "RAW"}
+MODE_CODE = dict(_MODES)
+# the row layouts' codes (qamx.c): an expert in one has no range kernel (layer.c's experts take the others)
+ROW_LAYOUTS = frozenset(code for _, code, fam, *_ in _LAYOUTS if fam == "ROW")
+# [RAW] layouts.h's RAW layout: an expert matrix's GGML blocks as read, its mode field the GGML type (RAW_TYPES:
+# Q4_K 12, Q5_K 13, Q6_K 14), multiplied with its int layout's bits by qint8.c's tq_int8_raw_range (experts only)
+(RAW_LAYOUT,) = (code for _, code, fam, *_ in _LAYOUTS if fam == "RAW")
+RAW_TYPES = tuple(code for _, code, *_ in _RAW_TYPES)
 
 
 class Part(ctypes.Structure):

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layouts.h"
 #include "vec.h"
 
 typedef void (*mm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
@@ -25,16 +26,9 @@ typedef void (*mm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes
                       int nthreads);
 #define MM_DECL(NAME) void NAME(const float *, int64_t, int64_t, const uint8_t *, const uint8_t *, const void *, \
                                 const void *, const uint16_t *, int64_t, float *, int64_t, int);
-MM_DECL(tq_q4g32_f32_mm) MM_DECL(tq_q4g32_f16_mm) MM_DECL(tq_q4g32_k_mm) MM_DECL(tq_q4g32_f16s_mm)
-MM_DECL(tq_q5g32_f32_mm) MM_DECL(tq_q5g32_f16_mm) MM_DECL(tq_q5g32_k_mm) MM_DECL(tq_q5g32_f16s_mm)
-MM_DECL(tq_q8g16_k6_mm)
-MM_DECL(tq_q8g32_f32_mm) MM_DECL(tq_q8g32_f16_mm) MM_DECL(tq_q8g32_f16s_mm)
-MM_DECL(tq_q4x16_f32_mm) MM_DECL(tq_q4x16_f16_mm) MM_DECL(tq_q4x16_k_mm) MM_DECL(tq_q4x16_f16s_mm)
-MM_DECL(tq_q5x16_f32_mm) MM_DECL(tq_q5x16_f16_mm) MM_DECL(tq_q5x16_k_mm) MM_DECL(tq_q5x16_f16s_mm)
-MM_DECL(tq_q8x16_f32_mm) MM_DECL(tq_q8x16_f16_mm) MM_DECL(tq_q8x16_f16s_mm) MM_DECL(tq_q6x16_k6_mm)
-MM_DECL(tq_i4x16_f32_mm) MM_DECL(tq_i4x16_f16_mm) MM_DECL(tq_i4x16_k_mm) MM_DECL(tq_i4x16_f16s_mm)
-MM_DECL(tq_i5x16_f32_mm) MM_DECL(tq_i5x16_f16_mm) MM_DECL(tq_i5x16_k_mm) MM_DECL(tq_i5x16_f16s_mm)
-MM_DECL(tq_i8x16_f32_mm) MM_DECL(tq_i8x16_f16_mm) MM_DECL(tq_i8x16_f16s_mm) MM_DECL(tq_i6x16_k6_mm)
+#define TQ_ENTRY(L, M, bits) MM_DECL(tq_##L##_##M##_mm)
+TQ_LAYOUTS(TQ_ENTRIES_ALL)                      /* every entry layouts.h lists: qamx.c's, qlanes.c's, qint8.c's */
+#undef TQ_ENTRY
 int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                    const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
                    int64_t b0, int64_t b1, float *y, int64_t ldy);
@@ -46,9 +40,9 @@ int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d,
                   const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
                   const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
                   float *y, int64_t ldy);
-/* [RAW] layout 12: an expert matrix's GGML blocks as read (mode: its GGML type, Q4_K / Q5_K / Q6_K), multiplied
- * by qint8.c's tq_int8_raw_range with the bits of its int layout (experts only: tq_moe_experts' shares) */
-#define LAYOUT_RAW 12
+/* [RAW] layout TQ_LAYOUT_raw: an expert matrix's GGML blocks as read (mode: its GGML type, layouts.h's RAW_TYPE
+ * lines), multiplied by qint8.c's tq_int8_raw_range with the bits of its int layout (experts only:
+ * tq_moe_experts' shares) */
 int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int32_t *s16, const float *ds,
                       int64_t M, int64_t K, const uint8_t *raw, int64_t N, int64_t b0, int64_t b1, float *y,
                       int64_t ldy);
@@ -56,26 +50,17 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
                                  int64_t window);
 
-/* [layout][scale mode]: qamx.c's row layouts 0 q4g32, 1 q5g32, 2 q8g16, 3 q8g32 (the opt-in AMX build),
- * qlanes.c's 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16 (fp32 activations) and qint8.c's 8 i4x16, 9 i5x16, 10 i8x16,
- * 11 i6x16 (int8 activations, quantized inside each call); modes 0 f32, 1 f16, 2 k, 3 k6, 4 f16s
- * (kernels/layer.py LAYOUT_CODE, MODE_CODE). NULL: no such variant (layer.py never builds one). */
-static const mm_fn MM[12][5] = {
-    {tq_q4g32_f32_mm, tq_q4g32_f16_mm, tq_q4g32_k_mm, NULL, tq_q4g32_f16s_mm},
-    {tq_q5g32_f32_mm, tq_q5g32_f16_mm, tq_q5g32_k_mm, NULL, tq_q5g32_f16s_mm},
-    {NULL, NULL, NULL, tq_q8g16_k6_mm, NULL},
-    {tq_q8g32_f32_mm, tq_q8g32_f16_mm, NULL, NULL, tq_q8g32_f16s_mm},
-    {tq_q4x16_f32_mm, tq_q4x16_f16_mm, tq_q4x16_k_mm, NULL, tq_q4x16_f16s_mm},
-    {tq_q5x16_f32_mm, tq_q5x16_f16_mm, tq_q5x16_k_mm, NULL, tq_q5x16_f16s_mm},
-    {tq_q8x16_f32_mm, tq_q8x16_f16_mm, NULL, NULL, tq_q8x16_f16s_mm},
-    {NULL, NULL, NULL, tq_q6x16_k6_mm, NULL},
-    {tq_i4x16_f32_mm, tq_i4x16_f16_mm, tq_i4x16_k_mm, NULL, tq_i4x16_f16s_mm},
-    {tq_i5x16_f32_mm, tq_i5x16_f16_mm, tq_i5x16_k_mm, NULL, tq_i5x16_f16s_mm},
-    {tq_i8x16_f32_mm, tq_i8x16_f16_mm, NULL, NULL, tq_i8x16_f16s_mm},
-    {NULL, NULL, NULL, tq_i6x16_k6_mm, NULL},
-};
+/* [layout][scale mode] -> the entry, by layouts.h's codes (build.py LAYOUT_CODE, MODE_CODE): qamx.c's ROW
+ * layouts (the opt-in AMX build), qlanes.c's LANES (fp32 activations), qint8.c's INT (int8 activations,
+ * quantized inside each call). NULL: no such variant (the Python side never builds one: models/native_layer.py
+ * checks build.py's MM_VARIANTS, read from the same rows). The RAW layout has no entries: it is never a dense
+ * projection's part, only an expert's (run_shares). */
+#define TQ_ENTRY(L, M, bits) [TQ_LAYOUT_##L][TQ_MODE_##M] = tq_##L##_##M##_mm,
+static const mm_fn MM[][TQ_NMODES] = {TQ_LAYOUTS(TQ_ENTRIES_ALL)};
+#undef TQ_ENTRY
 
-/* Mirrored by ctypes Structures in kernels/layer.py: every field 8 bytes, no padding. */
+/* Mirrored by ctypes Structures in kernels/build.py (Part) and models/native_layer.py: every field 8 bytes, no
+ * padding. */
 typedef struct {
     int64_t layout, mode, n;              /* n: output features of this part */
     const uint8_t *codes, *high;
@@ -107,13 +92,13 @@ typedef struct {
                                                  * the heads split (olmoe), instead of each head (qwen3) */
 } TqLayer;
 
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* kernels/layer.py ACT_CODE */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };       /* models/native_layer.py ACT_CODE */
 
 /* y (M, n_out) = x (M, K) W^T (+ bias), part by part into column slices; parts all in int layouts: in one
  * call (qint8.c's tq_int8_parts: x quantized once, one parallel region for every part). */
 static void project(const TqProj *p, const float *x, int64_t M, int64_t K, float *y, int nthreads) {
     int64_t off = 0, ints = 0;
-    for (int64_t i = 0; i < p->nparts; i++) ints += p->parts[i].layout >= 8;
+    for (int64_t i = 0; i < p->nparts; i++) ints += tq_layout_int8(p->parts[i].layout);
     const int fused = p->nparts > 1 && ints == p->nparts
                       && tq_int8_parts(x, M, K, p->parts, p->nparts, y, p->n_out, nthreads) == 0;
     for (int64_t i = 0; !fused && i < p->nparts; i++) {
@@ -244,8 +229,8 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
 }
 
 /* x: (M, hidden) fp32, updated in place (the residual stream); segs: as tq_attention_segments, one
- * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (SCRATCH_PER_ROW
- * in kernels/layer.py).
+ * row per sequence; scratch: at least M * (2 hidden + qkv_out + 2 H*D + 3 inter) floats (scratch_per_row
+ * in models/native_layer.py).
  * Side effects: x; each sequence's K/V of its positions in this layer. Returns 0, or -1 on a shape
  * it does not take (nothing written then). */
 int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int64_t M, float *scratch,
@@ -276,7 +261,7 @@ int tq_layer(const TqLayer *L, const int64_t *segs, int64_t nseg, float *x, int6
 }
 
 /* ---- mixture of experts (qwen3moe, Mixtral, olmoe: models/moe.py's arithmetic, row by row) -----------
- * A MoE layer is three calls from kernels/layer.py, because its experts may stream from disk and only
+ * A MoE layer is three calls from models/native_moe.py, because its experts may stream from disk and only
  * Python's store (models/moe.py) knows where they are: tq_layer_attn (the attention half, h = the MLP's
  * normed input), tq_moe_route (each row's k experts and weights), then the experts the rows use fetched
  * by Python and run by tq_moe_experts (a group at a time: a streamed store holds at most EXPERTS_IN_USE
@@ -372,7 +357,7 @@ int tq_moe_route(const float *h, int64_t M, int64_t hid, const float *router, in
     return err;
 }
 
-/* One expert's projections; mirrored by kernels/layer.py's _Expert. */
+/* One expert's projections; mirrored by models/native_moe.py's _Expert. */
 typedef struct {
     TqProj gate_up, down;       /* (2 I, hid) gate rows first; (hid, I); no bias */
 } TqExpert;
@@ -451,10 +436,10 @@ static int run_shares(const Share *sh, int64_t n, int nthreads) {
     for (int64_t i = 0; i < n; i++) {
         const TqPart *p = sh[i].part;
         const QRows *q = &sh[i].xq;
-        const int rc = p->layout == LAYOUT_RAW
+        const int rc = p->layout == TQ_LAYOUT_raw
             ? (q->q ? tq_int8_raw_range(p->mode, q->q, q->d, q->s16, q->ds, sh[i].M, sh[i].K, p->codes, p->n,
                                         sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy) : -1)
-            : p->layout >= 8
+            : tq_layout_family(p->layout) == TQ_INT
             ? (q->q ? tq_int8_range(p->layout, p->mode, q->q, q->d, q->s16, q->ds, sh[i].M, sh[i].K, p->codes,
                                     p->high, p->scale, p->bias, p->sup, p->n, sh[i].b0, sh[i].b1, sh[i].y, sh[i].ldy)
                     : -1)
@@ -472,7 +457,7 @@ static int run_shares(const Share *sh, int64_t n, int nthreads) {
  * route[m k + j] == ids[i], slots[(m k + j) hid ...] = weights[m k + j] * down(act(gate(h_m)) * up(h_m)).
  * Each expert's product runs once over all its rows; the shares of every expert's gate|up run in one
  * parallel region, then the activation, then every down in one more. h: (M, hid); act: ACT_SILU or
- * ACT_GELU_TANH; scratch: >= R (2 hid + 3 I) floats, R the (m, j) routed to the n experts (kernels/layer.py
+ * ACT_GELU_TANH; scratch: >= R (2 hid + 3 I) floats, R the (m, j) routed to the n experts (models/native_moe.py
  * sizes it). Side effects: those slots, the scratch. 0, or -1 (a shape, memory, a layout without a range
  * kernel: nothing is meaningful in the slots then). */
 int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k, const int64_t *route,
@@ -492,7 +477,7 @@ int tq_moe_experts(const float *h, int64_t M, int64_t hid, int64_t I, int64_t k,
     for (int64_t i = 0; i < n; i++)
         for (int w = 0; w < 2; w++) {
             const TqProj *p = w ? &ex[i]->down : &ex[i]->gate_up;
-            for (int64_t q = 0; q < p->nparts; q++) any_int |= p->parts[q].layout >= 8;
+            for (int64_t q = 0; q < p->nparts; q++) any_int |= tq_layout_int8(p->parts[q].layout);
         }
     if (any_int && (hid % 32 || I % 32)) goto out;
     if (!count || !start || !pos || !at) goto out;

@@ -44,6 +44,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "layouts.h"
+
 #define MM_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 
@@ -57,10 +59,10 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-enum { Q4 = 4, Q5 = 5, Q8 = 8 };   /* code kinds: packed nibbles, nibbles + high bit, bytes */
+enum { Q4 = 4, Q5 = 5, Q8 = 8 };   /* code kinds: packed nibbles, nibbles + high bit, bytes (layouts.h bits) */
 
-/* Scale modes: how a group's scale and bias are stored. Every mode yields exactly the fp32 value GGML's
- * dequantizer computes.
+/* Scale modes (layouts.h's numbering; SM_F16I internal): how a group's scale and bias are stored. Every
+ * mode yields exactly the fp32 value GGML's dequantizer computes.
  *   SM_F32: fp32 scale and bias per group.
  *   SM_F16: fp16 scale and bias per group (GGML's own fp16 d and m).
  *   SM_K:   Q4_K / Q5_K: uint8 sc and m per group of 32, fp16 (d, dmin) per 256 in sup:
@@ -69,7 +71,8 @@ enum { Q4 = 4, Q5 = 5, Q8 = 8 };   /* code kinds: packed nibbles, nibbles + high
  *   SM_F16S: fp16 scale per group, bias = scale * bias[0], one fp32 constant for the matrix.
  *   SM_F16I: SM_F16S whose constant is the layout's own code offset -k (Q4_0 -8, Q5_0 -16, Q8_0 -128;
  *           picked per call): the codes enter as c - k and there is no bias term. */
-enum { SM_F32 = 0, SM_F16 = 1, SM_K = 2, SM_K6 = 3, SM_F16S = 4, SM_F16I = 5 };
+enum { SM_F32 = TQ_MODE_f32, SM_F16 = TQ_MODE_f16, SM_K = TQ_MODE_k, SM_K6 = TQ_MODE_k6, SM_F16S = TQ_MODE_f16s,
+       SM_F16I = TQ_NMODES };
 
 /* Pointers to one weight row: codes, high bits (q5g32), scales, biases, K-quant super-block scales. */
 typedef struct {
@@ -477,35 +480,23 @@ INLINE void amx_mm(int kind, int g16, int sm, const float *x, int64_t M, int64_t
         amx_narrow(kind, g16, sm, x + m * K, M - m < 4 ? M - m : 4, K, codes, high, scale, bias, sup, N, y + m * ldy, ldy, nthreads);
 }
 
-/* The entries: tq_<layout>_<scale mode>_mm, the combinations GGML's types make. An SM_F16S matrix whose
- * constant is the layout's own offset takes SM_F16I. Only after tq_amx_init granted the tiles. */
-#define ROW_MM(NAME, KIND, G16, SM) void NAME(MM_ARGS) { \
-    if (!amx_on) abort(); \
-    amx_mm(KIND, G16, SM, x, M, K, codes, high, scale, bias, sup, N, y, ldy, nthreads); }
-#define ROW_MM_F16S(NAME, KIND) void NAME(MM_ARGS) { \
+/* The entries: tq_<layout>_<scale mode>_mm, every ROW entry of layouts.h (the end of the file). An SM_F16S
+ * matrix whose constant is the layout's own offset takes SM_F16I (for the other modes the test is constant
+ * false); SM_K6 (Q6_K) has groups of 16. Only after tq_amx_init granted the tiles. */
+#define ROW_MM(NAME, KIND, SM) void NAME(MM_ARGS) { \
     if (!amx_on) abort(); \
     const float k = (KIND) == Q8 ? 128.0f : (KIND) == Q5 ? 16.0f : 8.0f; \
-    amx_mm(KIND, 0, ((const float *)bias)[0] == -k ? SM_F16I : SM_F16S, x, M, K, codes, high, scale, bias, sup, \
-           N, y, ldy, nthreads); }
+    amx_mm(KIND, (int)(SM) == SM_K6, (int)(SM) == SM_F16S && ((const float *)bias)[0] == -k ? SM_F16I : (SM), x, M, K, codes, \
+           high, scale, bias, sup, N, y, ldy, nthreads); }
 #else
 /* No AMX tiles in this build: nothing to ask the OS for, and nothing calls the row entries (kernels/build.py
  * gives every product the lanes layouts). */
 int tq_amx_init(void) { return 0; }
-#define ROW_MM(NAME, KIND, G16, SM) void NAME(MM_ARGS) { \
+#define ROW_MM(NAME, KIND, SM) void NAME(MM_ARGS) { \
     (void)x; (void)M; (void)K; (void)codes; (void)high; (void)scale; (void)bias; (void)sup; (void)N; (void)y; \
     (void)ldy; (void)nthreads; abort(); }
-#define ROW_MM_F16S(NAME, KIND) ROW_MM(NAME, KIND, 0, 0)
 #endif
 
-ROW_MM(tq_q4g32_f32_mm, Q4, 0, SM_F32)
-ROW_MM(tq_q4g32_f16_mm, Q4, 0, SM_F16)
-ROW_MM(tq_q4g32_k_mm, Q4, 0, SM_K)
-ROW_MM_F16S(tq_q4g32_f16s_mm, Q4)
-ROW_MM(tq_q5g32_f32_mm, Q5, 0, SM_F32)
-ROW_MM(tq_q5g32_f16_mm, Q5, 0, SM_F16)
-ROW_MM(tq_q5g32_k_mm, Q5, 0, SM_K)
-ROW_MM_F16S(tq_q5g32_f16s_mm, Q5)
-ROW_MM(tq_q8g16_k6_mm, Q8, 1, SM_K6)
-ROW_MM(tq_q8g32_f32_mm, Q8, 0, SM_F32)
-ROW_MM(tq_q8g32_f16_mm, Q8, 0, SM_F16)
-ROW_MM_F16S(tq_q8g32_f16s_mm, Q8)
+#define TQ_ENTRY(L, M, bits) ROW_MM(tq_##L##_##M##_mm, Q##bits, TQ_MODE_##M)
+TQ_LAYOUTS(TQ_ENTRIES_ROW)
+#undef TQ_ENTRY

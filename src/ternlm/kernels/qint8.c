@@ -41,13 +41,15 @@
 #include <omp.h>
 #include <pthread.h>
 
+#include "layouts.h"
 #include "vec.h"
 
 #define IINLINE static inline __attribute__((always_inline))
 
-enum { I4 = 0, I5 = 1, I6 = 2, I8 = 3 };                       /* code kinds */
-/* scale modes: qlanes.c's numbering (LM_F16I: "f16s" whose constant is the layout's own offset) */
-enum { IM_F32 = 0, IM_F16 = 1, IM_K = 2, IM_K6 = 3, IM_F16S = 4, IM_F16I = 5 };
+enum { I4 = 4, I5 = 5, I6 = 6, I8 = 8 };     /* code kinds: named and numbered by layouts.h's bits column */
+/* scale modes: layouts.h's numbering (IM_F16I, internal: "f16s" whose constant is the layout's own offset) */
+enum { IM_F32 = TQ_MODE_f32, IM_F16 = TQ_MODE_f16, IM_K = TQ_MODE_k, IM_K6 = TQ_MODE_k6, IM_F16S = TQ_MODE_f16s,
+       IM_F16I = TQ_NMODES };
 #define IBLK 16
 #define IHAS_BIAS(mode) ((mode) != IM_F16I && (mode) != IM_K6)
 /* activation rows a tile: 8 x (2 sums + a total) vectors beside the codes in AVX-512's 32 registers, 4 in
@@ -534,17 +536,14 @@ typedef struct {
  * chunk or thread that runs it). 0, or -2 on a part it does not take (nothing written then). */
 int tq_int8_parts(const float *x, int64_t M, int64_t K, const IPart *parts, int64_t nparts, float *y, int64_t ldy,
                   int nthreads) {
-    static const int KIND[4] = {I4, I5, I8, I6};
     int kinds[MAX_IPARTS], modes[MAX_IPARTS];
     int64_t first[MAX_IPARTS + 1], per[MAX_IPARTS], off[MAX_IPARTS], total_n = 0;
     if (nparts < 1 || nparts > MAX_IPARTS || K % 32 || M <= 0) return -2;
     first[0] = 0;
     for (int64_t p = 0; p < nparts; p++) {
         const IPart *t = &parts[p];
-        if (t->layout < 8 || t->layout > 11 || t->mode < 0 || t->mode > 4 || (t->layout == 11) != (t->mode == 3)
-            || (t->layout == 10 && t->mode == 2) || t->n <= 0)
-            return -2;
-        kinds[p] = KIND[t->layout - 8];
+        if (tq_layout_family(t->layout) != TQ_INT || !tq_has_entry(t->layout, t->mode) || t->n <= 0) return -2;
+        kinds[p] = tq_layout_bits(t->layout);       /* the kind enum's values are the bits */
         modes[p] = resolve_mode(kinds[p], (int)t->mode, t->bias);
         const int64_t nb = (t->n + IBLK - 1) / IBLK;
         per[p] = (nb + (int64_t)nthreads * 8 - 1) / ((int64_t)nthreads * 8);
@@ -593,19 +592,18 @@ void tq_int8_prepare(const float *x, int64_t K, int64_t m0, int64_t m1, int8_t *
 }
 
 /* One thread's share of an int-layout product on prepared activations (tq_int8_prepare): blocks [b0, b1)
- * of 16 weight rows for all M rows -> y (stride ldy). layout: layer.c's codes 8 i4x16, 9 i5x16, 10 i8x16,
- * 11 i6x16; mode: 0 f32, 1 f16, 2 k, 3 k6, 4 f16s. The same bits as the tq_i*_mm entries (the arithmetic of
+ * of 16 weight rows for all M rows -> y (stride ldy). layout, mode: an INT layout of layouts.h and a mode it
+ * has an entry for, by their codes. The same bits as the tq_i*_mm entries (the arithmetic of
  * an output never depends on which blocks a call takes). 0, or -2 on a layout / mode / range it does not
  * take. Side effects: y's rows at those blocks' columns. */
 int tq_int8_range(int64_t layout, int64_t mode, const int8_t *q, const float *d, const int32_t *s16,
                   const float *ds, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high,
                   const void *scale, const void *bias, const uint16_t *sup, int64_t N, int64_t b0, int64_t b1,
                   float *y, int64_t ldy) {
-    static const int KIND[4] = {I4, I5, I8, I6};
-    if (layout < 8 || layout > 11 || mode < 0 || mode > 4 || (layout == 11) != (mode == 3)
-        || (layout == 10 && mode == 2) || K % 32 || b0 < 0 || b1 > (N + IBLK - 1) / IBLK)
+    if (tq_layout_family(layout) != TQ_INT || !tq_has_entry(layout, mode) || K % 32 || b0 < 0
+        || b1 > (N + IBLK - 1) / IBLK)
         return -2;
-    const int kind = KIND[layout - 8];
+    const int kind = tq_layout_bits(layout);
     const IMat w = {codes, high, scale, bias, sup, K};
     const IAct act = {q, d, s16, ds};
     if (M > 0 && b1 > b0) blocks(kind, resolve_mode(kind, (int)mode, bias), &w, N, M, &act, b0, b1, y, ldy);
@@ -631,9 +629,10 @@ int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int3
                       int64_t ldy) {
     int kind, mode, size;
     switch (qtype) {
-    case 12: kind = I4; mode = IM_K; size = 144; break;
-    case 13: kind = I5; mode = IM_K; size = 176; break;
-    case 14: kind = I6; mode = IM_K6; size = 210; break;
+#define RAW_CASE(ggml, code, layout, m, bytes) \
+    case code: kind = tq_layout_bits(TQ_LAYOUT_##layout); mode = TQ_MODE_##m; size = bytes; break;
+    TQ_RAW_TYPES(RAW_CASE)          /* layouts.h's RAW_TYPE lines: the int layout each type's bits are */
+#undef RAW_CASE
     default: return -2;
     }
     if (K <= 0 || K % 256 || N <= 0 || N % IBLK || b0 < 0 || b1 > N / IBLK) return -2;
@@ -661,21 +660,11 @@ int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int3
 #define INT_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define INT_MAT {codes, high, scale, bias, sup, K}
+/* Every INT entry of layouts.h: tq_<layout>_<mode>_mm. f16s: the layout's own offset (Q4_0 / Q5_0 / Q8_0) is
+ * subtracted in the integer sum (resolve_mode; for the other modes the test is constant false). */
 #define INT_EXPORT(NAME, KIND, MODE) void NAME(INT_ARGS) { \
-    const IMat w = INT_MAT; int_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
-/* f16s: the layout's own offset (Q4_0 / Q5_0 / Q8_0) is subtracted in the integer sum */
-#define INT_EXPORT_F16S(NAME, KIND) void NAME(INT_ARGS) { \
-    const IMat w = INT_MAT; int_mm(KIND, resolve_mode(KIND, IM_F16S, bias), x, M, &w, N, y, ldy, nthreads); }
-
-INT_EXPORT(tq_i4x16_f32_mm, I4, IM_F32)
-INT_EXPORT(tq_i4x16_f16_mm, I4, IM_F16)
-INT_EXPORT(tq_i4x16_k_mm, I4, IM_K)
-INT_EXPORT_F16S(tq_i4x16_f16s_mm, I4)
-INT_EXPORT(tq_i5x16_f32_mm, I5, IM_F32)
-INT_EXPORT(tq_i5x16_f16_mm, I5, IM_F16)
-INT_EXPORT(tq_i5x16_k_mm, I5, IM_K)
-INT_EXPORT_F16S(tq_i5x16_f16s_mm, I5)
-INT_EXPORT(tq_i8x16_f32_mm, I8, IM_F32)
-INT_EXPORT(tq_i8x16_f16_mm, I8, IM_F16)
-INT_EXPORT_F16S(tq_i8x16_f16s_mm, I8)
-INT_EXPORT(tq_i6x16_k6_mm, I6, IM_K6)
+    const IMat w = INT_MAT; \
+    int_mm(KIND, (int)(MODE) == IM_F16S ? resolve_mode(KIND, IM_F16S, bias) : (MODE), x, M, &w, N, y, ldy, nthreads); }
+#define TQ_ENTRY(L, M, bits) INT_EXPORT(tq_##L##_##M##_mm, I##bits, TQ_MODE_##M)
+TQ_LAYOUTS(TQ_ENTRIES_INT)
+#undef TQ_ENTRY

@@ -42,16 +42,18 @@
 #include <string.h>
 #include <omp.h>
 
+#include "layouts.h"
 #include "vec.h"
 
 #define LINLINE static inline __attribute__((always_inline))
 
-enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds */
-/* Scale modes (models/qweight.py's, numbered as kernels/layer.py's MODE_CODE): LM_F16I is LM_F16S whose
+enum { L4 = 4, L5 = 5, L8 = 8 };                 /* code kinds: named and numbered by layouts.h's bits column */
+/* Scale modes (models/qweight.py's, numbered by layouts.h's MODE lines): LM_F16I is LM_F16S whose
  * constant is the layout's own offset (picked per call); LM_K: Q4_K / Q5_K's uint8 sc and m per group of
  * 32 under an fp16 (d, dmin) per 256 inputs (scale d*sc, bias -(dmin*m): exact fp32 products); LM_K6:
  * Q6_K's int8 sc per group of 16 under an fp16 d per 256 (scale d*sc, codes c - 32, no bias). */
-enum { LM_F32 = 0, LM_F16 = 1, LM_K = 2, LM_K6 = 3, LM_F16S = 4, LM_F16I = 5 };
+enum { LM_F32 = TQ_MODE_f32, LM_F16 = TQ_MODE_f16, LM_K = TQ_MODE_k, LM_K6 = TQ_MODE_k6, LM_F16S = TQ_MODE_f16s,
+       LM_F16I = TQ_NMODES };
 
 #define BLK 16                  /* weight rows a block (interleaved in the layout) */
 #define NV (BLK / VN)           /* vectors a block */
@@ -658,22 +660,20 @@ out:
     return rc;
 }
 
-/* lanes_range for layer.c: layout 4 q4x16, 5 q5x16, 6 q8x16, 7 q6x16 and mode 0 f32, 1 f16, 2 k, 3 k6,
- * 4 f16s (kernels/layer.py LAYOUT_CODE, MODE_CODE; f16s with the layout's own offset takes the integer
- * codes, as LANES_EXPORT_F16S). Returns 0, -1 out of memory, -2 a layout or mode it has no kernel for. */
+/* The code offset of a kind whose "f16s" matrix takes the integer codes (GGML's Q4_0 / Q5_0 / Q8_0). */
+#define F16S_OFF(kind) ((kind) == L8 ? 128.0f : (kind) == L5 ? 16.0f : 8.0f)
+
+/* lanes_range for layer.c: a LANES layout and a scale mode it has an entry for, by their layouts.h codes
+ * (f16s with the layout's own offset takes the integer codes, as LANES_EXPORT). Returns 0, -1 out of memory,
+ * -2 a layout or mode it has no kernel for. */
 int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                    const uint8_t *high, const void *scale, const void *bias, const uint16_t *sup, int64_t N,
                    int64_t b0, int64_t b1, float *y, int64_t ldy) {
-    static const int KIND[4] = {L4, L5, L8, L8};
-    if (layout < 4 || layout > 7 || mode < 0 || mode > 4 || (layout == 7) != (mode == 3)
-        || (layout == 6 && mode == 2) || b0 < 0 || b1 > (N + BLK - 1) / BLK)
+    if (tq_layout_family(layout) != TQ_LANES || !tq_has_entry(layout, mode) || b0 < 0 || b1 > (N + BLK - 1) / BLK)
         return -2;
-    const int kind = KIND[layout - 4];
+    const int kind = tq_layout_bits(layout);        /* the kind enum's values are the bits */
     int lm = (int)mode;
-    if (mode == 4) {
-        const float off = kind == L8 ? 128.0f : kind == L5 ? 16.0f : 8.0f;
-        lm = ((const float *)bias)[0] == -off ? LM_F16I : LM_F16S;
-    }
+    if (mode == LM_F16S) lm = ((const float *)bias)[0] == -F16S_OFF(kind) ? LM_F16I : LM_F16S;
     const LMat w = {codes, (const uint16_t *)high, scale, bias, sup, K};
     return lanes_range(kind, lm, x, M, &w, N, b0, b1, y, ldy);
 }
@@ -681,24 +681,14 @@ int tq_lanes_range(int64_t layout, int64_t mode, const float *x, int64_t M, int6
 #define LANES_ARGS const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *high, \
     const void *scale, const void *bias, const uint16_t *sup, int64_t N, float *y, int64_t ldy, int nthreads
 #define LANES_MAT {codes, (const uint16_t *)high, scale, bias, sup, K}
+/* Every LANES entry of layouts.h: tq_<layout>_<mode>_mm. An f16s matrix whose constant is the layout's own
+ * offset (GGML's Q4_0 / Q5_0 / Q8_0) takes the integer codes c - offset (LM_F16I); for the other modes the
+ * test is constant false and the entry is the one call. */
 #define LANES_EXPORT(NAME, KIND, MODE) void NAME(LANES_ARGS) { \
-    const LMat w = LANES_MAT; lanes_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
-/* f16s: the layout's own offset (GGML's Q4_0 / Q5_0 / Q8_0) takes the integer codes c - offset */
-#define LANES_EXPORT_F16S(NAME, KIND) void NAME(LANES_ARGS) { \
     const LMat w = LANES_MAT; \
-    const float off = (KIND) == L8 ? 128.0f : (KIND) == L5 ? 16.0f : 8.0f; \
-    if (((const float *)bias)[0] == -off) lanes_mm(KIND, LM_F16I, x, M, &w, N, y, ldy, nthreads); \
-    else lanes_mm(KIND, LM_F16S, x, M, &w, N, y, ldy, nthreads); }
-
-LANES_EXPORT(tq_q4x16_f32_mm, L4, LM_F32)
-LANES_EXPORT(tq_q4x16_f16_mm, L4, LM_F16)
-LANES_EXPORT(tq_q4x16_k_mm, L4, LM_K)
-LANES_EXPORT_F16S(tq_q4x16_f16s_mm, L4)
-LANES_EXPORT(tq_q5x16_f32_mm, L5, LM_F32)
-LANES_EXPORT(tq_q5x16_f16_mm, L5, LM_F16)
-LANES_EXPORT(tq_q5x16_k_mm, L5, LM_K)
-LANES_EXPORT_F16S(tq_q5x16_f16s_mm, L5)
-LANES_EXPORT(tq_q8x16_f32_mm, L8, LM_F32)
-LANES_EXPORT(tq_q8x16_f16_mm, L8, LM_F16)
-LANES_EXPORT_F16S(tq_q8x16_f16s_mm, L8)
-LANES_EXPORT(tq_q6x16_k6_mm, L8, LM_K6)
+    if ((int)(MODE) == LM_F16S && ((const float *)bias)[0] == -F16S_OFF(KIND)) \
+        lanes_mm(KIND, LM_F16I, x, M, &w, N, y, ldy, nthreads); \
+    else lanes_mm(KIND, MODE, x, M, &w, N, y, ldy, nthreads); }
+#define TQ_ENTRY(lay, M, bits) LANES_EXPORT(tq_##lay##_##M##_mm, L##bits, TQ_MODE_##M)
+TQ_LAYOUTS(TQ_ENTRIES_LANES)
+#undef TQ_ENTRY

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.build import RAW_LAYOUT, RAW_TYPES, Kernels
+from ..kernels.build import RAW_LAYOUT, RAW_TYPES, ROW_LAYOUTS, Kernels
 from ..kernels.build import Part as _Part
 from .native_layer import _Proj, _proj, layer_spec
 
@@ -48,7 +48,7 @@ def _native_expert(ex) -> int:
         for p in (gu, down):
             if isinstance(p, str):
                 raise RuntimeError(f"native MoE layer: an expert it cannot run ({p})")
-            if any(p.parts[i].layout < 4 for i in range(p.nparts)):
+            if any(p.parts[i].layout in ROW_LAYOUTS for i in range(p.nparts)):
                 raise RuntimeError("native MoE layer: an expert in a row layout (lanes only)")
         spec = _Expert(gu, down)
         ex._native, ex._native_keep, ex._native_addr = spec, keep, ctypes.addressof(spec)
@@ -270,6 +270,6 @@ def _experts_native(store, layer: int) -> str:
             p = _proj(proj, [])
             if isinstance(p, str):
                 return p
-            if any(p.parts[i].layout < 4 for i in range(p.nparts)):
+            if any(p.parts[i].layout in ROW_LAYOUTS for i in range(p.nparts)):
                 return "experts in a row layout"
     return ""
