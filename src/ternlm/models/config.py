@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .families import FAMILIES
 from .rope import Rope
 
 # phi3 and mistral run the llama layout: the loaders split phi3's fused q/k/v and gate/up into it,
@@ -22,8 +23,9 @@ from .rope import Rope
 # (models/mamba2.py), attention without RoPE, or a relu^2 MLP: layer_kinds (mixer) + layer_ffns (feed-forward).
 # lfm2 (LFM2, issue 47): gated short convolutions (models/shortconv.py) beside qwen3-like attention (q/k norms),
 # a SwiGLU MLP on every layer (models/lfm2.py: names and config).
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "mistral", "qwen3moe", "mixtral", "gemma3",
-                   "qwen2moe", "olmoe", "qwen35", "qwen35moe", "qwen3next", "nemotron_h", "lfm2")
+# Each family's file conventions are one entry of models/families.py's FAMILIES (issue 60); the architectures
+# are its keys but the GGUF-only aliases (nemotron_h_moe: files that load as nemotron_h).
+SUPPORTED_ARCHS = tuple(arch for arch, family in FAMILIES.items() if not family.alias_of)
 LAYER_KINDS = ("attention", "deltanet", "mamba2", "shortconv", "none")   # a layer's token mixer; "none": none
 RECURRENT_KINDS = ("deltanet", "mamba2", "shortconv")        # mixers with a recurrent state (kv/recurrent.py)
 LAYER_FFNS = ("mlp", "none")       # a layer's feed-forward: the model's MLP (or its experts), or none

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
 from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
+from .families import FAMILIES
 from ..text.tokenizer import Tokenizer
 from ..linear.ggml_blocks import _bits, _f16, _k_low_nibbles, _k_scales_mins, _nibbles, pack_bits  # noqa: F401
 from . import lfm2, nemotron_h
@@ -316,7 +317,7 @@ _POST_NORM_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight"}
 # qwen35's gated DeltaNet layers (llama.cpp's converter: A stored as -exp(A_log), dt_bias as ssm_dt.bias, the
 # conv kernel squeezed to (channels, K), norms but ssm_norm stored as 1 + w, V heads in its tiled order).
 # qwen3next: the same but b and a in one ssm_ba, interleaved per key head as transformers' in_proj_ba (split by
-# hf_parts), and V heads left grouped (its converter's Qwen3NextModel has no V reorder: _V_TILED_ARCHS)
+# hf_parts), and V heads left grouped (its converter's Qwen3NextModel has no V reorder: Family.gguf_v_tiled)
 _DELTANET_NAMES = {
     "ssm_a": "linear_attn.A", "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
@@ -325,7 +326,6 @@ _DELTANET_NAMES = {
     "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
 }
 _DELTANET_BA = {True: ("ssm_ba.weight",), False: ("ssm_alpha.weight", "ssm_beta.weight")}   # by "has ssm_ba"
-_V_TILED_ARCHS = ("qwen35", "qwen35moe")    # the converter's _LinearAttentionVReorderBase: V heads tiled
 # qwen35: post_attention_norm is the MLP's input norm (llama's post_attention_layernorm), no ffn_norm; the MLP's
 # tensors are _DENSE_MLP's, or (qwen35moe) _MOE_PER_LAYER's and _SHARED_PER_LAYER's, on either layer kind
 _QWEN35_PER_LAYER = ("attn_norm.weight", "post_attention_norm.weight")
@@ -339,9 +339,6 @@ _REQUIRED_PER_LAYER = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "at
 _DENSE_MLP = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _MOE_PER_LAYER = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 _SHARED_PER_LAYER = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
-# llama.cpp builds these with norm_w = false whatever the file says (qwen2moe.cpp, olmoe.cpp): unnormalised
-# top-k weights unless the file says expert_weights_norm = true (real Qwen1.5/2-MoE and OLMoE are all false)
-_TOPK_UNNORMED = ("qwen2moe", "olmoe")
 
 
 def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
@@ -350,9 +347,10 @@ def hf_name(gguf_name: str, config: ModelConfig | None = None) -> str | None:
     name is only good for telling it is a known norm (the weights' names come from hf_parts)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if config is not None and config.arch == "nemotron_h":      # each layer's names by its block
+    layout = FAMILIES[config.arch].layout if config is not None else "llama"
+    if layout == "nemotron_h":          # each layer's names by its block
         return nemotron_h.gguf_name(gguf_name, config)
-    if config is not None and config.arch == "lfm2":            # each layer's names by its mixer
+    if layout == "lfm2":                # each layer's names by its mixer
         return lfm2.gguf_name(gguf_name, config)
     m = _LAYER_RE.fullmatch(gguf_name)
     layer = int(m.group(1)) if m else -1       # a layer past block_count (an MTP block): no kind, not ours
@@ -381,8 +379,10 @@ def _moe_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor]
     files are llama files with expert tensors (llama.expert_count) and no expert_feed_forward_length:
     their feed_forward_length is the expert's. Weights are renormalised over the top k (llama.cpp
     does for llama, qwen3moe and qwen35moe) unless the file says expert_weights_norm = false; qwen2moe and
-    olmoe the other way round (_TOPK_UNNORMED). A shared expert (qwen2moe, qwen35moe) is there when its tensors
-    are: its width from ffn_gate_shexp (llama.cpp reads no expert_shared_count for qwen2moe)."""
+    olmoe the other way round (Family.gguf_topk_normed: llama.cpp builds them with norm_w = false whatever the
+    file says, qwen2moe.cpp, olmoe.cpp; real Qwen1.5/2-MoE and OLMoE files all say false). A shared expert
+    (qwen2moe, qwen35moe) is there when its tensors are: its width from ffn_gate_shexp (llama.cpp reads no
+    expert_shared_count for qwen2moe)."""
     count = int(_field(reader, f"{arch}.expert_count", 0) or 0)
     if not count:
         return {}
@@ -398,7 +398,7 @@ def _moe_from_gguf(reader: GGUFReader, arch: str, names: dict[str, ReaderTensor]
     default_ff = int(gate.shape[1]) if gate is not None else int(_field(reader, f"{arch}.feed_forward_length"))
     return dict(num_experts=count, experts_per_token=int(_field(reader, f"{arch}.expert_used_count")),
                 expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", default_ff)),
-                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", arch not in _TOPK_UNNORMED)),
+                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", FAMILIES[arch].gguf_topk_normed)),
                 shared_expert_intermediate_size=0 if shexp is None else int(shexp.shape[1]))
 
 
@@ -416,9 +416,10 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     if reader.byte_order != "I":
         raise UnsupportedModelError("big-endian GGUF files are not supported")
     arch = _field(reader, "general.architecture")
-    if arch in nemotron_h.GGUF_ARCHS:   # one block a layer, kinds from the tensors: models/nemotron_h.py
+    family = FAMILIES.get(arch)
+    if family is not None and family.layout == "nemotron_h":   # one block a layer, kinds from the tensors
         return nemotron_h.config_from_gguf(functools.partial(_field, reader), arch, {t.name: t for t in reader.tensors})
-    if arch == "lfm2":                  # short convs beside attention, kinds from the tensors: models/lfm2.py
+    if family is not None and family.layout == "lfm2":         # short convs beside attention, kinds from the tensors
         return lfm2.config_from_gguf(functools.partial(_field, reader), {t.name: t for t in reader.tensors})
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
@@ -450,7 +451,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     window = _field(reader, f"{arch}.attention.sliding_window", None)
     # [MTP-ASIDE]: the last nextn_predict_layers blocks are multi-token prediction, not the main model's
     layers = int(_field(reader, f"{arch}.block_count")) - int(_field(reader, f"{arch}.nextn_predict_layers", 0))
-    kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) if arch == "gemma3" else {}
+    kinds = _layer_kinds_from_gguf(reader, arch, names, hidden, heads, head_dim, layers) \
+        if family.kinds == "gemma3" else {}
     moe = _moe_from_gguf(reader, arch, names)
     if reader.get_field(f"{arch}.ssm.conv_kernel") is not None:     # recurrent layers: a hybrid file
         kinds = _hybrid_from_gguf(reader, arch, layers)
@@ -477,7 +479,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=first + "attn_q.bias" in names,
         qk_norm=first + "attn_q_norm.weight" in names,
-        qk_norm_full=arch == "olmoe" and "blk.0.attn_q_norm.weight" in names,
+        qk_norm_full=family.qk_norm_full and "blk.0.attn_q_norm.weight" in names,
         rope=_rope_from_gguf(reader, arch, theta, rope_dim if rope_dim < head_dim else 0, names),
         **moe,
         **kinds,
@@ -505,7 +507,7 @@ def _hybrid_from_gguf(reader: GGUFReader, arch: str, layers: int) -> dict:
                 linear_key_heads=hk, linear_value_heads=hv, linear_key_dim=int(_field(reader, f"{arch}.ssm.state_size")),
                 linear_value_dim=int(_field(reader, f"{arch}.ssm.inner_size")) // hv,
                 linear_conv_kernel=int(_field(reader, f"{arch}.ssm.conv_kernel")),
-                linear_v_tiled=hk != hv and arch in _V_TILED_ARCHS)
+                linear_v_tiled=hk != hv and FAMILIES[arch].gguf_v_tiled)
 
 
 GEMMA3_SWA_PATTERN = 6      # llama.cpp's set_swa_pattern(6): layers 5, 11, ... global, the rest windowed
@@ -592,9 +594,10 @@ def _rope_from_gguf(reader: GGUFReader, arch: str, theta: float, rotary_dim: int
 def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
     """Every tensor is one we know, and every layer has what the config implies."""
     names = {t.name for t in reader.tensors}
-    if config.arch == "nemotron_h":
+    family = FAMILIES[config.arch]
+    if family.layout == "nemotron_h":
         return nemotron_h.check_gguf_tensors(names, config)
-    if config.arch == "lfm2":
+    if family.layout == "lfm2":
         return lfm2.check_gguf_tensors(names, config)
     unknown = sorted(n for n in names if hf_name(n, config) is None and n not in _ROPE_TENSORS)
     if unknown:
@@ -612,7 +615,7 @@ def _check_tensor_set(reader: GGUFReader, config: ModelConfig) -> None:
             required += [f"blk.{i}.{n}" for n in (*_QWEN35_PER_LAYER, *kind, *mlp)]
     else:
         per_layer = [n for n in _REQUIRED_PER_LAYER if n not in _DENSE_MLP] + mlp
-        if config.arch == "phi3":      # fused q/k/v; ffn_up holds gate and up
+        if family.fused_qkv_gate_up:   # phi3: fused q/k/v; ffn_up holds gate and up
             per_layer = [n for n in per_layer if n not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
                                                             "ffn_gate.weight")] + ["attn_qkv.weight"]
         if config.qkv_bias:
@@ -674,12 +677,13 @@ def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, 
       - phi3 fuses q/k/v (attn_qkv) and gate/up (ffn_up, gate first): split into the llama layout;
       - partial rotary reorders each head's q/k rows (rope.rotary_row_order) for the kernels' RoPE."""
     name = hf_name(gguf_name, config)
+    family = FAMILIES[config.arch]
     d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     rd = config.rope_spec.rotary_dim
 
     def qk_order(heads: int, size: int) -> torch.Tensor | None:
         order = torch.arange(size)
-        if config.arch == "llama":        # converter's rotate-every-two rows (not for mistral-named files)
+        if family.gguf_rotated_qk:        # converter's rotate-every-two rows (llama; not mistral-named files)
             order = unpermute_rows(order, heads)
         if rd:
             order = order[rotary_row_order(heads, d, rd)] if size == heads * d else order[rotary_row_order(1, d, rd)]
@@ -692,7 +696,7 @@ def hf_parts(gguf_name: str, config: ModelConfig, rows: int) -> list[tuple[str, 
         return [(base + "q_proj.weight", torch.arange(q) if oq is None else oq),
                 (base + "k_proj.weight", q + (torch.arange(kv) if ok is None else ok)),
                 (base + "v_proj.weight", torch.arange(q + kv, q + 2 * kv))]
-    if config.arch == "phi3" and name.endswith("mlp.up_proj.weight"):
+    if family.fused_qkv_gate_up and name.endswith("mlp.up_proj.weight"):
         base, inter = name.removesuffix("up_proj.weight"), rows // 2
         return [(base + "gate_proj.weight", torch.arange(inter)), (base + "up_proj.weight", torch.arange(inter, rows))]
     if name.endswith("linear_attn.in_proj_ba.weight"):      # qwen3next: per key head [b r | a r] -> b and a

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .config import SUPPORTED_ARCHS, ModelConfig, UnsupportedModelError
+from .families import FAMILIES
 from ..text.tokenizer import Tokenizer
 from . import lfm2, nemotron_h
 from .recurrent.deltanet import fused_rows
@@ -27,20 +28,13 @@ from .templates import with_builtin_template
 
 log = logging.getLogger(__name__)
 
-# `architectures` entries we accept when `model_type` is absent or unfamiliar.
-_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
-                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "mixtral",
-                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2moe", "OlmoeForCausalLM": "olmoe",
-                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
-                 "Qwen3NextForCausalLM": "qwen3next", "NemotronHForCausalLM": "nemotron_h",
-                 "Lfm2ForCausalLM": "lfm2"}
-# config.json's model_type -> ours, where they differ
-_MODEL_TYPES = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
-                "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
-# Gemma checkpoints store each RMSNorm weight as an offset from 1 (applied as x * (1 + w)); the engine
-# runs x * w as llama.cpp's converter stores them, so these get 1 added at load.
-_NORMS_FROM_ONE = ("gemma3", "qwen35", "qwen35moe", "qwen3next")
+# Each family's conventions in config.json and its checkpoints: models/families.py (FAMILIES[arch].hf_*).
+# `architectures` entries we accept when `model_type` is absent or unfamiliar (Family.hf_classes).
+_ARCH_CLASSES = {cls: arch for arch, family in FAMILIES.items() for cls in family.hf_classes}
+# config.json's model_type -> ours, where they differ (Family.hf_model_types)
+_MODEL_TYPES = {model_type: arch for arch, family in FAMILIES.items() for model_type in family.hf_model_types}
+# Gemma's and the qwen35 family's checkpoints store each RMSNorm weight as an offset from 1 (Family.hf_norms_from_one):
+# 1 added at load, but to these
 _NORMS_AS_THEY_ARE = ("linear_attn.norm.weight",)     # qwen35's (qwen3next's) gated RMSNorm: x * w (transformers' own)
 # qwen35's (qwen35moe's) gated DeltaNet layers (models/deltanet.py), in place of self_attn.*
 _DELTANET_PARAMS = {f"linear_attn.{n}" for n in ("dt_bias", "A", "conv1d.weight", "norm.weight", "out_proj.weight",
@@ -179,13 +173,14 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     engine must run (e.g. qwen2 always has q/k/v bias though its config has no key for it).
     """
     arch = _arch(cfg)
-    if arch == "gemma3":
+    family = FAMILIES[arch]
+    if family.kinds == "gemma3":
         return _gemma3_config(cfg, param_names)
-    if arch in ("qwen35", "qwen35moe", "qwen3next"):
+    if family.kinds == "deltanet":
         return _qwen35_config(cfg, param_names, arch)
-    if arch == "nemotron_h":            # one block a layer: models/nemotron_h.py
+    if family.layout == "nemotron_h":   # one block a layer: models/nemotron_h.py
         return nemotron_h.config_from_hf(cfg)
-    if arch == "lfm2":                  # short convs beside attention: models/lfm2.py
+    if family.layout == "lfm2":         # short convs beside attention: models/lfm2.py
         return lfm2.config_from_hf(cfg, _rope)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"activation {cfg['hidden_act']!r} is not supported (only silu)")
@@ -196,7 +191,7 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     theta, rope = _rope(cfg, head_dim)
     context = int(cfg.get("max_position_embeddings", 2048))
-    window = cfg.get("sliding_window") if arch in ("phi3", "mistral", "mixtral") else None
+    window = cfg.get("sliding_window") if family.hf_window_caps_context else None
     if window and int(window) < context:
         # every layer windowed (Mistral 7B v0.1, Phi-3-mini-4k): within the window attention is
         # full, so the model runs exactly up to it; beyond needs windowed attention (issue 37)
@@ -217,7 +212,7 @@ def config_from_hf(cfg: dict, param_names: set[str]) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in param_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in param_names,
-        qk_norm_full=arch == "olmoe" and "model.layers.0.self_attn.q_norm.weight" in param_names,
+        qk_norm_full=family.qk_norm_full and "model.layers.0.self_attn.q_norm.weight" in param_names,
         rope=rope,
         **_moe_from_hf(cfg, arch),
     )
@@ -322,8 +317,8 @@ def _moe_from_hf(cfg: dict, arch: str) -> dict:
     intermediate_size wide experts, norm_topk_prob (default False); Mixtral: intermediate_size wide, always
     renormalised. Every layer must be sparse (decoder_sparse_step 1, no mlp_only_layers); olmoe's clip_qkv
     is not run."""
-    moe_archs = ("qwen3moe", "mixtral", "qwen2moe", "olmoe", "qwen35moe", "qwen3next")
-    count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if arch in moe_archs else 0
+    family = FAMILIES[arch]
+    count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.hf_experts else 0
     if not count:
         return {}
     if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
@@ -331,25 +326,25 @@ def _moe_from_hf(cfg: dict, arch: str) -> dict:
                                     "mlp_only_layers) are not supported")
     if cfg.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"clip_qkv {cfg['clip_qkv']} is not supported")
-    with_shared = ("qwen2moe", "qwen35moe", "qwen3next")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch in with_shared else 0
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family.hf_shared_expert else 0
     if cfg.get("shared_expert_intermediate_size") and not shared:
+        with_shared = [a for a, f in FAMILIES.items() if f.hf_shared_expert]
         raise UnsupportedModelError(f"shared experts are supported for {', '.join(with_shared)} only, not {arch}")
-    qwen = arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next")
-    renormalised = ("mixtral", "qwen35moe")      # their routers renormalise the top k whatever the config says
-    norm_default = arch == "qwen3next"           # its config class defaults norm_topk_prob to True
     return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
-                expert_intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", norm_default)) if arch not in renormalised else True,
+                expert_intermediate_size=int(cfg[family.hf_expert_width]),
+                # the router renormalises whatever the config says (hf_topk_renormed), or per it (its class's default)
+                norm_topk_prob=True if family.hf_topk_renormed
+                else bool(cfg.get("norm_topk_prob", family.hf_norm_topk_default)),
                 shared_expert_intermediate_size=shared)
 
 
 def _check_params(names: set[str], config: ModelConfig) -> None:
     """Exactly the parameters this engine runs: unknown ones (o_proj bias, MoE...) mean an
     unsupported variant; missing ones mean a broken checkpoint."""
-    if config.arch == "nemotron_h":
+    layout = FAMILIES[config.arch].layout
+    if layout == "nemotron_h":
         return nemotron_h.check_params(names, config)
-    if config.arch == "lfm2":
+    if layout == "lfm2":
         return lfm2.check_params(names, config)
     per_layer = set(_LAYER_PARAMS)
     if config.num_experts:
@@ -380,15 +375,16 @@ def to_llama_layout(weights: dict[str, torch.Tensor], config: ModelConfig) -> di
     q/k/v and gate/up by rows, and with partial rotary each head's q/k rows (and q/k norm entries)
     reordered for the kernels' RoPE (rope.rotary_row_order). Returns a new dict; tensors not
     touched are shared."""
-    if config.arch == "nemotron_h":
+    family = FAMILIES[config.arch]
+    if family.layout == "nemotron_h":
         return nemotron_h.to_engine_layout(weights, config)
-    if config.arch == "lfm2":
+    if family.layout == "lfm2":
         return lfm2.to_engine_layout(weights, config)
     d, H, KV = config.head_dim, config.num_heads, config.num_kv_heads
     sizes = {"q_proj": H * d, "k_proj": KV * d, "v_proj": KV * d}
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
-        if config.arch in _NORMS_FROM_ONE and name.endswith("norm.weight") and not name.endswith(_NORMS_AS_THEY_ARE):
+        if family.hf_norms_from_one and name.endswith("norm.weight") and not name.endswith(_NORMS_AS_THEY_ARE):
             w = (w.float() + 1.0).to(w.dtype)      # x * (1 + w) -> x * w', as the reference adds in fp32
         m = _LAYER_RE.fullmatch(name)
         if m and m.group(2) == "linear_attn.A_log":   # the decay rate -exp(A_log), as llama.cpp's converter stores it
