@@ -26,7 +26,6 @@ import torch
 from .config import ModelConfig, UnsupportedModelError
 from .param_check import require_exactly
 
-GGUF_ARCHS = ("nemotron_h", "nemotron_h_moe")
 _HF_KINDS = {"linear_attention": ("mamba2", "none"), "full_attention": ("attention", "none"), "mlp": ("none", "mlp")}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _MAMBA = ("mixer.in_proj.weight", "mixer.out_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.A",
