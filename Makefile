@@ -50,11 +50,15 @@ info: install
 	$(BIN)/ternlm info
 
 # The headline benchmarks on this machine (engine, reuse, multi-turn, tiers, streams, grammar;
-# sized for ~30 min on a quiet 2-core host, far longer on a busy one),
-# peers when installed (make bench-peers): benchmarks/results/report/<date>-<ISA class>/summary.md + .json.
-# `make bench MODEL=x` runs them on that model only; bench-quick is a smoke test of minutes.
+# sized for ~30 min on a quiet 2-core host, far longer on a busy one; qwen2.5-coder-1.5b joins engine,
+# reuse and multi-turn when cached), peers when installed (make bench-peers: llama.cpp's own llama-bench
+# and llama-server, llama-cpp-python): benchmarks/results/report/<date>-<ISA class>/summary.md + .json,
+# ending with benchmarks/RESULTS.md's Summary rows it reproduced and why the others did not run.
+# `make bench MODEL=x` runs them on that model only; `make bench SPEC=1` adds speculative decoding
+# (bench spec, opt-in: about as long again); bench-quick is a smoke test of minutes.
+BENCH_ALL_PARTS := engine,reuse,multiturn,tiers,streams,grammar,spec
 bench: install-test
-	$(BIN)/ternlm bench report $(if $(filter command line,$(origin MODEL)),--models $(MODEL))
+	$(BIN)/ternlm bench report $(if $(filter command line,$(origin MODEL)),--models $(MODEL)) $(if $(SPEC),--only $(BENCH_ALL_PARTS))
 
 bench-quick: install-test
 	$(BIN)/ternlm bench report --quick
@@ -68,7 +72,7 @@ soak: install
 # 2 cores), and llama.cpp's own llama-bench/llama-server/llama-perplexity (scripts/build-llamacpp: ~10-20
 # min on 2 cores, cached in .peers/), both with the ISA options this CPU has (scripts/peer-cmake-flags:
 # AVX2-only hosts get an AVX2 build) and AMX off (its AMX path segfaults for batches of 2+ tokens,
-# llama.cpp#20824).
+# llama.cpp#20824). `make bench` finds them there (.peers/llama.cpp-*/bin/) and names the rows they would give.
 bench-peers: .venv-peers/.installed
 	scripts/build-llamacpp
 .venv-peers/.installed:

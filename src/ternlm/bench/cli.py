@@ -231,8 +231,11 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                          description="Runs engine, reuse, multiturn, tiers, streams and grammar as `ternlm bench` processes "
                                      "(sized for about 30 min on a quiet 2-core host; --quick: a smoke test of minutes, smollm2-135m, no "
                                      "peers) and writes DIR/summary.md and DIR/summary.json from the JSON they wrote, "
-                                     "with each table's command. Peers (transformers, llama.cpp from .venv-peers) "
-                                     "are used when installed, named as missing otherwise. Exit 1 if a benchmark failed.")
+                                     "with each table's command, ending with RESULTS' Summary rows it reproduced and why the others "
+                                     "did not run. Peers (transformers, llama-cpp-python from .venv-peers, llama.cpp's own "
+                                     "llama-bench and llama-server from make bench-peers) are used when installed, named as "
+                                     "missing otherwise; qwen2.5-coder-1.5b joins engine, reuse and multiturn (against "
+                                     "llama.cpp's binaries only) when cached. Exit 1 if a benchmark failed.")
     p.add_argument("--quick", action="store_true", help="tiny settings, smollm2-135m only, 1 repeat, no peers")
     p.add_argument("--only", default=None, metavar="PARTS", help="comma list of engine,reuse,multiturn,tiers,streams,grammar,spec "
                                                                       "(default: all but spec, which is opt-in)")
@@ -241,10 +244,15 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
                         "tiers, streams and grammar run on smollm2-135m (or the first) only")
     p.add_argument("--threads", type=int, default=None, help="threads of every contender (default: all cores)")
     p.add_argument("--llamacpp-python", default=PEERS_PYTHON, help="python of the venv with llama-cpp-python")
-    p.add_argument("--llama-server", default=None, metavar="BIN",
-                   help="a llama-server binary: the streams part's batching peer (8 parallel slots; "
-                        "llama-cpp-python's server serves one request at a time, so it is not used there) and "
-                        "the reuse part's turn-2 peer beside llama-cpp-python")
+    p.add_argument("--llama-server", default="auto", metavar="auto|BIN|none",
+                   help="llama.cpp's llama-server: the multi-turn replay's peer (bench multiturn --llama-server), "
+                        "the streams part's batching peer (8 parallel slots; llama-cpp-python's server serves one "
+                        "request at a time, so it is not used there), the reuse part's turn-2 peer beside "
+                        "llama-cpp-python and spec's n-gram peer. Default auto: the one scripts/build-llamacpp built "
+                        "(make bench-peers), if any; none: without it")
+    p.add_argument("--llama-bench", default="auto", metavar="auto|BIN|none",
+                   help="llama.cpp's llama-bench: the engine part's peer on the same GGUF, threads and sizes (bench "
+                        "engine --llama-bench). Default auto: the one scripts/build-llamacpp built, if any; none: without it")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="default: benchmarks/results/report/<date>-<ISA class>/")
     p.set_defaults(func=_report)

@@ -6,16 +6,23 @@ its table; its load and memory figures are its own process's), with its own --ou
 summary.json copies its figures from the JSON the benchmark wrote, nothing is measured twice. The
 plots the benchmarks make (multi-turn TTFT by turn, streams) stay beside their JSON and are linked.
 
-Peers are optional: transformers (this venv) and llama.cpp (llama-cpp-python in .venv-peers, `make
-bench-peers`) are found by bench/peers.py and started by bench/llamacpp.py; a missing one is a line in its table, not a failure.
-The multi-turn replay gets llama-cpp-python's server on the same GGUF as a --url contender; the streams
-benchmark gets `llama-server` only when given (--llama-server BIN): llama-cpp-python's server serves one
-request at a time, which is no batching peer; the reuse benchmark then runs it too, beside the worker. A benchmark that fails is recorded with its exit status
+Peers are optional: transformers (this venv), llama-cpp-python (.venv-peers) and llama.cpp's own
+`llama-bench` and `llama-server` (`make bench-peers`: .peers/llama.cpp-*/bin/, found by `--llama-bench auto`
+and `--llama-server auto`, the defaults) are found by bench/peers.py and bench/llamacpp.py; a missing one
+is a line in its table, not a failure. The engine part gets `--llama-bench` (ternlm ÷ llama-bench, prefill and
+decode); the multi-turn replay gets llama-cpp-python's server on the same GGUF as a --url contender and
+`--llama-server` (ternlm ÷ llama-server, whole replay time); streams gets llama-server as its batching peer
+(llama-cpp-python's server serves one request at a time), reuse runs it beside the worker, spec starts one
+per n-gram --spec-type. In full mode without --models, qwen2.5-coder-1.5b, when cached, joins engine,
+reuse and multiturn against llama.cpp's binaries only (the Summary's 1.5B rows). The page ends with
+RESULTS' Summary rows (report_tables.SUMMARY_ROWS): each one's figure from this run, or why it could not
+run here (--quick, a binary not built, a model not cached, a part not run, an ISA this host lacks).
+A benchmark that fails is recorded with its exit status
 and log, the others still run, and the report exits 1. summary.md/.json are rewritten after every
 benchmark, so an interrupted report (Ctrl-C, SIGTERM) leaves what it measured, the rest listed as not run.
 
 Settings: `full` is sized for about 30 minutes on a quiet 2-core host (smollm2-135m and
-qwen2.5-coder-0.5b, the commands RESULTS.md quotes; the page's last table gives each run's seconds);
+qwen2.5-coder-0.5b, the commands RESULTS.md quotes, and the 1.5B's three parts; "This run" gives each run's seconds);
 `--quick` is a smoke test of the whole path (smollm2-135m, a few tokens, one repeat, no peers).
 OpenMP threads sleep while waiting (OMP_WAIT_POLICY=PASSIVE) unless the caller set a policy: on a
 shared host spinning threads collapse (Makefile: test)."""
@@ -34,16 +41,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .common import command_line, write_json
-from .llamacpp import LlamaCppServer, llama_server, llamacpp_server_argv
+from .llamacpp import LLAMA_BENCH, LlamaCppServer, find_bin, llama_server, llamacpp_server_argv
 from .peers import LLAMACPP, TRANSFORMERS, Peer, find_llamacpp, find_transformers
 from .procs import free_port
-from .report_tables import FIGURES, LLAMA_SERVER, markdown
+from .report_tables import FIGURES, LLAMA_SERVER, SUMMARY_ROWS, markdown, summary_rows, summary_rows_text  # noqa: F401
 from .sampling_settings import STANDARD as SAMPLING
 
 PARTS = ("engine", "reuse", "multiturn", "tiers", "streams", "grammar", "spec")
 DEFAULT_PARTS = PARTS[:-1]    # spec is opt-in (--only ...,spec): whole-file answers would double the report's 30 min
 FULL_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
 QUICK_MODELS = ("smollm2-135m",)
+BIG_MODEL = "qwen2.5-coder-1.5b"   # full mode, when cached: engine/reuse/multiturn against llama.cpp's binaries only
+BIG_PARTS = ("engine", "reuse", "multiturn")
 SMALL = "smollm2-135m"        # the parts measured on one model only (tiers, streams, grammar)
 SERVER_CTX = 8192             # llama.cpp server's context: a 6-turn replay fits
 STREAMS_TOP = 8               # the streams part's highest concurrency: llama-server's -np
@@ -58,7 +67,19 @@ class Options:
     threads: int
     transformers: Peer
     llamacpp: Peer
-    llama_server: str | None = None      # a llama-server binary: the streams part's batching peer, reuse's turn-2 peer
+    llama_server: str | None = None      # a llama-server binary: the streams part's batching peer, reuse's turn-2 peer,
+                                         # multiturn's replay peer
+    llama_bench: str | None = None       # a llama-bench binary: the engine part's peer (--llama-bench)
+    auto: frozenset[str] = frozenset()   # binaries found as scripts/build-llamacpp's: the commands say `auto`
+    big: tuple[str, ...] = ()            # models run in BIG_PARTS only, with llama.cpp's binaries as the only peers
+    asked: dict = field(default_factory=dict)   # the --llama-bench / --llama-server values as given (auto, none, BIN)
+
+    def bin_arg(self, binary: str) -> str:
+        return "auto" if binary in self.auto else binary
+
+    @property
+    def use_llama_bench(self) -> bool:
+        return bool(self.llama_bench) and not self.quick
 
     @property
     def use_llama_server(self) -> bool:
@@ -90,20 +111,22 @@ class Step:
 
 
 def _engine(o: Options, m: str, out: Path) -> Step:
-    peers = [p for p, use in (("transformers", o.use_transformers), ("llamacpp", o.use_llamacpp)) if use]
+    big = m in o.big          # the 1.5B: llama-bench only (transformers and llama-cpp-python would double its minutes)
+    peers = [p for p, use in (("transformers", o.use_transformers), ("llamacpp", o.use_llamacpp)) if use and not big]
     size = (["--prompt-tokens", "64", "--decode-tokens", "8", "--decode-context", "64", "--repeats", "1",
              "--ctx", "1024"] if o.quick else ["--repeats", "3", "--decode-context", "1024"])
-    py = ["--llamacpp-python", o.llamacpp.python] if o.use_llamacpp else []
+    py = ["--llamacpp-python", o.llamacpp.python] if "llamacpp" in peers else []
+    lb = ["--llama-bench", o.bin_arg(o.llama_bench)] if o.use_llama_bench else []
     # ternlm's decode greedy and as clients sample, in the same rounds: the table's sampled / greedy ratios
     return Step("engine", m, ("engine", "-m", m, "--threads", str(o.threads), *size,
-                              "--peers", ",".join(peers) or "none", *py, "--sampling", ",".join(SAMPLING),
+                              "--peers", ",".join(peers) or "none", *py, *lb, "--sampling", ",".join(SAMPLING),
                               "--out", str(out)), out)
 
 
 def _reuse(o: Options, m: str, out: Path) -> Step:
     size = ["--history-tokens", "150", "--repeats", "1", "--ctx", "1024"] if o.quick else ["--repeats", "3"]
-    py = o.llamacpp.python if o.use_llamacpp else ""      # "": no peer (bench reuse skips a missing python)
-    ls = ["--llama-server", o.llama_server] if o.use_llama_server else []
+    py = o.llamacpp.python if o.use_llamacpp and m not in o.big else ""   # "": no peer (bench reuse skips it)
+    ls = ["--llama-server", o.bin_arg(o.llama_server)] if o.use_llama_server else []
     return Step("reuse", m, ("reuse", "-m", m, "--threads", str(o.threads), *size, "--llamacpp-python", py, *ls,
                              "--out", str(out)), out)
 
@@ -112,8 +135,9 @@ def _multiturn(o: Options, m: str, out: Path) -> Step:
     size = (["--num-conversations", "1", "--turns", "2", "--max-tokens", "8", "--system-words", "30",
              "--user-words", "12", "--ctx", "1024"] if o.quick else
             ["--num-conversations", "2", "--turns", "6", "--max-tokens", "64"])
-    return Step("multiturn", m, ("multiturn", "-m", m, "--threads", str(o.threads), *size, "--out", str(out)), out,
-                server=LLAMACPP if o.use_llamacpp else None)
+    ls = ["--llama-server", o.bin_arg(o.llama_server)] if o.use_llama_server else []    # started by bench multiturn
+    return Step("multiturn", m, ("multiturn", "-m", m, "--threads", str(o.threads), *size, *ls, "--out", str(out)),
+                out, server=LLAMACPP if o.use_llamacpp and m not in o.big else None)
 
 
 def _tiers(o: Options, m: str, out: Path) -> Step:
@@ -137,7 +161,7 @@ def _grammar(o: Options, m: str, out: Path) -> Step:
 def _spec(o: Options, m: str, out: Path) -> Step:
     size = (["--turns", "1", "--max-tokens", "16", "--mt-questions", "1", "--mt-max-tokens", "8", "--repeats", "1"]
             if o.quick else ["--turns", "3", "--mt-questions", "4", "--mt-max-tokens", "128", "--repeats", "1"])
-    ls = o.llama_server if o.use_llama_server else "none"    # bench spec starts its own, one per --spec-type
+    ls = o.bin_arg(o.llama_server) if o.use_llama_server else "none"    # bench spec starts its own, one per --spec-type
     return Step("spec", m, ("spec", "-m", m, "--threads", str(o.threads), *size, "--llama-server", ls,
                             "--out", str(out)), out)
 
@@ -151,7 +175,8 @@ def plan(o: Options) -> list[Step]:
     """The benchmark processes to run, in order. Pure: starts nothing, touches no file."""
     steps = []
     for part in o.parts:
-        models = ([m for m in o.models if m == SMALL] or list(o.models[:1])) if part in _ONE_MODEL else o.models
+        models = (([m for m in o.models if m == SMALL] or list(o.models[:1])) if part in _ONE_MODEL else
+                  [*o.models, *(m for m in o.big if m not in o.models)] if part in BIG_PARTS else o.models)
         for m in models:
             steps.append(_BUILD[part](o, m, o.out / "raw" / f"{part}-{m}"))
     return steps
@@ -277,6 +302,32 @@ def host() -> dict:
             "torch": cpu.torch_version}
 
 
+def _bin_row(name: str, binary: str | None, used: bool, quick: bool, asked: str | None = "auto") -> dict:
+    """llama-bench / llama-server: the binary the report found or was given, and whether it ran."""
+    text = (f"{name} {binary}" if used else f"{name}: not run (--quick)" if binary and quick
+            else f"{name}: not used (--{name} none)" if asked == "none"
+            else f"{name}: not built (make bench-peers)")
+    return {"installed": bool(binary), "version": None, "binary": binary, "used": used, "text": text}
+
+
+def find_binary(name: str, arg: str | None) -> str | None:
+    """The report's --llama-bench / --llama-server: `auto` (the default): scripts/build-llamacpp's build if there
+    is one, else None (the report says so and runs without it); `none`: None; a path: it, which must exist."""
+    if arg is None or arg == "none":
+        return None
+    if arg == "auto":
+        return find_bin(name)
+    if not Path(arg).exists():
+        raise FileNotFoundError(f"--{name} {arg}: no such file")
+    return arg
+
+
+def cached_models() -> set[str]:
+    """The registry's models already in the cache (no download). Reads the filesystem only."""
+    from ..models.registry import REGISTRY, cached_file
+    return {m for m, e in REGISTRY.items() if cached_file(e) is not None}
+
+
 def _peer_row(p: Peer, used: bool, quick: bool) -> dict:
     text = (f"{p.name} {p.version}" if used else f"{p.name}: not run (--quick)" if quick and p.installed
             else p.missing_text if not p.installed else f"{p.name}: not used")
@@ -320,7 +371,7 @@ def summarize(o: Options, results: list[StepResult], start: Start, seconds: floa
             bench.setdefault("model", r.step.model)      # bench grammar's JSON does not name it
             row["figures"] = FIGURES[r.step.part](bench, r.json_path.parent, o.out)
         parts.setdefault(r.step.part, []).append(row)
-    return {"report": {"command": command_line(), "mode": "quick" if o.quick else "full",
+    summary = {"report": {"command": command_line(), "mode": "quick" if o.quick else "full",
                        "date": start.time.strftime("%Y-%m-%d %H:%M UTC"), "commit": start.commit,
                        "uncommitted_changes": start.dirty,
                        "commit_now": head if head != start.commit else None,   # HEAD moved while it ran
@@ -331,11 +382,15 @@ def summarize(o: Options, results: list[StepResult], start: Start, seconds: floa
                        "loadavg": {"start": start.loadavg, "now": _loadavg()}},
             "peers": {TRANSFORMERS: _peer_row(o.transformers, o.use_transformers, o.quick),
                       LLAMACPP: _peer_row(o.llamacpp, o.use_llamacpp, o.quick),
-                      LLAMA_SERVER: {"installed": bool(o.llama_server), "version": None, "used": o.use_llama_server,
-                                     "text": f"llama-server {o.llama_server}" if o.use_llama_server else
-                                     "llama-server: not run (--quick)" if o.llama_server else
-                                     "llama-server: not given (--llama-server BIN)"}},
+                      LLAMA_BENCH: _bin_row(LLAMA_BENCH, o.llama_bench, o.use_llama_bench, o.quick, o.asked.get(LLAMA_BENCH)),
+                      LLAMA_SERVER: _bin_row(LLAMA_SERVER, o.llama_server, o.use_llama_server, o.quick,
+                                             o.asked.get(LLAMA_SERVER))},
             "parts": parts}
+    rep = summary["report"]
+    rep["parts_asked"], rep["models_asked"], rep["big_models"] = list(o.parts), list(o.models), list(o.big)
+    rep["models_cached"] = sorted(cached_models())
+    summary["summary_rows"] = summary_rows(summary, [st.key for st in pending])
+    return summary
 
 
 def default_out(started: dt.datetime) -> Path:
@@ -352,14 +407,21 @@ def run(args) -> int:
         raise ValueError(f"--only: choose from {','.join(PARTS)} (got {args.only!r})")
     models = tuple(args.models.split(",")) if args.models else QUICK_MODELS if args.quick else FULL_MODELS
     out = Path(args.out) if args.out else default_out(start.time)
+    asked = {LLAMA_BENCH: getattr(args, "llama_bench", "auto"), LLAMA_SERVER: getattr(args, "llama_server", "auto")}
+    found = {name: find_binary(name, arg) for name, arg in asked.items()}
+    # the Summary's 1.5B rows: when -m was not narrowed and the file is already cached (never downloaded here)
+    big = ((BIG_MODEL,) if not args.models and not args.quick and BIG_MODEL in cached_models()
+           and BIG_MODEL not in models else ())
     o = Options(out, args.quick, parts, models, args.threads or os.cpu_count() or 1,
-                find_transformers(), find_llamacpp(args.llamacpp_python), args.llama_server)
+                find_transformers(), find_llamacpp(args.llamacpp_python), found[LLAMA_SERVER], found[LLAMA_BENCH],
+                frozenset(b for n, b in found.items() if b and asked[n] == "auto"), big, asked)
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env_prefix = f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']} "
     steps = plan(o)
     print(f"bench report: {len(steps)} benchmark runs into {out} ({'quick' if o.quick else 'full'}; peers: "
-          f"{'transformers' if o.use_transformers else '-'}, {'llama.cpp' if o.use_llamacpp else '-'})", flush=True)
+          f"{'transformers' if o.use_transformers else '-'}, {'llama.cpp' if o.use_llamacpp else '-'}, "
+          f"{'llama-bench' if o.use_llama_bench else '-'}, {'llama-server' if o.use_llama_server else '-'})", flush=True)
     results, t0 = [], time.perf_counter()
     prev_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -373,6 +435,7 @@ def run(args) -> int:
             summary = _write(o, results, start, time.perf_counter() - t0, env_prefix, steps[i:])
     finally:
         signal.signal(signal.SIGTERM, prev_term)
+    print(summary_rows_text(summary["summary_rows"]))
     print(f"wrote {out / 'summary.md'} and summary.json in {summary['report']['seconds']:.0f} s")
     return 0 if all(r["status"] == "ok" for rows in summary["parts"].values() for r in rows) else 1
 

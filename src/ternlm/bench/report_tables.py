@@ -4,12 +4,14 @@ Pure functions of their inputs; nothing here measures or runs anything."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .peers import LLAMACPP, TRANSFORMERS
 
 REUSE, NO_REUSE = "ternlm-reuse", "ternlm-no-reuse"   # bench multiturn's labels
-LLAMA_SERVER = "llama-server"
+LLAMA_SERVER, LLAMA_BENCH = "llama-server", "llama-bench"    # llama.cpp's own binaries (bench/llamacpp.py)
 
 
 # ---- figures: bench JSON -> the summary's numbers ----------------------------------------------
@@ -21,6 +23,10 @@ def engine_figures(res: dict, where: Path, root: Path) -> dict:
     s = res.get("sampling")          # ternlm's decode per sampling setting (bench engine --sampling)
     out["decode_sampling"] = res.get("decode_sampling", "greedy")
     out["sampling"] = {k: s[k] for k in ("settings", "decode_tok_s", "over_greedy", "over_greedy_paired")} if s else None
+    lb = res.get("llama_bench")      # bench engine --llama-bench: its rows (pp, tg @ d) and ternlm's median over them
+    out["llama_bench"] = ({"binary": lb["binary"], "ratios": lb["ratios"],
+                           "rows": [{k: r[k] for k in ("test", "avg_tok_s", "stddev_tok_s", "median_tok_s")}
+                                    for r in lb["rows"]]} if lb and "ratios" in lb else lb)
     return out
 
 
@@ -44,7 +50,11 @@ def multiturn_figures(res: dict, where: Path, root: Path) -> dict:
     later = {n: turns_after_first(rows) for n, rows in res["ttft_by_turn"].items()}
     r, off, peer = later.get(REUSE), later.get(NO_REUSE), later.get(LLAMACPP)
     plot = where / "ttft.png"
+    wall = {n: s.get("wall_s") for n, s in res["summary"].items()}     # each contender's whole replay, seconds
+    over = {p: wall[REUSE] / wall[p] if wall.get(REUSE) and wall.get(p) else None for p in (LLAMA_SERVER, LLAMACPP)}
     return {"model": res["model"], "dtype": res["dtype"], "settings": res["settings"],
+            "wall_s": wall, "reuse_over_llama_server_wall": over[LLAMA_SERVER],
+            "reuse_over_llamacpp_wall": over[LLAMACPP],
             "ttft_by_turn": res["ttft_by_turn"],
             "reuse_fraction": {n: s["reuse_fraction"] for n, s in res["summary"].items()},
             "ttft_turns2plus_s": later,
@@ -145,7 +155,24 @@ def _engine(rows: list[dict], peers: dict) -> list[str]:
         for p in (TRANSFORMERS, LLAMACPP):
             if p not in med:
                 out.append(f"| {f['model']} | | {peers[p]['text']} | – | – | – | – |")
-    return out + [""] + _sampled(ok) + _failed(rows) + _commands(rows)
+        out.append(_llama_bench_row(f, peers))
+    notes = ["", "ternlm multiplies as `--activations auto` does: int8 activations from 200M parameters up, fp32 below "
+             "(issue 59). llama-bench: its own figure (the mean of its repetitions), prefill `pp` of the same prompt "
+             "length, decode `tg` after the same context (`@ d`), the same threads and repetitions, after ternlm's "
+             "runs."] if any(f.get("llama_bench") for f in ok) else []
+    return out + notes + [""] + _sampled(ok) + _failed(rows) + _commands(rows)
+
+
+def _llama_bench_row(f: dict, peers: dict) -> str:
+    lb = f.get("llama_bench")
+    if not lb or "ratios" not in lb:
+        why = (f"llama-bench: skipped ({lb['skipped']})" if lb and lb.get("skipped") else
+               peers.get(LLAMA_BENCH, {}).get("text", "llama-bench: not run"))
+        return f"| {f['model']} | | {why} | – | – | – | – |"
+    pp, tg = lb["rows"][0], lb["rows"][-1]
+    r = lb["ratios"]
+    return (f"| {f['model']} | the GGUF's blocks, its own kernels | llama-bench ({pp['test']} / {tg['test']}) | "
+            f"{_n(pp['avg_tok_s'])} | {_n(tg['avg_tok_s'])} | {_x(r.get('prefill'))} | {_x(r.get('decode'))} |")
 
 
 def _sampled(ok: list[dict]) -> list[str]:
@@ -208,8 +235,9 @@ def _multiturn(rows: list[dict], peers: dict) -> list[str]:
            "sampled as each table says, every request seeded per conversation and turn (the same seed for every "
            "contender). Median time to first token per turn (reused fraction of the prompt over the run in the "
            "header).", ""]
-    if not peers[LLAMACPP]["used"]:
-        out += [f"{peers[LLAMACPP]['text']}", ""]
+    for p in (LLAMACPP, LLAMA_SERVER):
+        if p in peers and not peers[p]["used"]:
+            out += [f"{peers[p]['text']}", ""]
     for r in rows:
         f = r["figures"]
         if not f:
@@ -235,6 +263,12 @@ def _multiturn(rows: list[dict], peers: dict) -> list[str]:
                 + (f", ternlm reuse ÷ llama.cpp = {_x(f['reuse_over_llamacpp_turns2plus'])}"
                    if f["reuse_over_llamacpp_turns2plus"] else "")
                 + f". Output {'identical' if f['required_identical'] else '**DIFFERS**'} ({verdict}).", ""]
+        wall = f.get("wall_s") or {}
+        if f.get("reuse_over_llama_server_wall") or f.get("reuse_over_llamacpp_wall"):
+            out += ["Whole replay: " + ", ".join(f"{n} {_n(w)} s" for n, w in wall.items() if w) + "; ternlm reuse ÷ "
+                    + "; ÷ ".join(f"{name} **{_x(f[k])}**" for name, k in (
+                        (LLAMA_SERVER, "reuse_over_llama_server_wall"), (LLAMACPP, "reuse_over_llamacpp_wall"))
+                        if f.get(k)) + ".", ""]
         if f["plot"]:
             out += [f"![TTFT by turn, {f['model']}]({f['plot']})", ""]
     return out + _failed(rows) + _commands(rows)
@@ -328,6 +362,152 @@ _SECTIONS = {"engine": _engine, "reuse": _reuse, "multiturn": _multiturn, "tiers
              "grammar": _grammar, "spec": _spec}
 
 
+# ---- RESULTS' Summary: which rows this run reproduced --------------------------------------------
+
+def _per_model(fig: Callable[[dict], str | None]) -> Callable[[list[dict]], str | None]:
+    """A row's figure: `model fig` for each model whose figures give one, joined by `; `."""
+    def f(rows: list[dict]) -> str | None:
+        got = [(r["model"], fig(r["figures"])) for r in rows if r["figures"]]
+        return "; ".join(f"{m} {x}" for m, x in got if x) or None
+    return f
+
+
+def _fig_llama_bench(f: dict) -> str | None:
+    r = (f.get("llama_bench") or {}).get("ratios")
+    return f"{_x(r['prefill'])} / {_x(r['decode'])} (÷ llama-bench, {f['prompt_tokens']:,} tokens)" if r else None
+
+
+def _fig_reuse(f: dict) -> str | None:
+    bits = [f"{_x(f['speedup_vs_no_reuse'])} sooner than without reuse at {_pct(f['reuse_fraction'])} reused"]
+    if f.get("reuse_over_llamacpp_reuse") is not None:
+        bits.append(f"÷ llama.cpp's reuse {_x(f['reuse_over_llamacpp_reuse'])}")
+    if f.get("reuse_over_llama_server_reuse") is not None:
+        bits.append(f"÷ llama-server {_x(f['reuse_over_llama_server_reuse'])}")
+    return ", ".join(bits)
+
+
+def _fig_replay(f: dict) -> str | None:
+    r = f.get("reuse_over_llama_server_wall")
+    if r is None:
+        return None
+    return (f"{_x(r)} ({_pct(f['reuse_fraction'].get(REUSE))} reused; "
+            f"{f['settings'].get('sampling_text', 'greedy')})")
+
+
+def _fig_spec(f: dict) -> str | None:
+    bits = []
+    for name, p in f["parts"].items():
+        r = p["ratios"]
+        if r.get("on_over_off_server_tok_s") is not None:
+            bits.append(f"{name} {_x(r['on_over_off_server_tok_s'])} plain decoding"
+                        + (f", {_x(r['on_over_llama_server_best'])} llama-server's best"
+                           if r.get("on_over_llama_server_best") is not None else ""))
+    return "; ".join(bits) + ("" if f["all_required_identical"] else " (**text differs on/off**)") if bits else None
+
+
+def _fig_sampling(f: dict) -> str | None:
+    s = f.get("sampling")
+    over = {n: r for n, r in ((s or {}).get("over_greedy") or {}).items() if n != "greedy" and r is not None}
+    return "sampled decode " + ", ".join(f"{n} {_x(r)}" for n, r in over.items()) + " of greedy" if over else None
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One row of benchmarks/RESULTS.md's Summary table and what reproduces it here."""
+    id: str
+    claim: str                     # what it measures, as the Summary's first column says it
+    part: str | None               # the report part (`ternlm bench PART`) that produces it; None: none does
+    models: tuple[str, ...] = ()   # the Summary's models; (): every model the part ran
+    peer: str | None = None        # the contender the figure divides by: LLAMA_BENCH, LLAMA_SERVER; None: ternlm alone
+    figure: Callable[[list[dict]], str | None] | None = None   # the part's rows -> this run's figure
+    needs_isa: str | None = None   # the ISA class its figure needs (cpu.CLASSES), None: any host
+    outside: str = ""              # part None: why the report does not run it and what does
+
+
+# The Summary's 10 rows, in its order: the one place that says which part and contender reproduce each.
+SUMMARY_ROWS = (
+    SummaryRow("engine", "prefill / decode ÷ llama.cpp, 1,024 tokens: smollm2-135m; qwen2.5-coder-0.5b", "engine",
+               ("smollm2-135m", "qwen2.5-coder-0.5b"), LLAMA_BENCH, _per_model(_fig_llama_bench)),
+    SummaryRow("engine-1.5b", "qwen2.5-coder-1.5b ÷ llama-bench, prefill and decode after 1,024 (after 4,000: not in the report)", "engine",
+               ("qwen2.5-coder-1.5b",), LLAMA_BENCH, _per_model(_fig_llama_bench)),
+    SummaryRow("reuse", "turn 2 of a long chat: ÷ no reuse, ÷ llama.cpp's own reuse", "reuse", (), None,
+               _per_model(_fig_reuse)),
+    SummaryRow("replay", "multi-turn replay ÷ llama-server (whole replay time)", "multiturn", (), LLAMA_SERVER,
+               _per_model(_fig_replay)),
+    SummaryRow("spec", "speculative decoding (prompt lookup): ÷ plain decoding, ÷ llama-server's n-gram", "spec", (),
+               LLAMA_SERVER, _per_model(_fig_spec)),
+    SummaryRow("hybrid", "hybrid qwen35, 30-turn replays ÷ llama-server TTFT", None,
+               outside="model not cached: the 24-layer qwen35 Q8_0 file is not in the registry; RESULTS' "
+                       "Hybrid models section gives its commands"),
+    SummaryRow("moe", "30B-A3B MoE (18.6 GB) under an 8 GiB cap ÷ llama-server", None,
+               outside="model not cached: the 30B-A3B file (18.6 GB) is not in the registry; RESULTS' Mixtures of "
+                       "experts section gives its commands"),
+    SummaryRow("sliding", "gemma3-270m, sliding windows: decode at 16,000 tokens, 30-turn replays", None,
+               needs_isa="amx", outside="no report part (decode after 16,000 tokens and 30-turn replays: RESULTS' "
+                                        "Sliding windows section)"),
+    SummaryRow("int8-quality", "int8 activations, next-token agreement with the dense model", None,
+               outside="no report part: `ternlm bench quality -m MODEL --tokens 2000 --llama-perplexity auto`"),
+    SummaryRow("sampling", "sampling as clients send it: sampled decode ÷ greedy", "engine", (), None,
+               _per_model(_fig_sampling)),
+)
+
+
+def summary_rows(summary: dict, pending: list[str] = ()) -> list[dict]:
+    """Each SUMMARY_ROWS row against this run: {"id", "claim", "status": "reproduced" | "not run", "figure",
+    "why"} (why: what kept it, or the models it kept, from running). Pure."""
+    rep, peers, parts = summary["report"], summary["peers"], summary["parts"]
+    cls = rep["host"]["isa_class"]
+    asked = rep.get("parts_asked", list(parts))
+    in_run = [*rep.get("models_asked", []), *rep.get("big_models", [])]
+    cached = set(rep.get("models_cached", []))
+    out = []
+    for row in SUMMARY_ROWS:
+        why: list[str] = []
+        figure = None
+        if row.part is None:
+            why.append(row.outside)
+        elif rep["mode"] == "quick":
+            why.append("--quick (a smoke test: no peers, smollm2-135m only, tiny sizes)")
+        elif row.part not in asked:
+            why.append(f"part {row.part} not in this run"
+                       + (" (opt-in: --only ...,spec)" if row.part == "spec" else " (--only)"))
+        if row.needs_isa and cls != row.needs_isa:
+            why.append(f"ISA not present: its figure is {row.needs_isa}'s (this host: {cls})")
+        if not why:
+            mine = [r for r in parts.get(row.part, []) if not row.models or r["model"] in row.models]
+            for m in row.models:
+                if m in (r["model"] for r in mine):
+                    continue
+                if f"{row.part}-{m}" in pending:
+                    why.append(f"{m}: not run yet (report interrupted)")
+                elif m not in cached:
+                    why.append(f"model not cached: {m} (ternlm pull {m})")
+                else:
+                    why.append(f"{m} not in --models")
+            if row.peer and not peers.get(row.peer, {}).get("used"):
+                why.append(peers.get(row.peer, {}).get("text", f"{row.peer}: not run"))
+            why += [f"{r['model']}: failed (log {r['log']})" for r in mine if r["status"] != "ok"]
+            figure = row.figure([r for r in mine if r["status"] == "ok"]) if mine else None
+            if not mine and not row.models:
+                why.append(f"{row.part}: not run yet (report interrupted)" if any(k.startswith(row.part + "-")
+                                                                                  for k in pending) else "no model ran")
+        out.append({"id": row.id, "claim": row.claim, "part": row.part, "peer": row.peer,
+                    "status": "reproduced" if figure else "not run", "figure": figure, "why": why})
+    return out
+
+
+def summary_rows_text(rows: list[dict]) -> str:
+    """The Summary rows as summary.md's last section prints them (and the report's end on stdout)."""
+    out = ["## Summary rows", "",
+           "benchmarks/RESULTS.md's Summary, row by row: this run's figure where it reproduced the row (ternlm ÷ "
+           "the peer, this host), else why not.", "", "| row | claim | here |", "|---|---|---|"]
+    for r in rows:
+        here = (f"**{r['figure']}**" + (f" (not run: {'; '.join(r['why'])})" if r["why"] else "")
+                if r["status"] == "reproduced" else "not run: " + "; ".join(r["why"]))
+        out.append(f"| {r['id']} | {r['claim']} | {here} |")
+    return "\n".join(out) + "\n"
+
+
 def _load_line(rep: dict) -> list[str]:
     load, cores = rep.get("loadavg") or {}, rep["host"]["cores"]
     if load.get("start") is None:
@@ -364,4 +544,5 @@ def markdown(summary: dict) -> str:
             out.append(f"| {part} | {r['model']} | {r['seconds']:.0f} | {r['status']} |")
     for key in pending:
         out.append(f"| {key} | | | not run |")
-    return "\n".join(out) + "\n"
+    out.append("")
+    return "\n".join(out) + "\n" + summary_rows_text(summary.get("summary_rows") or summary_rows(summary, pending))
