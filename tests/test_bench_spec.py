@@ -84,7 +84,7 @@ def test_llama_spec_types_are_read_from_its_help(tmp_path):
     fake.write_text("#!/bin/sh\necho '--spec-type none,draft-simple,ngram-simple,ngram-mod,ngram-cache'\n"
                     "echo '   comma-separated list of types'\n")
     fake.chmod(0o755)
-    assert spec.llama_spec_types(str(fake)) == ["ngram-simple", "ngram-mod", "ngram-cache"]
+    assert llamacpp.llama_spec_types(str(fake)) == ["ngram-simple", "ngram-mod", "ngram-cache"]
 
 
 def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str]:

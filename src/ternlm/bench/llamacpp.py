@@ -87,6 +87,14 @@ def llama_server_argv(binary: str, gguf: Path, threads: int, slots: int, n_ctx: 
             "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
+def llama_spec_types(binary: str) -> list[str]:
+    """The n-gram --spec-type values this llama-server build lists in its --help (ngram-simple, ngram-mod,
+    ...): read, not assumed, as builds differ. Runs the binary once."""
+    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"--spec-type\s+([\w,-]+)", out.stdout + out.stderr)
+    return [t for t in m.group(1).split(",") if t.startswith("ngram")] if m else []
+
+
 def llamacpp_server_argv(python: str, gguf: Path, threads: int, n_ctx: int, port: int, extra: Sequence[str] = (),
                          run: Sequence[str] = SERVER_MODULE) -> list[str]:
     """llama-cpp-python's server on the same GGUF, the same threads for prompt and generation, `extra` flags

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ from pathlib import Path
 from .common import bench_model, command_line, write_json
 from .multiturn import load_conversations, ternlm_serve_args
 from .procs import TernlmServe
-from .llamacpp import LLAMA_SERVER, BUILD_HOW, find_bin, llama_server
+from .llamacpp import LLAMA_SERVER, BUILD_HOW, find_bin, llama_server, llama_spec_types
 from .sampling_settings import Sampling
 from .spec_edits import SOURCE, conversation, expected
 from .spec_stream import LLAMA_SERVER, TERNLM, Answer, Target, served_model, stream_ids
@@ -47,14 +45,6 @@ class Contender:
     kind: str       # TERNLM | LLAMA_SERVER
     spec: str       # ternlm: "auto" | "off"; llama-server: a --spec-type ("none": no speculation)
     extra: tuple[str, ...] = ()   # more `ternlm serve` flags (--draft-model NAME)
-
-
-def llama_spec_types(binary: str) -> list[str]:
-    """The n-gram --spec-type values this llama-server build lists in its --help (ngram-simple, ngram-mod,
-    ...). Runs the binary once."""
-    out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
-    m = re.search(r"--spec-type\s+([\w,-]+)", out.stdout + out.stderr)
-    return [t for t in m.group(1).split(",") if t.startswith("ngram")] if m else []
 
 
 def contenders(binary: str | None, spec_types: list[str], draft_model: str | None = None) -> list[Contender]:
