@@ -109,6 +109,17 @@ def large_buffers_kept() -> bool:
     return _state["large"]
 
 
+def release_freed() -> None:
+    """Hand the heap's whole free pages back to the system now (malloc_trim(0)), for a loader that frees
+    its source tensors as it goes: inside `loading()` nothing is trimmed, so the pages freed by one step
+    would stay resident until the end while the next steps fault in others (issue 61: the model build's
+    peak). The pages are faulted in again where the heap reuses them. Off glibc or with
+    TERNLM_MALLOC_TUNE=0: a no-op."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 @contextlib.contextmanager
 def loading() -> Iterator[None]:
     """Around a model load: blocks below 256 MiB come from the heap and nothing is trimmed while it

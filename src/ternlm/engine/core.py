@@ -131,9 +131,8 @@ class Engine:
                                               pack=self.dtype_choice.kernel == "onednn-packed",
                                               kernels=self.kernels,
                                               keep_quantized=self.weights_choice.mode == "gguf",
-                                              kv_dtype=kv_dtype, experts=loaded.experts)
-        self.kv_dtype = str(self.model.kv_dtype).removeprefix("torch.")
-        loaded.weights.clear()  # the module holds (fused) copies; free the loader's
+                                              kv_dtype=kv_dtype, experts=loaded.experts, consume=True)
+        self.kv_dtype = str(self.model.kv_dtype).removeprefix("torch.")   # consume: the loader's tensors are gone
         # mixture of experts: how the experts are held (Engine.load's plan; None: as given) and what
         # the steps each running sequence took part in cost the expert store (`step`)
         self.expert_plan = None
@@ -193,7 +192,7 @@ class Engine:
         Side effect: caps glibc at one malloc arena for the process, fixes its malloc thresholds (high
         while loading, so the loader's temporaries reuse the heap, which is trimmed after; raised to
         1 GiB when the torch attention runs) (malloc.py; TERNLM_MALLOC_TUNE=0 opts out of all of it)."""
-        from ..malloc import loading, one_arena, streamed_blocks_return
+        from ..malloc import loading, one_arena, release_freed, streamed_blocks_return
         from ..models.registry import resolve
         cpu = cpu or probe()
         choose_dtype(dtype, cpu)                 # an unusable --dtype or --weights fails before the download
@@ -227,6 +226,7 @@ class Engine:
             else:
                 from ..models.hf import load_hf_folder
                 loaded = load_hf_folder(r.path, tdtype)
+            release_freed()                      # the loader's temporaries, before the model's copies
             if draft_model is not None and kw.get("cache") is not None:   # the draft model's KV in tiers too
                 from .spec.draft_model import share_cache
                 kw["cache"], small_cache = share_cache(kw["cache"], loaded.config, small.config)

@@ -848,8 +848,11 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     the experts stay in the file and stream through a cache of that many bytes (moe.StreamedExperts,
     ``LoadedModel.experts``; their weights are absent from ``weights``); a callable (config, experts'
     bytes, the rest's bytes in memory) -> either, decided once the header is read. ``int8`` (with
-    ``lanes``): streamed experts are read into the int layouts (the model multiplies int8 activations,
-    `--activations int8`); the rest is converted by the model (models/llama.py [INT8]).
+    ``lanes``; the model multiplies int8 activations, `--activations int8`): every quantized matrix with a
+    lanes layout is read straight into its int layout (qconvert.lanes_from_gguf's int8: to_int8 of the lanes
+    result, bit for bit), streamed experts too, so no lanes copy of the model is ever held beside the int
+    one (issue 61: an 8B's load peaked at twice its loaded RSS); what has no native conversion is converted
+    by the model (models/llama.py [INT8]).
     Side effects: logs what is loading and the time taken (logger ``ternlm.models.gguf``);
     may write the sha256 index in the cache dir.
     """
@@ -877,9 +880,9 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
     streamed = None                 # experts read on demand (issue 36): nothing of them converted here
     budget = expert_budget(config, *_expert_memory(reader, dtype, keep_quantized)) \
         if callable(expert_budget) else expert_budget
+    int8 = int8 and keep_quantized and lanes
     if config.num_experts and budget is not None:
         from .moe import StreamedExperts
-        int8 = int8 and keep_quantized and lanes
         streamed = StreamedExperts(path, expert_slabs(reader, config), budget, functools.partial(
             expert_weight, dtype=dtype, keep_quantized=keep_quantized, lanes=lanes, int8=int8),
             functools.partial(expert_blank, keep_quantized=keep_quantized, lanes=lanes, int8=int8),
@@ -923,13 +926,14 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype, sha256: str | No
                     per = raw.numel() // E
                     for name, e in experts:          # the streamed experts' conversion too [SAME-BITS]
                         slab = Slab(e * per, per, int(t.tensor_type), n, k)
-                        weights[name] = expert_weight(raw[e * per:(e + 1) * per], slab, dtype, True, lanes)
+                        weights[name] = expert_weight(raw[e * per:(e + 1) * per], slab, dtype, True, lanes,
+                                                      int8=int8)
                     continue
                 k, n = (int(d) for d in t.shape.tolist())       # GGUF: innermost (input) first
                 parts = hf_parts(t.name, config, n)
                 if lanes:       # natively, whole rows gathered (convert.c): the Python path's bits, or None
                     native = {name: lanes_from_gguf(_tensor_bytes(t), t.tensor_type, n if rows is None else len(rows),
-                                                    k, order=rows) for name, rows in parts}
+                                                    k, order=rows, int8=int8) for name, rows in parts}
                     if all(q is not None for q in native.values()):
                         weights.update(native)
                         continue

@@ -46,6 +46,7 @@ from torch import nn
 
 from .config import ModelConfig
 from ..invariants import check
+from ..malloc import release_freed
 from ..kernels.build import Kernels
 from .moe import ExpertStore, MoE, SharedExpert, silu_mul
 from ..linear.qlinear import projection
@@ -379,8 +380,12 @@ EMBED_ROWS_KEPT = 4096     # rows kept there: 9.4 MB for smollm2's 576 fp32, 14.
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, "torch.Tensor | QWeight"],
                  dtype: torch.dtype = torch.bfloat16, pack: bool = True, kernels: Kernels | None = None,
-                 keep_quantized: bool = False, kv_dtype: str = "float32", experts: ExpertStore | None = None):
-        """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`.
+                 keep_quantized: bool = False, kv_dtype: str = "float32", experts: ExpertStore | None = None,
+                 consume: bool = False):
+        """Build from Hugging Face-named tensors (fused and cast here). Does not modify `weights`, unless
+        `consume`: then each tensor leaves `weights` once the module holds what it is built into (a layer's
+        fused, converted copies; the embedding; the head), so a load's peak is the model plus one layer, not
+        the loader's layouts and the model's side by side (issue 61: an 8B's int layouts doubled its RSS).
         experts: a mixture of experts' store when it is not every expert in `weights` (moe.StreamedExperts).
         kernels: the native kernels (attention, and with keep_quantized the quantized matmul: QWeights
         among the weights, from `--weights gguf`, stay quantized); without them QWeights are
@@ -419,14 +424,25 @@ class Transformer(nn.Module):
         self._embed_rows: dict[int, torch.Tensor] = {}   # token id -> (hidden,): embed_ids' decode lookups
         # every layer's experts, fetched through one interface; its counters: self.experts.stats
         self.experts: ExpertStore | None = (ExpertStore() if experts is None else experts) if cfg.num_experts else None
-        self.layers = [
-            Layer(cfg, {k[len(p):]: w(k) for k in weights if k.startswith(p)}, pack, kernels, quantized, i,
-                  self.experts)
-            for i, p in enumerate(f"model.layers.{i}." for i in range(cfg.num_layers))
-        ]
+        if consume:              # self.embed holds it (the tied head too)
+            del weights["model.embed_tokens.weight"]
+            release_freed()
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            names = [k for k in weights if k.startswith(p)]
+            self.layers.append(Layer(cfg, {k[len(p):]: w(k) for k in names}, pack, kernels, quantized, i,
+                                     self.experts))
+            if consume:          # the layer holds its own (fused, converted) copies: the loader's go now
+                for k in names:
+                    del weights[k]
+                release_freed()  # and their pages, before the next layer's copies fault in others
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
         self.lm_head = projection([head], None, dtype, pack, kernels if quantized else None)
+        if consume:
+            weights.clear()
+            release_freed()
         # RoPE variants (scaling, partial rotary) are only different tables (models/rope.py); a model
         # whose layers differ (Gemma 3: local base 10k on windowed layers) has one table per distinct rope
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
@@ -476,8 +492,8 @@ class Transformer(nn.Module):
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                      pack: bool = True, kernels: Kernels | None = None,
                      keep_quantized: bool = False, kv_dtype: str = "float32",
-                     experts: ExpertStore | None = None) -> "Transformer":
-        return cls(cfg, weights, dtype, pack, kernels, keep_quantized, kv_dtype, experts)
+                     experts: ExpertStore | None = None, consume: bool = False) -> "Transformer":
+        return cls(cfg, weights, dtype, pack, kernels, keep_quantized, kv_dtype, experts, consume)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: (T,) int64 -> (T, hidden) in the compute dtype, a new tensor (callers write into it).
