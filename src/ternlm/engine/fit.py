@@ -19,8 +19,9 @@ What a configuration needs (`Budget`), in bytes, each part at its steady-state m
   overhead  OVERHEAD + model / 8: tokenizer, RoPE tables, the kernels' layouts, allocator slack. Measured
             steady RSS added by a load, KV aside: smollm2 (94 MiB file) +28 MiB over the file, qwen2.5
             0.5b (469 MiB) +94, 1.5b (1,066 MiB) +216 (--weights gguf); dense smollm2 fp32 +46, qwen 0.5b
-            bf16 +71 over parameters x bytes. The loader's own peak is above its steady state (0.5b:
-            ~+600 MiB of anonymous memory for a moment; 1.5b +160); not modelled here.
+            bf16 +71 over parameters x bytes. The load's own peak is ~1.02x the steady set with int8
+            activations (issue 61: each matrix read straight into its int layout, the model taking the
+            loader's tensors layer by layer: 1.5b +1,222 peak for +1,197 steady), so it is not modelled apart.
 Available: MemAvailable, or the cgroup's limit minus its usage (inactive file pages are reclaimable,
 so not counted as used) where that is lower (v2 memory.max up the tree; v1 memory.limit_in_bytes and
 the hierarchical limit).
