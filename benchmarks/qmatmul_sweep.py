@@ -34,7 +34,8 @@ from ternlm.engine.core import Engine
 from ternlm.linear.qlinear import QLinear
 
 SOURCES = ["src/ternlm/kernels/qmatmul.c", "src/ternlm/kernels/qlanes.c"]     # those the revision has
-HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h"]   # their includes (qmatmul_amx.h: old revisions)
+HEADERS = ["src/ternlm/kernels/qmatmul_amx.h", "src/ternlm/kernels/vec.h",   # their includes (qmatmul_amx.h:
+           "src/ternlm/kernels/layouts.h"]       # old revisions; layouts.h: since 02935c7)
 
 
 def build(rev: str, march: str, out: Path, tag: str, cflags: list[str]) -> ctypes.CDLL:
