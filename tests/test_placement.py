@@ -186,6 +186,13 @@ def test_tiers_examples():
     assert not ask.set_aside
     p = settle_tiers(ask, Fetched(blocks=2, complete=True), **kw)
     assert (p.keep, p.loaded, p.first_block, p.blocks) == (64, 192, 1, 2)
+    # a caller embedding at position 1 cuts the load inside block 0: a state-carrying tail after that block
+    # would put the state at 5 for a slot ending at 1, so nothing is loaded (found by the property above)
+    kw = dict(n=6, record_len=0, slot_usable=0, first_embed=1, min_reuse=0, block=4)
+    ask = plan_tiers(**kw, tier_blocks=1, tail_tokens=1, resumable=lambda x: 0)
+    p = settle_tiers(ask, Fetched(blocks=1, complete=True, tail_tokens=1, tail_whole=True, states=(False,),
+                                  tail_state=True), **kw)
+    assert (p.loaded, p.loads) == (0, False)
 
 
 wants = st.lists(st.builds(Want, st.integers(1, 500), st.booleans()), max_size=12).map(

@@ -133,9 +133,11 @@ def plan_tiers(*, n: int, record_len: int, slot_usable: int, tier_blocks: int, t
 
 def stateful_reach(fetched: Fetched, first_block: int, limit: int, block: int = BLOCK_TOKENS) -> tuple[int, int]:
     """A hybrid slot's (tier blocks, tail positions) for plan_placement: the whole tail when it is used in
-    full and carries a state, else up to the last fetched block that carries one and lies within `limit`
-    ((first_block, 0) when none does). Pure."""
-    if fetched.tail_tokens and fetched.tail_state and fetched.tail_whole:
+    full, carries a state and lies within `limit` (store.find_tail gives no other, but a load cut short of
+    the tail's end would resume from a state at the wrong position), else up to the last fetched block
+    that carries one and lies within `limit` ((first_block, 0) when none does). Pure."""
+    end = (first_block + fetched.blocks) * block + fetched.tail_tokens
+    if fetched.tail_tokens and fetched.tail_state and fetched.tail_whole and end <= limit:
         return first_block + fetched.blocks, fetched.tail_tokens
     ends = [i + 1 for i, s in enumerate(fetched.states or ()) if s and (first_block + i + 1) * block <= limit]
     return first_block + (ends[-1] if ends else 0), 0
