@@ -113,7 +113,7 @@ def test_corrupt_and_foreign_values_are_misses_counted_logged_and_deleted(pair, 
     assert "checksum" in caplog.text
 
     # a foreign model's value stored under our key (a replica of another build): never used
-    foreign = StoreIdentity("b" * 64, IDENT.dtype, IDENT.layers, IDENT.kv_heads, IDENT.head_dim)
+    foreign = StoreIdentity("b" * 64, IDENT.dtype, IDENT.layers, IDENT.kv_heads, IDENT.row)
     meta = TieredStore(foreign, 0).meta(refs[2], NS)
     k = torch.zeros(IDENT.shape)
     header, payload = encode(meta, k, k)

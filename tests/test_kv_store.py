@@ -28,8 +28,8 @@ from ternlm.engine.runner import Runner
 
 B = BLOCK_TOKENS
 NS = b"namespace-A"
-IDENT = StoreIdentity("a" * 64, "torch.float32", layers=2, kv_heads=2, head_dim=4)
-SHAPE = KVShape(IDENT.layers, IDENT.kv_heads, IDENT.head_dim, torch.float32, 8192, 256)
+IDENT = StoreIdentity("a" * 64, "torch.float32", layers=2, kv_heads=2, row=4)
+SHAPE = KVShape(IDENT.layers, IDENT.kv_heads, IDENT.row, torch.float32, 8192, 256)
 BLOCK_BYTES = 2 * 2 * 2 * B * 4 * 4      # k + v, fp32
 
 

@@ -186,47 +186,79 @@ def test_lone_row_of_one_kv_head_splits_its_heads_with_the_same_bits():
     assert (outs[0].double() - ref).abs().max().item() < 1e-5
 
 
-def fp16_segments_check(kn) -> None:
-    """An fp16 cache gives exactly the bits of an fp32 cache holding the same (widened) values: the
-    kernel widens each element exactly, the arithmetic is the fp32 one."""
+def kv_formats_check(kn) -> None:
+    """An fp16 or q8_0 cache gives exactly the bits of an fp32 cache holding the same (widened) values: the
+    kernel widens each element exactly (q8_0: code x scale, exact in fp32), the arithmetic is the fp32 one.
+    The q8_0 rows the kernel writes are q8_0_reference's bytes (a second rendering of the rule, in torch)."""
     from types import SimpleNamespace
 
+    from ternlm.kv.kvtype import KV_TYPES, q8_0_reference, q8_0_values
     from ternlm.models.llama import Segment, segment_table
     cfg = SimpleNamespace(num_layers=2, attention_layers=(0, 1), num_kv_heads=3, head_dim=64)
     g = torch.Generator().manual_seed(11)
-    caches = [(start, n, torch.randn(2, 3, cap, 64, generator=g).half(), torch.randn(2, 3, cap, 64, generator=g).half())
-              for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512)]]
-    M = sum(n for _, n, _, _ in caches)
+    raw = [(start, n, torch.randn(2, 3, cap, 64, generator=g) * 3, torch.randn(2, 3, cap, 64, generator=g))
+           for start, n, cap in [(0, 5, 256), (700, 1, 1024), (255, 40, 512)]]
+    raw[0][2][0, 0, 0, :32] = 0.0                                   # an all-zero block: scale 0, codes 0
+    M = sum(n for _, n, _, _ in raw)
     qs = (torch.randn(9, M, 64, generator=g) * 64 ** -0.5).contiguous()
-    for layer in range(2):
-        outs = []
-        for dtype in (torch.float16, torch.float32):
-            segs = [Segment(s, n, k.to(dtype), v.to(dtype)) for s, n, k, v in caches]
-            out = torch.empty(M, 9 * 64)
-            table = segment_table(segs, cfg, dtype)
-            kn.attention_segments(table.data_ptr(), len(segs), layer, qs.data_ptr(), M, 9, 3, 64, out.data_ptr(),
-                                  torch.get_num_threads(), kv_half=dtype == torch.float16)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
-    with pytest.raises(Exception, match="caches do not fit"):   # the table's dtype is checked, not trusted
-        segment_table([Segment(0, 1, caches[0][2], caches[0][3])], cfg, torch.float32)
+
+    def q8(x):                                      # (2, 3, cap, 64) -> (2, 3, cap, 68) by the kernel
+        rows = kn.kv_q8_rows(x.reshape(-1, 64))
+        assert torch.equal(rows, q8_0_reference(x.reshape(-1, 64)))
+        return rows.view(*x.shape[:3], 68)
+
+    stored = {"float16": [(s, n, k.half(), v.half()) for s, n, k, v in raw],
+              "q8_0": [(s, n, q8(k), q8(v)) for s, n, k, v in raw]}
+    widened = {"float16": [(s, n, k.float(), v.float()) for s, n, k, v in stored["float16"]],
+               "q8_0": [(s, n, q8_0_values(k, 64), q8_0_values(v, 64)) for s, n, k, v in stored["q8_0"]]}
+    for name in ("float16", "q8_0"):
+        for layer in range(2):
+            outs = []
+            for kv, caches in ((KV_TYPES[name], stored[name]), (KV_TYPES["float32"], widened[name])):
+                segs = [Segment(s, n, k.contiguous(), v.contiguous()) for s, n, k, v in caches]
+                out = torch.empty(M, 9 * 64)
+                table = segment_table(segs, cfg, kv)
+                kn.attention_segments(table.data_ptr(), len(segs), layer, qs.data_ptr(), M, 9, 3, 64, out.data_ptr(),
+                                      torch.get_num_threads(), kv_mode=kv.mode)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), name
+    with pytest.raises(Exception, match="caches do not fit"):   # the table's format is checked, not trusted
+        segment_table([Segment(0, 1, stored["float16"][0][2], stored["float16"][0][3])], cfg, KV_TYPES["float32"])
+    with pytest.raises(Exception, match="caches do not fit"):   # q8_0 rows are 68 bytes wide, not 64
+        segment_table([Segment(0, 1, raw[0][2].to(torch.uint8), raw[0][3].to(torch.uint8))], cfg, KV_TYPES["q8_0"])
 
 
-def test_fp16_cache_reads_as_its_fp32_values():
-    fp16_segments_check(kernels())
+def test_fp16_and_q8_0_caches_read_as_their_fp32_values():
+    kv_formats_check(kernels())
+
+
+def test_q8_0_rows_hold_each_value_within_half_a_step():
+    """Each value comes back within half its block's step (scale d = max|x| / 127 in fp16), blocks of 32
+    apart, over the magnitudes whose d is a normal fp16 (K/V values of real models lie well inside); the
+    scale is the block's own."""
+    from ternlm.kv.kvtype import q8_0_values
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(50, 128, generator=g) * torch.logspace(-2, 4, 50).unsqueeze(1)
+    rows = kernels().kv_q8_rows(x)
+    back = q8_0_values(rows, 128)
+    step = rows[:, 128:].contiguous().view(torch.float16).float().repeat_interleave(32, -1)
+    assert ((back - x).abs() <= step * 0.5 * (1 + 2 ** -10) + 1e-30).all()
+    amax = x.view(50, 4, 32).abs().amax(-1).repeat_interleave(32, -1)
+    assert ((step - amax / 127).abs() <= amax / 127 * 2 ** -10 + 2 ** -24).all()
 
 
 _ISA_SCRIPT_F16 = textwrap.dedent("""
     import pytest  # noqa: F401  (the check raises through pytest.raises)
     from ternlm.kernels.build import load
-    from test_native_attention import fp16_segments_check
+    from test_native_attention import kv_formats_check
     kn = load()
-    fp16_segments_check(kn)
+    kv_formats_check(kn)
     print(kn.isa, "ok")
 """)
 
 
 @LESSER
-def test_lesser_isa_fp16_cache(march, isa, tmp_path):
-    """The fp16 cache read by the AVX2 (F16C) and baseline (software) builds: the same exact widening."""
+def test_lesser_isa_fp16_and_q8_0_caches(march, isa, tmp_path):
+    """The fp16 and q8_0 caches written and read by the AVX2 (F16C) and baseline (software) builds: the same
+    q8_0 bytes and the same exact widening."""
     assert run_built_for(march, _ISA_SCRIPT_F16, tmp_path) == [isa, "ok"]

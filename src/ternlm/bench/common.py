@@ -170,7 +170,7 @@ def measure_load(load: Callable[[], T]) -> tuple[T, LoadMemory]:
 def kv_budget_bytes(engine) -> int:
     """Every slot's KV at the engine's full context (slots grow on demand: this is the allowance)."""
     s = engine.slots[0].shape
-    return 2 * s.layers * s.kv_heads * s.head_dim * s.max_capacity * s.dtype.itemsize * len(engine.slots)
+    return 2 * s.layers * s.kv_heads * s.row * s.max_capacity * s.dtype.itemsize * len(engine.slots)
 
 
 def write_json(out_dir: Path, name: str, data: dict) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .weights import ACTIVATIONS
+from ..kv.kvtype import KV_CHOICES
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -26,10 +27,11 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                         "(every weight times fp32 activations: transformers' numbers) | auto (default: int8 for gguf "
                         "weights, mixtures of experts included; fp32 for a model under 200M parameters, whose "
                         "answers int8 changes most); part of the KV namespace")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16"],
-                   help="the KV cache's dtype: auto (default: float16 where every layer runs fused in C, i.e. "
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_CHOICES),
+                   help="the KV cache's format: auto (default: float16 where every layer runs fused in C, i.e. "
                         "--weights gguf with the native kernels, as llama.cpp's f16 cache; float32 elsewhere) | "
-                        "float32 | float16 (needs the fused layers)")
+                        "float32 | float16 | q8_0 (8-bit codes, one fp16 scale per 32 values: 0.53x fp16's bytes, "
+                        "every tier too; reuse stays exact). float16 and q8_0 need the native kernels")
     p.add_argument("--no-prefix-kv", action="store_true", help="turn prefix KV reuse off (for comparison)")
     p.add_argument("--min-reuse", type=int, default=16, help="reuse only prefixes at least this long")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's)")

@@ -132,7 +132,7 @@ class Engine:
                                               kernels=self.kernels,
                                               keep_quantized=self.weights_choice.mode == "gguf",
                                               kv_dtype=kv_dtype, experts=loaded.experts, consume=True)
-        self.kv_dtype = str(self.model.kv_dtype).removeprefix("torch.")   # consume: the loader's tensors are gone
+        self.kv_dtype = self.model.kv_type.name      # float32 | float16 | q8_0 (consume: the loader's tensors are gone)
         # mixture of experts: how the experts are held (Engine.load's plan; None: as given) and what
         # the steps each running sequence took part in cost the expert store (`step`)
         self.expert_plan = None
@@ -140,8 +140,8 @@ class Engine:
         self.runner = Runner(self.model, CHUNK_RESIDENT if chunk_size is None else chunk_size)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)   # structured outputs (grammar.py)
         # K and V of the attention layers only: a hybrid model's recurrent layers keep a state instead
-        shape = KVShape(len(cfg.attention_layers), cfg.num_kv_heads, cfg.head_dim, self.model.kv_dtype, self.ctx,
-                        ATTN_BLOCK)
+        shape = KVShape(len(cfg.attention_layers), cfg.num_kv_heads, self.model.kv_type.width(cfg.head_dim),
+                        self.model.kv_dtype, self.ctx, ATTN_BLOCK)
         recurrent = recurrent_shape(cfg)         # a hybrid model's per-slot state (kv/recurrent.py), or None
         # ... and the token that opens every message: its slots snapshot the state before each one fed
         self.message_marks = message_marks(self.chat_template, self.tokenizer) if recurrent else frozenset()
@@ -158,7 +158,7 @@ class Engine:
         self.model_namespace = f"{loaded.sha256}:{config_digest}:{self.kernel_fingerprint}".encode()
         # Tiers below the slots (RAM, disk); None: a slot's KV is gone once the slot is reused.
         self.store = None
-        self._store_ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, cfg.head_dim,
+        self._store_ident = StoreIdentity(loaded.sha256, str(dtype), shape.layers, cfg.num_kv_heads, shape.row,
                                           self.kv_dtype, recurrent.shapes if recurrent is not None else None)
         if cache is not None:
             self.open_store(cache)

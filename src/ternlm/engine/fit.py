@@ -9,7 +9,8 @@ What a configuration needs (`Budget`), in bytes, each part at its steady-state m
   model     --weights gguf: the file's size (its blocks are kept, repacked for the kernels);
             dense: parameters x 2 (bf16/fp16) or 4 (fp32), a tied embedding twice (lm_head is its own
             packed copy)
-  KV        attention layers x kv_heads x head_dim x 2 (K and V) x bytes per element (fp32 4, fp16 2)
+  KV        attention layers x kv_heads x 2 (K and V) x bytes a row (kv/kvtype.py: head_dim x 4 fp32, x 2 fp16;
+            head_dim + head_dim / 16 q8_0)
             x ctx (rounded up to the attention block, as slots allocate) x slots
   RAM tier  serve's --cache-ram (the tier fills up to its budget), when prefix reuse is on
   draft     --draft-model: its weights (as the target's, same --weights) and its KV, one slot per target
@@ -35,12 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sizes import format_size
+from ..kv.kvtype import kv_type
 
 log = logging.getLogger("ternlm")
 
 OVERHEAD = 256 << 20            # fixed part of the overhead (see the module docstring)
 ATTN_BLOCK = 256                # = models.llama.ATTN_BLOCK (slot capacity is a multiple); not imported: no torch here
-KV_ELEMENT_BYTES = {"float32": 4, "float16": 2}
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _UNLIMITED = 1 << 60            # cgroup v1 writes "no limit" as ~2^63 (rounded to a page)
 
@@ -111,8 +112,8 @@ class Fit:
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> int:
     """K and V of one token in one slot, `layers` attention layers (config.attention_layers: a hybrid model's
-    recurrent layers hold none), as kv/slots.py allocates them."""
-    return layers * kv_heads * head_dim * 2 * KV_ELEMENT_BYTES[kv_dtype]
+    recurrent layers hold none), as kv/slots.py allocates them: rows of kv/kvtype.py's format `kv_dtype`."""
+    return kv_type(kv_dtype).bytes_per_token(layers, kv_heads, head_dim)
 
 
 def slot_tokens(ctx: int) -> int:

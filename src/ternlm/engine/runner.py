@@ -162,7 +162,7 @@ class Runner:
         for b in blocks:
             pos = len(slot.record)
             n = b.meta.shape[2]
-            check(b.meta.shape == (slot.shape.layers, slot.shape.kv_heads, n, slot.shape.head_dim),
+            check(b.meta.shape == (slot.shape.layers, slot.shape.kv_heads, n, slot.shape.row),
                   f"a stored block of shape {b.meta.shape} does not fit this slot")
             slot.ensure_capacity(pos + n)
             slot.k[:, :, pos:pos + n].copy_(b.k)   # k, v: (layers, kv_heads, n, head_dim)
@@ -199,7 +199,8 @@ class Runner:
         m = self.model
         cfg = m.cfg
         capacity = -(-len(ids) // ATTN_BLOCK) * ATTN_BLOCK
-        k = torch.zeros(len(cfg.attention_layers), cfg.num_kv_heads, capacity, cfg.head_dim, dtype=m.kv_dtype)
+        k = torch.zeros(len(cfg.attention_layers), cfg.num_kv_heads, capacity, m.kv_type.width(cfg.head_dim),
+                        dtype=m.kv_dtype)
         v = torch.zeros_like(k)
         shape = recurrent_shape(cfg)
         state = RecurrentState(shape) if shape is not None else None     # a hybrid model's, from position 0

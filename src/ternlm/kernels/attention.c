@@ -3,8 +3,9 @@
  * together and share each K/V load (pairs() below) without changing any pair's arithmetic.
  *
  *   q:   (H, T, D) fp32, already scaled by 1/sqrt(D); rows are positions [start, start + T)
- *   k,v: (KV, cap, D) fp32, or fp16 where `half` is set (one layer of a slot's cache); head h reads kv
- *        head h / (H / KV). fp16 values are widened exactly, so a row's arithmetic is the same in both.
+ *   k,v: (KV, cap, rows of kv_row_bytes(mode, D)): fp32, fp16 or q8_0 rows (vec.h KV_*; one layer of a
+ *        slot's cache); head h reads kv head h / (H / KV). fp16 and q8_0 values are widened to fp32 exactly
+ *        as they are loaded, so a row's arithmetic is the fp32 one on the values the cache holds.
  *   out: row (t, h) written at out + t * ldo + h * D  (the (T, H * D) layout the o projection reads)
  *
  * [BATCH-INVARIANT] A query row at position p reads exactly keys [0, p], in blocks [0, 256),
@@ -94,20 +95,21 @@ static inline __attribute__((always_inline)) vf tile_scores(int64_t nc, const fl
     return hsumnx(dd);                                /* = hsumn(dd[jj]) in lane jj, bit for bit */
 }
 
-/* The scores of R pairs (R <= 4) for one tile, keys outer: each K load (fp16 widened as it is loaded,
- * where `half` is set) serves every pair, which for a few pairs (a decode row's head group) costs less
+/* The scores of R pairs (R <= 4) for one tile, keys outer: each K load (fp16 / q8_0 widened as it is
+ * loaded) serves every pair, which for a few pairs (a decode row's head group) costs less
  * than widening the tile into a buffer. Per pair exactly tile_scores' arithmetic: the same bits. Writes
  * s[r][j0 .. j0 + VN). */
-static inline __attribute__((always_inline)) void tile_scores_shared(int R, int64_t nc, int half,
+static inline __attribute__((always_inline)) void tile_scores_shared(int R, int64_t nc, int mode,
                                                                     const float *const *q, const void *kb,
                                                                     int64_t jn, int64_t D, float (*s)[BLOCK],
                                                                     int64_t j0) {
+    const int64_t rb = kv_row_bytes(mode, D);
     vf dd[4][VN];
     for (int64_t jj = 0; jj < jn; jj++) {
         vf d[4];
         for (int r = 0; r < R; r++) d[r] = splatn(0.0f);
         for (int64_t c = 0; c < nc; c++) {
-            vf kc = loadn_kv(kb, jj * D + VN * c, half);
+            vf kc = loadn_kv((const char *)kb + jj * rb, VN * c, mode, D);
             for (int r = 0; r < R; r++) d[r] = fman(loadn(q[r] + VN * c), kc, d[r]);
         }
         for (int r = 0; r < R; r++) dd[r][jj] = d[r];
@@ -120,16 +122,17 @@ static inline __attribute__((always_inline)) void tile_scores_shared(int R, int6
 /* p @ V for G pairs over one block's keys, W chunks of VN dims (from chunk c) at a time: W chunks side
  * by side are the same FMAs as one at a time, in more independent chains. Pair g adds key j only for
  * j < nb[g] (keys below nmin: every pair; nmin..nmax: some). Each accumulator stays in a register. */
-static inline __attribute__((always_inline)) void pv_chunks(int G, int W, int half, int64_t c, const void *v,
+static inline __attribute__((always_inline)) void pv_chunks(int G, int W, int mode, int64_t c, const void *v,
                                                            int64_t b0, int64_t D, const int64_t *nb,
                                                            int64_t nmin, int64_t nmax, float (*s)[BLOCK],
                                                            vf (*acc)[NC]) {
+    const int64_t rb = kv_row_bytes(mode, D);
     vf a[PVG][CPV];
     for (int g = 0; g < G; g++)
         for (int h = 0; h < W; h++) a[g][h] = acc[g][c + h];
     for (int64_t j = 0; j < nmin; j++) {                /* every pair has these keys: no test */
         vf vc[CPV];
-        for (int h = 0; h < W; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+        for (int h = 0; h < W; h++) vc[h] = loadn_kv((const char *)v + (b0 + j) * rb, VN * (c + h), mode, D);
         for (int g = 0; g < G; g++) {
             const vf sg = splatn(s[g][j]);
             for (int h = 0; h < W; h++) a[g][h] = fman(sg, vc[h], a[g][h]);
@@ -137,7 +140,7 @@ static inline __attribute__((always_inline)) void pv_chunks(int G, int W, int ha
     }
     for (int64_t j = nmin; j < nmax; j++) {
         vf vc[CPV];
-        for (int h = 0; h < W; h++) vc[h] = loadn_kv(v, (b0 + j) * D + VN * (c + h), half);
+        for (int h = 0; h < W; h++) vc[h] = loadn_kv((const char *)v + (b0 + j) * rb, VN * (c + h), mode, D);
         for (int g = 0; g < G; g++)
             if (j < nb[g]) {
                 const vf sg = splatn(s[g][j]);
@@ -150,7 +153,7 @@ static inline __attribute__((always_inline)) void pv_chunks(int G, int W, int ha
 
 /* p @ V for G pairs (G <= PVG) over one block's keys, in key order, VN dims at a time; pair g adds key j
  * only for j < nb[g]. CPV chunks at a time, then one at a time (what is left). */
-static inline __attribute__((always_inline)) void block_pv(int G, int half, int64_t nc, const void *v, int64_t b0,
+static inline __attribute__((always_inline)) void block_pv(int G, int mode, int64_t nc, const void *v, int64_t b0,
                                                           int64_t D, const int64_t *nb, float (*s)[BLOCK],
                                                           vf (*acc)[NC]) {
     int64_t nmin = BLOCK, nmax = 0;
@@ -159,16 +162,17 @@ static inline __attribute__((always_inline)) void block_pv(int G, int half, int6
         nmax = nb[g] > nmax ? nb[g] : nmax;
     }
     int64_t c = 0;
-    for (; CPV > 1 && c + CPV <= nc; c += CPV) pv_chunks(G, CPV, half, c, v, b0, D, nb, nmin, nmax, s, acc);
-    for (; c < nc; c++) pv_chunks(G, 1, half, c, v, b0, D, nb, nmin, nmax, s, acc);
+    for (; CPV > 1 && c + CPV <= nc; c += CPV) pv_chunks(G, CPV, mode, c, v, b0, D, nb, nmin, nmax, s, acc);
+    for (; c < nc; c++) pv_chunks(G, 1, mode, c, v, b0, D, nb, nmin, nmax, s, acc);
 }
 
-static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0, int64_t D, const int64_t *nb,
+static void block_pv_any(int G, int mode, int64_t nc, const void *v, int64_t b0, int64_t D, const int64_t *nb,
                          float (*s)[BLOCK], vf (*acc)[NC]) {
-    switch (G * 2 + (half != 0)) {
+    switch (G * 3 + mode) {
 /* G <= PVG always; `g <= PVG` keeps block_pv (whose arrays hold PVG) from being compiled for a larger g */
-#define PV_CASE(g) case 2 * g: if (g <= PVG) block_pv(g, 0, nc, v, b0, D, nb, s, acc); break; \
-                   case 2 * g + 1: if (g <= PVG) block_pv(g, 1, nc, v, b0, D, nb, s, acc); break;
+#define PV_CASE(g) case 3 * g: if (g <= PVG) block_pv(g, KV_F32, nc, v, b0, D, nb, s, acc); break; \
+                   case 3 * g + 1: if (g <= PVG) block_pv(g, KV_F16, nc, v, b0, D, nb, s, acc); break; \
+                   case 3 * g + 2: if (g <= PVG) block_pv(g, KV_Q8, nc, v, b0, D, nb, s, acc); break;
     PV_CASE(1) PV_CASE(2) PV_CASE(3) PV_CASE(4) PV_CASE(5) PV_CASE(6) PV_CASE(7) PV_CASE(8)
     PV_CASE(9) PV_CASE(10) PV_CASE(11) PV_CASE(12) PV_CASE(13) PV_CASE(14) PV_CASE(15) PV_CASE(16)
 #undef PV_CASE
@@ -180,14 +184,15 @@ static void block_pv_any(int G, int half, int64_t nc, const void *v, int64_t b0,
  * operations on the same values); the pairs only share the loads of K and V (an fp16 tile of K is
  * widened once for all of them). So a row's bits are the same whatever P and whichever pairs it shares
  * with [BATCH-INVARIANT]. NC_: D / VN when it is a compile-time constant (0: from D). */
-static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half, const float *const *q,
+static inline __attribute__((always_inline)) void pairs(int NC_, int P, int mode, const float *const *q,
                                                        const void *k, const void *v, const int64_t *lo,
                                                        const int64_t *n, int64_t D, float *const *out) {
     const int64_t nc = NC_ ? NC_ : D / VN;
     vf acc[PMAX][NC];
     float m[PMAX], l[PMAX];
     float s[PMAX][BLOCK] __attribute__((aligned(64)));
-    float kt[VN * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 K, widened (exactly) */
+    float kt[VN * MAXD] __attribute__((aligned(64)));  /* a tile of an fp16 / q8_0 K, widened (exactly) */
+    const int64_t rb = kv_row_bytes(mode, D);
     int64_t nmax = 0, lmin = INT64_MAX;
     for (int p = 0; p < P; p++) {
         for (int64_t c = 0; c < nc; c++) acc[p][c] = splatn(0.0f);
@@ -204,22 +209,23 @@ static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half
         }
         for (int64_t j0 = 0; j0 < nbmax; j0 += VN) {      /* scores of this block's keys, VN at a time */
             const int64_t jn = nbmax - j0 < VN ? nbmax - j0 : VN;
-            const void *kb = (const char *)k + (b0 + j0) * D * (half ? 2 : 4);
+            const void *kb = (const char *)k + (b0 + j0) * rb;
             if (P <= 4) {                                 /* few pairs: share each K load */
-                switch (P * 2 + (half != 0)) {
-#define SC_CASE(r) case 2 * r: tile_scores_shared(r, nc, 0, q, kb, jn, D, s, j0); break; \
-                   case 2 * r + 1: tile_scores_shared(r, nc, 1, q, kb, jn, D, s, j0); break;
+                switch (P * 3 + mode) {
+#define SC_CASE(r) case 3 * r: tile_scores_shared(r, nc, KV_F32, q, kb, jn, D, s, j0); break; \
+                   case 3 * r + 1: tile_scores_shared(r, nc, KV_F16, q, kb, jn, D, s, j0); break; \
+                   case 3 * r + 2: tile_scores_shared(r, nc, KV_Q8, q, kb, jn, D, s, j0); break;
                 SC_CASE(1) SC_CASE(2) SC_CASE(3) SC_CASE(4)
 #undef SC_CASE
                 }
                 continue;
             }
-            /* more pairs (prefill rows, big head groups): an fp16 tile is widened once (exactly) into
-             * kt for all of them (measured: widening per pair costs +38% on a prefill) */
-            if (half) {
+            /* more pairs (prefill rows, big head groups): an fp16 / q8_0 tile is widened once (exactly)
+             * into kt for all of them (measured: widening per pair costs +38% on a prefill) */
+            if (mode != KV_F32) {
                 for (int64_t jj = 0; jj < jn; jj++)
                     for (int64_t c = 0; c < nc; c++)
-                        storen(kt + jj * D + VN * c, loadnh((const _Float16 *)kb + jj * D + VN * c));
+                        storen(kt + jj * D + VN * c, loadn_kv((const char *)kb + jj * rb, VN * c, mode, D));
                 kb = kt;
             }
             for (int p = 0; p < P; p++) {
@@ -249,7 +255,7 @@ static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half
         }
         for (int p0 = 0; p0 < P; p0 += PVG) {             /* p @ V, PVG pairs sharing each V load */
             const int G = P - p0 < PVG ? P - p0 : PVG;
-            block_pv_any(G, half, nc, v, b0, D, nb + p0, s + p0, acc + p0);
+            block_pv_any(G, mode, nc, v, b0, D, nb + p0, s + p0, acc + p0);
         }
     }
     for (int p = 0; p < P; p++) {
@@ -259,20 +265,20 @@ static inline __attribute__((always_inline)) void pairs(int NC_, int P, int half
 }
 
 /* pairs() with the head dimension's chunk count a compile-time constant where it is a common one. */
-static void pairs_any(int P, int half, const float *const *q, const void *k, const void *v, const int64_t *lo,
+static void pairs_any(int P, int mode, const float *const *q, const void *k, const void *v, const int64_t *lo,
                       const int64_t *n, int64_t D, float *const *out) {
     switch (D) {
-    case 64: pairs(64 / VN, P, half, q, k, v, lo, n, D, out); break;
-    case 128: pairs(128 / VN, P, half, q, k, v, lo, n, D, out); break;
-    case 256: pairs(256 / VN, P, half, q, k, v, lo, n, D, out); break;
-    default: pairs(0, P, half, q, k, v, lo, n, D, out); break;
+    case 64: pairs(64 / VN, P, mode, q, k, v, lo, n, D, out); break;
+    case 128: pairs(128 / VN, P, mode, q, k, v, lo, n, D, out); break;
+    case 256: pairs(256 / VN, P, mode, q, k, v, lo, n, D, out); break;
+    default: pairs(0, P, mode, q, k, v, lo, n, D, out); break;
     }
 }
 
 /* The (query head, position) pairs of one task: query heads [h0, h1) (all or some of one kv head's group) at
  * R consecutive rows of one sequence, PMAX at a time. q rows at q + (h * ldq_h + row) * D, out rows at
  * out + row * ldo + h * D, row r at position pos0 + r; window > 0: it reads only the window's keys [SWA]. */
-static void kv_task(int64_t h0, int64_t h1, int R, int half, const float *q, int64_t ldq_h, int64_t row0,
+static void kv_task(int64_t h0, int64_t h1, int R, int mode, const float *q, int64_t ldq_h, int64_t row0,
                     int64_t pos0, const void *k, const void *v, int64_t D, float *out, int64_t ldo, int64_t window) {
     const float *qp[PMAX];
     float *op[PMAX];
@@ -284,9 +290,9 @@ static void kv_task(int64_t h0, int64_t h1, int R, int half, const float *q, int
             op[cnt] = out + (row0 + r) * ldo + h * D;
             n[cnt] = pos0 + r + 1;
             lo[cnt] = window > 0 && n[cnt] > window ? n[cnt] - window : 0;
-            if (++cnt == PMAX) { pairs_any(cnt, half, qp, k, v, lo, n, D, op); cnt = 0; }
+            if (++cnt == PMAX) { pairs_any(cnt, mode, qp, k, v, lo, n, D, op); cnt = 0; }
         }
-    if (cnt) pairs_any(cnt, half, qp, k, v, lo, n, D, op);
+    if (cnt) pairs_any(cnt, mode, qp, k, v, lo, n, D, op);
 }
 
 const char *tq_attention_isa(void) {  /* for a quick look with ctypes */
@@ -310,7 +316,7 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
         for (int64_t gi = 0; gi < ngroups; gi++) {
             int64_t t0 = gi * RMAX;
             int R = (int)(T - t0 < RMAX ? T - t0 : RMAX);
-            kv_task(kvh * G, (kvh + 1) * G, R, 0, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out,
+            kv_task(kvh * G, (kvh + 1) * G, R, KV_F32, q, T, t0, start + t0, k + kvh * cap * D, v + kvh * cap * D, D, out,
                     ldo, 0);
         }
     return 0;
@@ -318,15 +324,17 @@ int tq_attention(const float *q, int64_t T, int64_t H, int64_t KV, int64_t D, co
 
 /* Many sequences' rows in one call (continuous batching): one parallel region per layer instead of one
  * per sequence. segs: nseg rows of 6 int64 (first row in q/out, rows, start position, cache capacity,
- * address of the slot's K cache and of its V cache, each (layers, KV, cap, D) contiguous, fp16 where
- * kv_half is set, else fp32).
+ * address of the slot's K cache and of its V cache, each (layers, KV, cap, rows) contiguous, rows of
+ * kv_mode's format: KV_F32 | KV_F16 | KV_Q8, vec.h).
  * q: (H, M, D) scaled; out: (M, H * D). Each row runs pairs() exactly as tq_attention would run it, so a
  * sequence's bits are the same alone or in company. window > 0: each row reads only the keys of its
  * window [SWA] (0: all its keys). Returns -1 on a shape it does not take. */
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
+                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_mode,
                                  int64_t window) {
-    if (D % 16 || D > MAXD || H % KV || M <= 0 || window < 0) return -1;
+    if (D % 16 || D > MAXD || H % KV || M <= 0 || window < 0 || kv_mode < KV_F32 || kv_mode > KV_Q8
+        || (kv_mode == KV_Q8 && D % 32))
+        return -1;
     const int64_t G = H / KV;
     /* tasks: up to RMAX consecutive rows of one segment (segment, first row) */
     int64_t ntask = 0, *task = malloc(2 * (M + nseg) * sizeof *task);
@@ -357,12 +365,12 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
             const int64_t *sg = segs + 6 * task[2 * ti];
             const int64_t r0 = sg[0], len = sg[1], cap = sg[3], t0 = task[2 * ti + 1];
             const int R = (int)(len - t0 < RMAX ? len - t0 : RMAX);
-            const int64_t at = ((layer * KV + kvh) * cap) * D * (kv_half ? 2 : 4);   /* bytes */
+            const int64_t at = ((layer * KV + kvh) * cap) * kv_row_bytes(kv_mode, D);   /* bytes */
             const void *k = (const char *)(intptr_t)sg[4] + at, *v = (const char *)(intptr_t)sg[5] + at;
             /* The task's (head, row) pairs that read this kv head share each K/V load: a decode row
              * (R = 1) reads its K/V once for the G query heads of the group instead of G times; every
              * pair still runs the single-row algorithm. */
-            kv_task(kvh * G + hp * G / HP, kvh * G + (hp + 1) * G / HP, R, kv_half, q, M, r0 + t0, sg[2] + t0, k, v,
+            kv_task(kvh * G + hp * G / HP, kvh * G + (hp + 1) * G / HP, R, kv_mode, q, M, r0 + t0, sg[2] + t0, k, v,
                     D, out, H * D, window);
         }
     free(task);
@@ -371,6 +379,41 @@ int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t laye
 
 /* Full causal attention (layer.c's call): tq_attention_segments_window with no window. */
 int tq_attention_segments(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half) {
-    return tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, nthreads, kv_half, 0);
+                          int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_mode) {
+    return tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, nthreads, kv_mode, 0);
+}
+
+/* One KV row (D fp32 values, D % 32 == 0) -> q8_0 (vec.h KV_Q8): per 32 values d = max|x| / 127 rounded to
+ * fp16 (nearest even; the largest finite fp16 at most), code = x / d rounded to nearest even, within
+ * [-127, 127] (0 where d is 0). Scalar IEEE operations only (a division, not a reciprocal): the same bytes
+ * on every build, and a row's bytes depend on that row alone, so cached == cold and batched == alone
+ * hold for a q8_0 cache as for an fp32 one. Codes are computed from the stored (fp16) scale, so code * d
+ * is the nearest value to x the block can hold. */
+void tq_kv_q8_row(const float *x, int64_t D, uint8_t *dst) {
+    int8_t *codes = (int8_t *)dst;
+    for (int64_t b = 0; b < D; b += 32) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float a = fabsf(x[b + i]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f;
+        d = d < 65504.0f ? d : 65504.0f;
+        const _Float16 d16 = (_Float16)d;
+        const float df = (float)d16;
+        for (int i = 0; i < 32; i++) {
+            float c = df > 0.0f ? rintf(x[b + i] / df) : 0.0f;
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c == c ? c : 0.0f;   /* NaN: 0 */
+            codes[b + i] = (int8_t)c;
+        }
+        memcpy(dst + D + 2 * (b / 32), &d16, sizeof d16);
+    }
+}
+
+/* n rows of D fp32 values (row r at x + r * D) -> n q8_0 rows of D + D / 16 bytes at dst (the torch
+ * layers' KV write, models/llama.py). Returns 0, or -1 when D is not a multiple of 32. */
+int tq_kv_q8_rows(const float *x, int64_t n, int64_t D, uint8_t *dst) {
+    if (D % 32 || D <= 0 || n < 0) return -1;
+    for (int64_t r = 0; r < n; r++) tq_kv_q8_row(x + r * D, D, dst + r * (D + D / 16));
+    return 0;
 }

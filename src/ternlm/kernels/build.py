@@ -115,12 +115,25 @@ class Kernels:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D})")
 
     def attention_segments(self, segs: int, nseg: int, layer: int, q: int, M: int, H: int, KV: int, D: int,
-                           out: int, threads: int, kv_half: bool = False, window: int = 0) -> None:
-        """Raw pointers: see attention.c (tq_attention_segments_window; kv_half: the caches are fp16;
-        window > 0: each row reads only its last `window` keys). Releases the GIL while it runs."""
-        if self.lib.tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, threads, int(kv_half),
+                           out: int, threads: int, kv_mode: int = 0, window: int = 0) -> None:
+        """Raw pointers: see attention.c (tq_attention_segments_window; kv_mode: the caches' row format,
+        kv/kvtype.py KVType.mode; window > 0: each row reads only its last `window` keys). Releases the GIL
+        while it runs."""
+        if self.lib.tq_attention_segments_window(segs, nseg, layer, q, M, H, KV, D, out, threads, kv_mode,
                                                  window) != 0:
-            raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M})")
+            raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M}, "
+                             f"kv mode {kv_mode})")
+
+    def kv_q8_rows(self, x: "torch.Tensor") -> "torch.Tensor":
+        """(n, D) fp32 -> (n, D + D/16) uint8 q8_0 rows (attention.c tq_kv_q8_rows: the same bytes layer.c
+        writes). A new tensor; x is only read."""
+        import torch
+        x = x.to(torch.float32).contiguous()
+        n, D = x.shape
+        out = torch.empty(n, D + D // 16, dtype=torch.uint8)
+        if self.lib.tq_kv_q8_rows(x.data_ptr(), n, D, out.data_ptr()) != 0:
+            raise ValueError(f"q8_0 KV: head_dim {D} is not a multiple of 32")
+        return out
 
     def mm(self, fmt: str, mode: str, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
            sup: int, N: int, y: int, ldy: int, threads: int) -> None:
@@ -279,6 +292,8 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention_segments_window.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int, ctypes.c_int, i]
     lib.tq_attention_segments_window.restype = ctypes.c_int
     lib.tq_attention.restype = ctypes.c_int
+    lib.tq_kv_q8_rows.argtypes = [p, i, i, p]
+    lib.tq_kv_q8_rows.restype = ctypes.c_int
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int
     lib.tq_layer_attn.argtypes = [p, p, i, p, i, p, ctypes.c_int]

@@ -47,8 +47,9 @@ int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int3
                       int64_t M, int64_t K, const uint8_t *raw, int64_t N, int64_t b0, int64_t b1, float *y,
                       int64_t ldy);
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
-                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_half,
+                                 int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_mode,
                                  int64_t window);
+void tq_kv_q8_row(const float *x, int64_t D, uint8_t *dst);   /* attention.c: one KV row -> q8_0 */
 
 /* [layout][scale mode] -> the entry, by layouts.h's codes (build.py LAYOUT_CODE, MODE_CODE): qamx.c's ROW
  * layouts (the opt-in AMX build), qlanes.c's LANES (fp32 activations), qint8.c's INT (int8 activations,
@@ -82,7 +83,7 @@ typedef struct {
     const float *q_norm, *k_norm;               /* (D,) or NULL (qwen3's per-head norms) */
     const float *cos, *sin;                     /* (max_pos, D) rotate-half tables: this layer's own RoPE */
     TqProj qkv, o, gate_up, down;
-    int64_t kv_half;                            /* the caches hold fp16 (rounded to nearest even), else fp32 */
+    int64_t kv_mode;                            /* the caches' rows: KV_F32 | KV_F16 (nearest even) | KV_Q8 (vec.h) */
     int64_t act;                                /* the gated MLP's activation: ACT_SILU | ACT_GELU_TANH */
     const float *attn_out_norm, *mlp_out_norm;  /* (hidden,) RMSNorm of the attention / MLP output before
                                                  * its residual add (Gemma's post-norms), or NULL */
@@ -161,6 +162,7 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
                           float *scratch, int nthreads) {
     const int64_t hid = L->hidden, I = L->inter, H = L->H, KV = L->KV, D = L->D, nqkv = L->qkv.n_out;
     if (hid % 16 || I % 16 || D % 16 || D > 256 || H % KV || M <= 0 || nqkv != (H + 2 * KV) * D
+        || L->kv_mode < KV_F32 || L->kv_mode > KV_Q8 || (L->kv_mode == KV_Q8 && D % 32)
         || L->o.n_out != hid || L->window < 0 || (L->qk_norm_full && !(L->q_norm && L->k_norm)))
         return -1;
     const float eps = (float)L->eps;
@@ -201,20 +203,26 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
         for (int64_t hh = 0; hh < H; hh++)
             for (int64_t i = 0; i < D; i++) qs[(hh * M + r) * D + i] = row[hh * D + i] * qscale;
         for (int64_t kv = 0; kv < KV; kv++) {
-            int64_t at = ((L->index * KV + kv) * cap + p) * D;
+            const int64_t at = ((L->index * KV + kv) * cap + p) * kv_row_bytes((int)L->kv_mode, D);   /* bytes */
             const float *kr = row + (H + kv) * D, *vr = row + (H + KV + kv) * D;
-            if (L->kv_half) {
-                _Float16 *kc = (_Float16 *)(intptr_t)sg[4] + at, *vc = (_Float16 *)(intptr_t)sg[5] + at;
-                for (int64_t i = 0; i < D; i += VN) { storenh(kc + i, loadn(kr + i)); storenh(vc + i, loadn(vr + i)); }
+            char *kc = (char *)(intptr_t)sg[4] + at, *vc = (char *)(intptr_t)sg[5] + at;
+            if (L->kv_mode == KV_Q8) {
+                tq_kv_q8_row(kr, D, (uint8_t *)kc);
+                tq_kv_q8_row(vr, D, (uint8_t *)vc);
+            } else if (L->kv_mode == KV_F16) {
+                for (int64_t i = 0; i < D; i += VN) {
+                    storenh((_Float16 *)kc + i, loadn(kr + i));
+                    storenh((_Float16 *)vc + i, loadn(vr + i));
+                }
             } else {
-                memcpy((float *)(intptr_t)sg[4] + at, kr, D * sizeof(float));
-                memcpy((float *)(intptr_t)sg[5] + at, vr, D * sizeof(float));
+                memcpy(kc, kr, D * sizeof(float));
+                memcpy(vc, vr, D * sizeof(float));
             }
         }
     }
     free(pos);
     free(seg);
-    if (tq_attention_segments_window(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads, (int)L->kv_half,
+    if (tq_attention_segments_window(segs, nseg, L->index, qs, M, H, KV, D, att, nthreads, (int)L->kv_mode,
                                      L->window) != 0)
         return -1;
 

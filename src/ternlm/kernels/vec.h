@@ -115,9 +115,38 @@ static inline __attribute__((unused)) void storenh(_Float16 *p, vf x) {
 #endif
 }
 
-/* VN lanes of a KV row at element i: fp16 (half != 0) or fp32. */
-static inline __attribute__((unused)) vf loadn_kv(const void *base, int64_t i, int half) {
-    return half ? loadnh((const _Float16 *)base + i) : loadn((const float *)base + i);
+/* The KV cache's row formats (a row: one token's D values of one kv head), models/../kv/kvtype.py's codes:
+ *   KV_F32  D floats;  KV_F16  D fp16;
+ *   KV_Q8   D int8 codes, then D / 32 fp16 scales (GGML's Q8_0 numbers, codes and scales apart so a chunk's
+ *           codes load as one vector): value i = code[i] * scale[i / 32], a product that is exact in fp32
+ *           (8-bit code x 11-bit significand), so reading a q8_0 row gives the same floats on every build. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_Q8 = 2 };
+
+static inline __attribute__((unused)) int64_t kv_row_bytes(int mode, int64_t D) {
+    return mode == KV_F32 ? 4 * D : mode == KV_F16 ? 2 * D : D + D / 16;
+}
+
+/* VN int8 -> VN floats, exactly. */
+static inline __attribute__((unused)) vf loadn_i8(const int8_t *p) {
+#if VN == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VN == 8
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf o;
+    for (int i = 0; i < VN; i++) o[i] = (float)p[i];
+    return o;
+#endif
+}
+
+/* VN lanes of one KV row (`row`: its first byte) from value `col` (a multiple of VN; VN divides 32, so the
+ * lanes share one q8_0 scale), widened to fp32 exactly. mode: KV_F32 | KV_F16 | KV_Q8; D: the row's values. */
+static inline __attribute__((unused)) vf loadn_kv(const void *row, int64_t col, int mode, int64_t D) {
+    if (mode == KV_F16) return loadnh((const _Float16 *)row + col);
+    if (mode == KV_F32) return loadn((const float *)row + col);
+    _Float16 sc;
+    memcpy(&sc, (const char *)row + D + 2 * (col / 32), sizeof sc);
+    return loadn_i8((const int8_t *)row + col) * splatn((float)sc);
 }
 
 static inline __attribute__((unused)) vf selectn(vfi mask, vf a, vf b) {   /* a where mask, else b */

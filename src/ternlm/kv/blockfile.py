@@ -36,12 +36,14 @@ from typing import Callable, ParamSpec, TypeVar
 import torch
 
 from .blocks import BLOCK_TOKENS, block_key, tail_key, tail_locator
+from .kvtype import KV_TYPES
 
 MAGIC = b"TERNLMKV"
 VERSION = 1
 SUFFIX = ".tkv"
 MAX_HEADER = 1 << 20            # a header is ~2 KiB; anything near this is garbage
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# a block's kv_dtype -> its payload's storage dtype (kv/kvtype.py's formats; bfloat16 from older writers)
+_DTYPES = {"bfloat16": torch.bfloat16, **{name: t.storage for name, t in KV_TYPES.items()}}
 
 
 P = ParamSpec("P")
@@ -64,8 +66,8 @@ class BlockMeta:
     namespace: bytes
     model_sha256: str
     dtype: str                   # compute dtype of the model that wrote it ("torch.bfloat16")
-    kv_dtype: str                # "float32"
-    shape: tuple[int, int, int, int]   # (layers, kv_heads, tokens, head_dim) of k and of v
+    kv_dtype: str                # "float32" | "float16" | "q8_0" (kv/kvtype.py)
+    shape: tuple[int, int, int, int]   # (layers, kv_heads, tokens, row) of k and of v: row = KVType.width(head_dim)
     ids: tuple[int, ...]         # tokens = BLOCK_TOKENS for a block, 1..BLOCK_TOKENS - 1 for a tail
     tail: bool = False           # a tail entry: the ids after the parent block, fewer than a block
     # the recurrent state's shapes, (conv (R, conv_dim, K - 1), ssm (R, Hv, dk, dv)): on a stored entry,
@@ -82,7 +84,7 @@ class BlockMeta:
 
 @dataclass(frozen=True)
 class BlockKV:
-    """A verified block or tail: its meta and k, v each (layers, kv_heads, tokens, head_dim); `state`: a
+    """A verified block or tail: its meta and k, v each (layers, kv_heads, tokens, row); `state`: a
     hybrid model's recurrent state after its last position, (conv, ssm) fp32 shaped as meta.state, or None."""
     meta: BlockMeta
     k: torch.Tensor

@@ -27,8 +27,8 @@ class ContextOverflow(ValueError):
 class KVShape:
     layers: int                # attention layers (config.attention_layers): a hybrid model's others hold no KV
     kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    row: int                   # storage elements of one (token, kv head) row: kv/kvtype.py KVType.width(head_dim)
+    dtype: torch.dtype         # the storage dtype (KVType.storage)
     max_capacity: int          # hard limit: the context length in tokens
     block: int = 1             # buffer capacity is a multiple of this (the model's attention needs it)
 
@@ -58,8 +58,8 @@ class Slot:
 
     def _allocate(self, capacity: int) -> None:
         s = self.shape
-        # k, v: (attention layers, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(s.layers, s.kv_heads, capacity, s.head_dim, dtype=s.dtype)
+        # k, v: (attention layers, kv_heads, capacity, row)
+        self.k = torch.zeros(s.layers, s.kv_heads, capacity, s.row, dtype=s.dtype)
         self.v = torch.zeros_like(self.k)
         self._clear()  # new buffers hold nothing the record could describe
 
@@ -81,7 +81,7 @@ class Slot:
         new_cap = self.shape.round_up(min(max(needed, 2 * self.capacity), self.shape.max_capacity))
         keep = len(self.record)
         try:
-            k = torch.zeros(self.shape.layers, self.shape.kv_heads, new_cap, self.shape.head_dim,
+            k = torch.zeros(self.shape.layers, self.shape.kv_heads, new_cap, self.shape.row,
                             dtype=self.shape.dtype)
             v = torch.zeros_like(k)
             k[:, :, :keep] = self.k[:, :, :keep]

@@ -52,15 +52,15 @@ class StoreIdentity:
     dtype: str                       # compute dtype, e.g. "torch.bfloat16"
     layers: int                      # attention layers: the slot's KV (a stored block of another count is refused)
     kv_heads: int
-    head_dim: int
-    kv_dtype: str = "float32"
+    row: int                         # a K/V row's storage elements (kv/kvtype.py KVType.width of head_dim)
+    kv_dtype: str = "float32"        # its format's name (KVType.name)
     # a hybrid model's recurrent state shapes (kv/recurrent.RecurrentShape.shapes): what an entry's state
     # must look like; None for a model without recurrent layers
     state: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.layers, self.kv_heads, BLOCK_TOKENS, self.head_dim)
+        return (self.layers, self.kv_heads, BLOCK_TOKENS, self.row)
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class TieredStore:
     def tail_meta(self, parent: bytes, ids: tuple[int, ...], namespace: bytes) -> BlockMeta:
         i = self.ident
         return BlockMeta(tail_key(parent, list(ids), namespace), parent, namespace, i.model_sha256, i.dtype,
-                         i.kv_dtype, (i.layers, i.kv_heads, len(ids), i.head_dim), ids, tail=True, state=i.state)
+                         i.kv_dtype, (i.layers, i.kv_heads, len(ids), i.row), ids, tail=True, state=i.state)
 
     @staticmethod
     def _entry(meta: BlockMeta, slot: Slot, start: int, end: int) -> BlockKV:

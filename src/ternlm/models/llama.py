@@ -48,6 +48,7 @@ from .config import ModelConfig
 from ..invariants import check
 from ..malloc import release_freed
 from ..kernels.build import Kernels
+from ..kv.kvtype import KV_TYPES, KVType, kv_type
 from .moe import ExpertStore, MoE, SharedExpert, silu_mul
 from ..linear.qlinear import projection
 from .recurrent.deltanet import DeltaNet
@@ -62,9 +63,9 @@ log = logging.getLogger("ternlm")
 
 # Attention computes in fp32 whatever the compute dtype: exact, and on this CPU faster than bf16
 # (PyTorch's bf16 SDPA took 1.9 ms per layer for one decode query over 2,000 keys, fp32 0.3 ms). The
-# cache is fp32 too, except fp16 where every layer runs fused in C (`Transformer.kv_dtype`).
-KV_DTYPE = torch.float32          # the caches' default dtype; fp16 only with the fused native layers
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# cache is fp32 too, except fp16 where every layer runs fused in C, or what --kv-dtype names
+# (`Transformer.kv_type`, kv/kvtype.py: float16 and q8_0 where attention runs in C).
+KV_DTYPE = torch.float32          # the torch attention's dtype, and the caches' default
 ATTN_BLOCK = 256   # KV capacity and attended key count are multiples of this (see `attention`)
 
 
@@ -138,14 +139,15 @@ def native_attention(kernels: Kernels, q: torch.Tensor, k_cache: torch.Tensor, v
     return out
 
 
-def segment_table(segments: list["Segment"], cfg: ModelConfig, kv_dtype: torch.dtype = KV_DTYPE) -> torch.Tensor:
+def segment_table(segments: list["Segment"], cfg: ModelConfig, kv: KVType = KV_TYPES["float32"]) -> torch.Tensor:
     """(n, 6) int64 for kernels/attention.c's tq_attention_segments: per segment its first row, rows,
-    start position, cache capacity and the addresses of its K and V caches (attention layers, KV, cap, D) of
-    kv_dtype. Raw addresses go to C, so the caches' dtype and layout are checked here, not trusted."""
+    start position, cache capacity and the addresses of its K and V caches (attention layers, KV, cap,
+    kv.width(D)) in kv's format. Raw addresses go to C, so the caches' dtype and layout are checked here, not
+    trusted."""
     rows, r0 = [], 0
     for s in segments:
-        shape = (len(cfg.attention_layers), cfg.num_kv_heads, s.k_cache.shape[2], cfg.head_dim)
-        check(s.k_cache.dtype == s.v_cache.dtype == kv_dtype and s.k_cache.is_contiguous()
+        shape = (len(cfg.attention_layers), cfg.num_kv_heads, s.k_cache.shape[2], kv.width(cfg.head_dim))
+        check(s.k_cache.dtype == s.v_cache.dtype == kv.storage and s.k_cache.is_contiguous()
               and s.v_cache.is_contiguous() and tuple(s.k_cache.shape) == tuple(s.v_cache.shape) == shape
               and s.start + s.length <= shape[2], "native attention: a segment's caches do not fit")
         rows.append((r0, s.length, s.start, s.k_cache.shape[2], s.k_cache.data_ptr(), s.v_cache.data_ptr()))
@@ -214,6 +216,7 @@ class Layer(nn.Module):
         # a recurrent or feed-forward-only layer, no KV
         self.kv_index = cfg.attention_layers.index(index) if cfg.kind(index) == "attention" else None
         self.window = cfg.window(index)  # attention window, 0: full [SWA-KV]
+        self.kv_type = KV_TYPES["float32"]   # the caches' format: Transformer sets the model's
         self.q_scale = cfg.q_scale
         self.rope = 0                   # which of the model's RoPE tables (Transformer.ropes) this layer reads
         d = cfg.head_dim
@@ -314,8 +317,8 @@ class Layer(nn.Module):
             qk = apply_rope(qk, cos, sin)                                        # q and k in one pass
         if table is not None:
             for p in parts:                                                      # the KV write, per slot
-                p.k_cache[:, p.start:p.start + p.r1 - p.r0] = qk[H:, p.r0:p.r1]
-                p.v_cache[:, p.start:p.start + p.r1 - p.r0] = v[:, p.r0:p.r1]
+                p.k_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(qk[H:, p.r0:p.r1])
+                p.v_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(v[:, p.r0:p.r1])
             attn = self._attend_all(qk[:H], table)                              # (M, q)
         else:
             outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
@@ -342,6 +345,14 @@ class Layer(nn.Module):
         y = self.down(self.silu_mul(g, u) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh") * u)
         return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps)
 
+    def _kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(KV, T, D) fp32 K or V rows -> the cache's rows (KV, T, kv_type.width(D)): q8_0 by the kernel that
+        layer.c's writes use (the same bytes); float formats as they are (the cache's dtype casts them)."""
+        if self.kv_type.name != "q8_0":
+            return x
+        KV, T, D = x.shape
+        return self.kernels.kv_q8_rows(x.reshape(KV * T, D)).view(KV, T, -1)
+
     def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32.
         A windowed layer's rows read only their window's keys (attention.c), so decode on it costs the
@@ -351,7 +362,7 @@ class Layer(nn.Module):
         out = torch.empty(M, H * D, dtype=KV_DTYPE)
         self.kernels.attention_segments(table.data_ptr(), table.shape[0], self.kv_index, qs.data_ptr(), M, H,
                                         self.cfg.num_kv_heads, D, out.data_ptr(), torch.get_num_threads(),
-                                        window=self.window)
+                                        kv_mode=self.kv_type.mode, window=self.window)
         return out
 
     def _attend(self, qk: torch.Tensor, v: torch.Tensor, p: _Part) -> torch.Tensor:
@@ -390,9 +401,10 @@ class Transformer(nn.Module):
         kernels: the native kernels (attention, and with keep_quantized the quantized matmul: QWeights
         among the weights, from `--weights gguf`, stay quantized); without them QWeights are
         dequantized exactly and cast like the rest, and attention is `attention` below.
-        kv_dtype: the caches' dtype (`self.kv_dtype`): float32, float16 (only where every layer runs
-        fused in C: raises ValueError elsewhere), or auto (float16 where the layers run fused, as
-        llama.cpp's default f16 cache: half the bytes a decode step reads from the KV; else float32)."""
+        kv_dtype: the caches' format (`self.kv_type`, kv/kvtype.py; `self.kv_dtype` its storage dtype):
+        float32, float16 or q8_0 (these two where attention runs in C: the native kernels built; raises
+        ValueError elsewhere), or auto (float16 where the layers run fused, as llama.cpp's default f16
+        cache: half the bytes a decode step reads from the KV; else float32)."""
         super().__init__()
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         quantized = kernels is not None and keep_quantized
@@ -459,19 +471,23 @@ class Transformer(nn.Module):
         # HF multiplies by the scale cast to the embedding's dtype (sqrt(640) in bf16 is 25.25, not 25.30)
         self.embed_scale = None if cfg.embed_scale == 1.0 else torch.tensor(cfg.embed_scale, dtype=dtype)
         self.native = self._native_layers() if quantized else None
-        self.kv_dtype = self._choose_kv_dtype(kv_dtype)     # needs self.native: fp16 only where layer.c runs
-        for native in self.native or []:                    # layer.c writes and attention.c reads this dtype
-            native.spec.kv_half = int(self.kv_dtype == torch.float16)
+        self.kv_type = self._choose_kv_type(kv_dtype)       # needs self.native (auto's choice)
+        self.kv_dtype = self.kv_type.storage
+        for layer in self.layers:                           # the torch layers' KV write and attention call
+            layer.kv_type = self.kv_type
+        for native in self.native or []:                    # layer.c writes and attention.c reads this format
+            native.spec.kv_mode = self.kv_type.mode
 
-    def _choose_kv_dtype(self, requested: str) -> torch.dtype:
+    def _choose_kv_type(self, requested: str) -> KVType:
         if requested == "auto":
-            return torch.float16 if self.native is not None else KV_DTYPE
-        if requested not in KV_DTYPES:
-            raise ValueError(f"unknown KV dtype {requested!r}; choose auto, {', '.join(KV_DTYPES)}")
-        if requested == "float16" and self.native is None:
-            raise ValueError("--kv-dtype float16 needs every layer fused in C (--weights gguf, native kernels "
-                             "built, a model layer.c takes); use float32 or auto")
-        return KV_DTYPES[requested]
+            return KV_TYPES["float16" if self.native is not None else "float32"]
+        kv = kv_type(requested)
+        if kv.needs_kernels and self.kernels is None:
+            raise ValueError(f"--kv-dtype {requested} needs the native kernels (attention in C: a C compiler, "
+                             "TERNLM_NATIVE not 0); use float32 or auto")
+        if kv.fits(self.cfg.head_dim) is not None:
+            raise ValueError(kv.fits(self.cfg.head_dim))
+        return kv
 
     def _native_layers(self) -> "list[NativeLayer] | None":
         """Every layer as one kernels/layer.c call, when all of them fit it (fp32 activations, every
@@ -564,7 +580,7 @@ class Transformer(nn.Module):
                                          None if kv is None else s.k_cache[kv], None if kv is None else s.v_cache[kv],
                                          s.state, s.captures))
             r0 += s.length
-        table = segment_table(segments, self.cfg, self.kv_dtype) if self.kernels is not None else None
+        table = segment_table(segments, self.cfg, self.kv_type) if self.kernels is not None else None
         if self.native is not None:                 # whole layers in C (RoPE from the full tables), x in place
             x = x.to(torch.float32).clone()
             scratch = torch.empty(x.shape[0] * max(n.per_row for n in self.native))   # one for every layer

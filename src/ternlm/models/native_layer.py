@@ -28,7 +28,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("inter", _i64), ("H", _i64), ("KV", _i64), ("D", _i64), ("index", _i64),
                 ("eps", ctypes.c_double), ("in_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr),
                 ("k_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_half", _i64),
+                ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("kv_mode", _i64),
                 ("act", _i64), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("window", _i64),
                 ("q_scale", ctypes.c_double), ("qk_norm_full", _i64)]
 

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..cpu import choose_dtype, probe
 from ..engine.core import Completion, Delta, Engine
+from ..kv.kvtype import KV_CHOICES
 from ..kv.store import CacheConfig
 from ..engine.scheduler import (Admitted, Cancelled, Event, Failed, Finished, GenParams, GenRequest, QueueFull,
                          Scheduler, ShuttingDown, Ticket)
@@ -62,7 +63,7 @@ class ServeConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"              # cpu.choose_dtype: resolved (and refused) at construction
     weights: str = "auto"            # weights.choose_weights: auto | gguf | bf16 | fp32
-    kv_dtype: str = "auto"           # the KV cache's: auto | float32 | float16 (models/llama.Transformer)
+    kv_dtype: str = "auto"           # the KV cache's format: auto | float32 | float16 | q8_0 (kv/kvtype.py)
     prefix_reuse: bool = True
     min_reuse: int = 16
     slots: int = 4
@@ -94,8 +95,8 @@ class ServeConfig:
         choose_dtype(self.dtype, probe())    # one clear ValueError now, not a traceback from a layer later
         if self.weights not in WEIGHTS:
             raise ValueError(f"unknown weights {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
-        if self.kv_dtype not in ("auto", "float32", "float16"):
-            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; choose auto, float32 or float16")
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}; choose {', '.join(KV_CHOICES)}")
         checks = [(self.slots >= 1, "slots must be >= 1"), (self.max_queue >= 0, "max_queue must be >= 0"),
                   (self.step_tokens >= 1, "step_tokens must be >= 1"),
                   (self.min_reuse >= 0, "min_reuse must be >= 0"), (self.chunk_size is None or self.chunk_size >= 1, "chunk must be >= 1"),
