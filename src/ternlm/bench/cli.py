@@ -21,7 +21,10 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--llama-bench", default=None, metavar="BIN|auto",
                    help="after ternlm's runs, llama.cpp's own llama-bench on the same GGUF with the same threads and "
                         "--repeats: prefill of --prompt-tokens (-p N -n 0) and decode of --decode-tokens after "
-                        "--decode-context (-p 0 -n N -d C); `auto`: the one scripts/build-llamacpp built")
+                        "--decode-context (-p 0 -n N -d C); `auto`: the one scripts/build-llamacpp built. It "
+                        "keeps its KV in the format of ternlm's --kv-dtype (q8_0: -fa 1 -ctk q8_0 -ctv q8_0)")
+    p.add_argument("--llama-bench-args", default="", metavar="'ARGS'",
+                   help="more llama-bench flags, after those (e.g. '-fa 1'), shell-split")
     p.add_argument("--sampling", default=None, metavar="NAMES",
                    help="ternlm's decode at each of these settings, interleaved in every round, medians and "
                         "ratios to greedy (default: greedy). A name is `greedy` or fields joined by -: t temperature, "

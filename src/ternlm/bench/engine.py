@@ -13,6 +13,7 @@ after the registry name or the file's stem."""
 from __future__ import annotations
 
 import random
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -179,7 +180,11 @@ def _print_load(load: dict, m: BenchModel, kv_bytes: int, ctx: int) -> None:
               f"({r['file_mib']:.0f} of it mapped files), lifetime peak {r['process_peak_mib']:.0f} MiB")
 
 
-def _llama_bench(args, model: BenchModel, prompt_tokens: int, ctx: int, ternlm: dict) -> dict:
+# llama.cpp's flags for the KV format ternlm runs (--kv-dtype): its quantized V cache needs flash attention
+LLAMA_KV_FLAGS = {"q8_0": ("-fa", "1", "-ctk", "q8_0", "-ctv", "q8_0")}
+
+
+def _llama_bench(args, model: BenchModel, prompt_tokens: int, ctx: int, ternlm: dict, kv_dtype: str) -> dict:
     """llama.cpp's llama-bench on the same file, threads and repetitions, after ternlm's runs (one engine at a
     time on the cores): prefill of the prompt (pp, no context), decode after the decode context (tg @ d).
     Its figure is its own: the mean of its repetitions (its table's); ratios are ternlm's median over it."""
@@ -187,15 +192,16 @@ def _llama_bench(args, model: BenchModel, prompt_tokens: int, ctx: int, ternlm: 
     if model.gguf is None:
         print(f"llama-bench: skipped ({model.path} is a Hugging Face folder, not a GGUF file)")
         return {"skipped": "not a GGUF file"}
-    pp = llama_bench(binary, model.gguf, args.threads, args.repeats, prompt_tokens, 0)
-    tg = llama_bench(binary, model.gguf, args.threads, args.repeats, 0, args.decode_tokens, ctx)
+    extra = [*LLAMA_KV_FLAGS.get(kv_dtype, ()), *shlex.split(getattr(args, "llama_bench_args", "") or "")]
+    pp = llama_bench(binary, model.gguf, args.threads, args.repeats, prompt_tokens, 0, extra=extra)
+    tg = llama_bench(binary, model.gguf, args.threads, args.repeats, 0, args.decode_tokens, ctx, extra=extra)
     rows = pp + tg
     print(f"\nllama-bench ({binary}; mean ± stddev of {args.repeats}, as its table):")
     for r in rows:
         print(f"  {format_bench_row(r)}")
     ratios = {"prefill": ternlm["prefill"] / pp[0].avg_tok_s, "decode": ternlm["decode"] / tg[0].avg_tok_s}
     print(f"ternlm/llama-bench       prefill x{ratios['prefill']:.2f}  decode x{ratios['decode']:.2f}")
-    return {"binary": binary, "rows": [asdict(r) for r in rows], "ratios": ratios}
+    return {"binary": binary, "extra_args": extra, "rows": [asdict(r) for r in rows], "ratios": ratios}
 
 
 def run(args, load_engine) -> dict:
@@ -280,7 +286,7 @@ def run(args, load_engine) -> dict:
         _print_experts(result["experts"], engine)
     _print_load(load, model, kv_bytes, engine.ctx)
     if getattr(args, "llama_bench", None):
-        result["llama_bench"] = _llama_bench(args, model, len(ids), ctx, med["ternlm"])
+        result["llama_bench"] = _llama_bench(args, model, len(ids), ctx, med["ternlm"], engine.kv_dtype)
     named = "" if [s.name for s in settings] == [GREEDY] else "-" + "+".join(s.name for s in settings)
     path = write_json(Path(args.out), f"engine-{model.label}-{args.dtype}-{weights}-ctx{ctx}{named}.json", result)
     print(f"wrote {path}")

@@ -399,7 +399,7 @@ def summarize(args, engine, conv: Conversation, samples: dict, bw_rounds: list[d
             "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}, "ctx": ctx, "repeats": args.repeats,
             "warmup_rounds": args.warmup, "engine_load_s": load_s,
             "previous_turn_tokens": len(conv.prev), "next_turn_tokens": n,
-            "kv_bytes_per_token": 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * 4,
+            "kv_dtype": engine.kv_dtype, "kv_bytes_per_token": engine.kv_stats()["bytes_per_token"],
             "seq_file_bytes": args.seq_mib << 20, "cases": cases, "bandwidth": bw,
             "samples": samples, "bandwidth_rounds": bw_rounds}
 

@@ -11,6 +11,8 @@ import os
 import platform
 import sys
 
+from ..kv.kvtype import KV_CHOICES
+
 
 def gather() -> dict:
     """Everything `ternlm info` prints, as plain data. Imports torch; may build the native kernels
@@ -73,6 +75,20 @@ def experts_info(model: str, expert_cache: str = "auto", ctx: int | None = None,
             "streamed": budget is not None, "budget": budget, "reason": plans[0].reason}
 
 
+def kv_info(model: str, kv_dtype: str = "auto", slots: int = 1, memory: str | None = None) -> dict:
+    """The KV a serve of `model` would hold (fit.budget_for: auto resolved as the load resolves it): its format,
+    bytes a token, and the longest context that fits for `slots` slots beside the model in `memory` (a size) or
+    in this host's available memory. Reads the header only."""
+    from ..engine.fit import available_memory, budget_for, longest_ctx
+    from ..sizes import parse_size
+    b = budget_for(model, kv_dtype=kv_dtype, slots=slots, ctx=None)
+    have = available_memory() if memory is None else None
+    avail = parse_size(memory) if memory is not None else have.bytes
+    return {"kv_dtype": b.kv_dtype, "kv_bytes_per_token": b.kv_per_token, "slots": slots,
+            "memory": avail, "memory_source": "--memory" if memory is not None else have.source,
+            "longest_ctx": longest_ctx(b, avail) if avail is not None else None}
+
+
 def recurrent_info(model: str, state_interval: int = 64, kv_dtype: str = "float32") -> dict:
     """A hybrid GGUF's recurrent state (kv/recurrent.py): bytes a snapshot holds, and a token's share of them at
     one snapshot every `state_interval` positions, beside the KV bytes a token takes. Reads the header only.
@@ -133,6 +149,11 @@ def _print(info: dict, out) -> None:
         lines.append(f"          expert cache: {e['reason']}")
     elif "experts" in info:
         lines.append("experts   none (a dense model)")
+    if k := info.get("kv"):
+        from ..sizes import format_size
+        room = (f"longest context in {format_size(k['memory'])} ({k['memory_source']}), {k['slots']} slot(s) beside "
+                f"the model: {k['longest_ctx']} tokens" if k["memory"] is not None else "available memory unknown")
+        lines.append(f"kv        {k['kv_dtype']} · {format_size(k['kv_bytes_per_token'])} a token · {room}")
     if r := info.get("recurrent"):
         from ..sizes import format_size
         lines.append(f"recurrent {r['arch']}: {r['recurrent_layers']} of {r['layers']} layers {r.get('recurrent_kind', 'gated DeltaNet')} · "
@@ -149,6 +170,7 @@ def cmd_info(args) -> int:
     if args.model:
         info["experts"] = experts_info(args.model, args.expert_cache, args.ctx, args.slots)
         info["recurrent"] = recurrent_info(args.model, args.state_interval)
+        info["kv"] = kv_info(args.model, args.kv_dtype, args.slots, args.memory)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
@@ -167,5 +189,9 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None, help="as serve's: sizes the KV budget beside the experts")
     p.add_argument("--slots", type=int, default=1, help="as serve's: sizes the KV budget beside the experts")
     p.add_argument("--state-interval", type=int, default=64, help="as serve's: a hybrid model's snapshot grid")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_CHOICES),
+                   help="as serve's: the KV format whose bytes a token and longest context are shown")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="the longest context as if this much memory were available (default: this host's)")
     p.set_defaults(func=cmd_info)
     return p

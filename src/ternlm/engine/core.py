@@ -480,6 +480,15 @@ class Engine:
         for (seq, _), draft in zip(asking, drafts):
             seq.add_draft(draft)
 
+    def kv_stats(self) -> dict:
+        """The KV cache's format (kv/kvtype.py), its bytes a token (K and V, every attention layer, one slot) and
+        the bytes the slots' caches hold now. Plain reads: safe from another thread (metrics)."""
+        cfg = self.config
+        return {"kv_dtype": self.kv_dtype,
+                "bytes_per_token": self.model.kv_type.bytes_per_token(len(cfg.attention_layers), cfg.num_kv_heads,
+                                                                      cfg.head_dim),
+                "slot_bytes": sum(s.k.nbytes + s.v.nbytes for s in self.slots)}
+
     def expert_stats(self) -> dict | None:
         """A mixture of experts' store counters since load (hits, misses, bytes_read, bytes_used,
         rows, evictions) and how the experts are held (streamed, budget, resident_bytes, held,

@@ -67,6 +67,7 @@ class Budget:
     state_per_slot: int = 0  # a hybrid model's recurrent state and its snapshots, at most, per slot (kv/recurrent.py)
     draft_model: int = 0     # --draft-model: bytes its weights take (0: none)
     draft_kv_per_token: int = 0   # its K and V per token of one (paired) slot, all its layers
+    kv_dtype: str = "float32"     # the KV format kv_per_token counts (kv/kvtype.py; auto resolved)
 
     def __post_init__(self) -> None:
         if min(self.model, self.kv_per_token, self.ctx, self.slots) < 1 or \
@@ -175,6 +176,13 @@ def _kv_tries(b: Budget, kv_room: int, slots_flag: bool) -> list[str]:
     if not tries and slots_flag and b.slots > 1 and (ctx := _round_ctx((kv_room - state) // b.kv_token)) > 0:
         tries.append(f"--slots 1 --ctx {ctx}")    # neither alone: one slot, shorter
     return tries
+
+
+def longest_ctx(b: Budget, available: int) -> int:
+    """The longest --ctx (rounded as the suggestions are) whose KV for b.slots fits in `available` bytes beside
+    everything else b holds; 0 when not one block does. Pure."""
+    room = available - b.weights - b.overhead - b.ram_tier - b.state_per_slot * b.slots
+    return _round_ctx(room // (b.kv_token * b.slots))
 
 
 def _round_ctx(tokens: int) -> int:
@@ -319,7 +327,7 @@ def budget_for(model: str, *, dtype: str = "auto", weights: str = "auto", kv_dty
     draft = budget_for(draft_model, dtype=dtype, weights=weights, kv_dtype=kv_dtype, ctx=ctx, slots=slots) \
         if draft_model is not None else None     # Engine.load: the same flags, its own engine, no tiers
     return Budget(model_bytes, kv_bytes_per_token(layers, kv_heads, head_dim, kv), tokens, slots, ram_tier,
-                  dense=dense and kind == "gguf", state_per_slot=recurrent,
+                  dense=dense and kind == "gguf", state_per_slot=recurrent, kv_dtype=kv,
                   draft_model=draft.model if draft else 0, draft_kv_per_token=draft.kv_per_token if draft else 0)
 
 

@@ -176,7 +176,8 @@ class ServerState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.metrics = Metrics(lambda: self.scheduler.state() if self.scheduler else None,
                                lambda: self.engine.store.snapshot() if self.engine and self.engine.store else {},
-                               lambda: self.engine.expert_stats() if self.engine else None)
+                               lambda: self.engine.expert_stats() if self.engine else None,
+                               lambda: self.engine.kv_stats() if self.engine else None)
         self.model_id = Path(config.model).stem if config.model.endswith(".gguf") else Path(config.model).name
         self.aliases = {config.model, self.model_id}
         self.created = int(time.time())
@@ -650,6 +651,7 @@ def _routes(app: FastAPI, st: ServerState) -> None:
                 "kernel": eng.dtype_choice.kernel if eng is not None else None, "prefix_reuse": cfg.prefix_reuse,
                 "weights": eng.weights_choice.mode if eng is not None else cfg.weights,
                 "kv_dtype": eng.kv_dtype if eng is not None else cfg.kv_dtype,
+                "kv_bytes_per_token": eng.kv_stats()["bytes_per_token"] if eng is not None else None,
                 "slots": cfg.slots,
                 "ctx": eng.ctx if eng is not None else cfg.ctx}
         return {"id": st.model_id, "object": "model", "created": st.created, "owned_by": "ternlm", "meta": meta}

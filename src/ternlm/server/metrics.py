@@ -92,15 +92,38 @@ class ExpertCollector:
             yield fam
 
 
+class SlotKVCollector:
+    """The slots' KV at scrape time: its format and bytes a token (labelled by format), and the bytes the
+    slots' caches hold now; nothing while the model loads."""
+
+    def __init__(self, snapshot: Callable[[], dict | None]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot()
+        if not snap:
+            return
+        per = GaugeMetricFamily("ternlm_kv_bytes_per_token", "bytes of K and V a token takes in a slot (and in "
+                                "every tier), by KV format (--kv-dtype)", labels=["kv_dtype"])
+        per.add_metric([snap["kv_dtype"]], float(snap["bytes_per_token"]))
+        yield per
+        held = GaugeMetricFamily("ternlm_kv_slot_bytes", "bytes the slots' K and V caches hold now (allocated)")
+        held.add_metric([], float(snap["slot_bytes"]))
+        yield held
+
+
 class Metrics:
     def __init__(self, state: Callable[[], SchedulerState | None],
                  cache: Callable[[], dict[str, dict[str, float]]] = dict,
-                 experts: Callable[[], dict | None] = lambda: None):
+                 experts: Callable[[], dict | None] = lambda: None,
+                 kv: Callable[[], dict | None] = lambda: None):
         """state: the scheduler's snapshot, or None while the model loads. cache: the KV store's
-        per-tier snapshot ({} without tiers). experts: Engine.expert_stats (None: dense or loading)."""
+        per-tier snapshot ({} without tiers). experts: Engine.expert_stats (None: dense or loading).
+        kv: Engine.kv_stats (None while loading)."""
         self.registry = r = CollectorRegistry()
         r.register(TierCollector(cache))
         r.register(ExpertCollector(experts))
+        r.register(SlotKVCollector(kv))
         self.reused_by_tier = Counter("ternlm_reused_tokens_by_tier",
                                       "prompt tokens reused, by where they came from", ["tier"], registry=r)
         for tier in ("slot", "ram", "disk", "redis"):

@@ -107,6 +107,11 @@ function askKey(message, detail) {
 
 // ---- server status -----------------------------------------------------------------------------
 
+/** Bytes as the model tooltip shows them: `28.0 KiB`. */
+function kib(bytes) {
+  return bytes >= 1 << 20 ? `${(bytes / (1 << 20)).toFixed(1)} MiB` : `${(bytes / 1024).toFixed(1)} KiB`;
+}
+
 function setServer(kind, text) {
   ui.server.dataset.state = kind;
   ui.serverText.textContent = text;
@@ -143,6 +148,7 @@ async function connectOnce() {
     const m = state.model.meta;
     ui.model.textContent = card.id;
     ui.model.title = [m.dtype, m.ctx && `context ${m.ctx}`, m.slots && `${m.slots} slots`,
+      m.kv_dtype && `KV ${m.kv_dtype}${m.kv_bytes_per_token ? `, ${kib(m.kv_bytes_per_token)} a token` : ""}`,
       m.prefix_reuse === false ? "prefix reuse off" : "prefix reuse on"].filter(Boolean).join(" · ");
     ui.emptyModel.textContent = card.id;
     setServer("ready", `${card.id} · ready`);
