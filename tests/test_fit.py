@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ternlm.engine import fit
 from ternlm.engine.fit import (OVERHEAD, Available, Budget, DoesNotFit, available_memory, budget_for, check,
-                        kv_bytes_per_token, require_fit, slot_tokens)
+                        kv_bytes_per_token, longest_ctx, require_fit, slot_tokens)
 
 GiB, MiB = 1 << 30, 1 << 20
 MEM = Available(2 * GiB, "MemAvailable")
@@ -29,6 +29,9 @@ QWEN15_KV = 28 * 2 * 128 * 2 * 2
 def test_kv_bytes_per_token_by_hand():
     assert kv_bytes_per_token(28, 2, 128, "float16") == QWEN15_KV == 28_672
     assert kv_bytes_per_token(30, 3, 64, "float32") == 46_080        # smollm2, fp32 cache
+    # q8_0: 128 one-byte codes + 4 fp16 scales a row = 136 bytes (fp16: 256), 0.53x; smollm2's 64 + 2 x 2 = 68
+    assert kv_bytes_per_token(28, 2, 128, "q8_0") == 28 * 2 * 2 * 136 == 15_232 <= 0.54 * QWEN15_KV
+    assert kv_bytes_per_token(30, 3, 64, "q8_0") == 30 * 3 * 2 * 68 == 12_240 <= 0.54 * 23_040
     assert slot_tokens(1000) == 1024 and slot_tokens(8192) == 8192    # slots allocate whole 256-token blocks
 
 
@@ -210,7 +213,7 @@ def test_this_host_reports_something():
 def _engine_kv(engine) -> tuple[int, int]:
     """(bytes per token, bytes at full context over all slots) of a loaded engine's slots."""
     s = engine.slots[0].shape
-    per_token = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize
+    per_token = 2 * s.layers * s.kv_heads * s.row * s.dtype.itemsize       # row: a K/V row's storage elements
     return per_token, per_token * s.round_up(s.max_capacity) * len(engine.slots)
 
 
@@ -220,6 +223,24 @@ def test_budget_of_smollm2_gguf_matches_the_engine(smollm2_q, smollm2_gguf):
     assert (b.kv_per_token, b.kv) == _engine_kv(smollm2_q) == (23_040, 23_040 * 8192)   # fp16: 30 x 3 x 64 x 2 x 2
     assert budget_for("smollm2-135m", weights="gguf", ctx=10**6).ctx == 8192, "capped at the model's context"
     assert budget_for("smollm2-135m", weights="gguf", ctx=1000, slots=3).kv == 23_040 * 1024 * 3
+
+
+def test_budget_of_smollm2_q8_0_kv_matches_the_engine(smollm2_gguf):
+    from ternlm import Engine
+    engine = Engine.load("smollm2-135m", weights="gguf", kv_dtype="q8_0", ctx=1000)
+    b = budget_for("smollm2-135m", weights="gguf", kv_dtype="q8_0", ctx=1000)
+    assert (b.kv_per_token, b.kv, b.kv_dtype) == (*_engine_kv(engine), "q8_0") == (12_240, 12_240 * 1024, "q8_0")
+    assert engine.kv_stats()["bytes_per_token"] == 12_240
+
+
+def test_longest_ctx_fits_and_one_step_more_does_not():
+    import dataclasses
+    for kvpt in (QWEN15_KV, 15_232):
+        b = Budget(model=5 * GiB, kv_per_token=kvpt, ctx=1024, slots=2)
+        n = longest_ctx(b, 8 * GiB)
+        assert n % 1024 == 0 and n > 0
+        assert dataclasses.replace(b, ctx=n).total <= 8 * GiB < dataclasses.replace(b, ctx=n + 1024).total
+    assert longest_ctx(Budget(model=9 * GiB, kv_per_token=QWEN15_KV, ctx=1024, slots=1), 8 * GiB) == 0
 
 
 def test_budget_of_smollm2_dense_fp32_matches_the_engine(smollm2_f32):

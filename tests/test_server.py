@@ -761,6 +761,9 @@ def test_metrics_move(servers):
         assert delta(h) == 2, h
     assert after[("ternlm_slots_busy",)] + after[("ternlm_slots_idle",)] == 4
     assert ("ternlm_queue_length",) in after and ("ternlm_slot_resets_total",) in after
+    meta = httpx.get(main.v1 + "/models").json()["data"][0]["meta"]           # the KV's format and size, both places
+    assert after[("ternlm_kv_bytes_per_token", ("kv_dtype", meta["kv_dtype"]))] == meta["kv_bytes_per_token"] > 0
+    assert after[("ternlm_kv_slot_bytes",)] >= 4 * 256 * meta["kv_bytes_per_token"]     # 4 slots, a block each
 
 
 def test_api_keys_isolate_caches(servers):
