@@ -25,14 +25,21 @@ from tiny import tiny_engine
 from lesser_isa import run_built_for
 
 BF16_OK = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-CASES = [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32),
-         pytest.param(("llama", torch.bfloat16), marks=pytest.mark.skipif(not BF16_OK, reason="no oneDNN bf16 on this CPU"))]
+# (arch, dtype, KV format): q8_0 (int8 codes + fp16 scales, the native kernels on the torch layers' table path)
+# needs a head_dim that is a multiple of 32, so its tiny model has head_dim 32; alone and batched are both q8_0.
+CASES = [("llama", torch.float32, None), ("qwen2", torch.float32, None), ("qwen3", torch.float32, None),
+         ("qwen2", torch.float32, "q8_0"),
+         pytest.param(("llama", torch.bfloat16, None),
+                      marks=pytest.mark.skipif(not BF16_OK, reason="no oneDNN bf16 on this CPU"))]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}")
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}" + (f"-{c[2]}" if c[2] else ""))
 def engine(request):
-    arch, dtype = request.param
-    _, eng = tiny_engine(arch, seed=5, slots=10, prefix_reuse=False, chunk_size=8, dtype=dtype)
+    arch, dtype, kv = request.param
+    kw = dict(kv_dtype=kv, head_dim=32) if kv else {}
+    _, eng = tiny_engine(arch, seed=5, slots=10, prefix_reuse=False, chunk_size=8, dtype=dtype, **kw)
+    assert kv is None or eng.kv_dtype == kv
     return eng
 
 
@@ -253,9 +260,13 @@ def test_message_ends_not_computed_on_the_engine_path(engine):
 
 # ---- the real model -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_slots():
-    return Engine.load("smollm2-135m", dtype="float32", slots=6, prefix_reuse=False, chunk_size=64)
+@pytest.fixture(scope="module", params=["auto", "q8_0"])
+def smollm2_slots(request):
+    """auto: the fp32 cache of the torch layers; q8_0: its rows written by the native kernels (head_dim 64)."""
+    e = Engine.load("smollm2-135m", dtype="float32", slots=6, prefix_reuse=False, chunk_size=64,
+                    kv_dtype=request.param)
+    assert e.kv_dtype == {"auto": "float32"}.get(request.param, request.param)
+    return e
 
 
 def test_real_model_alone_equals_batched(smollm2_slots):

@@ -220,7 +220,8 @@ def _q8_engine(tmp_path, seed: int = 7, kv_dtype: str = "float32") -> Engine:
     return engine
 
 
-KV_DTYPES = pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+# q8_0: int8 codes + fp16 scales written by layer.c (head_dim 32); each case compares q8_0 runs with q8_0 runs
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", ["float32", "float16", "q8_0"])
 
 
 def test_fused_layers_match_the_torch_layers_and_transformers(tmp_path):
@@ -289,8 +290,10 @@ def test_batched_with_another_sequence_gives_the_same_bits(tmp_path, kv_dtype):
     a, b = ids_of(37, seed=11), ids_of(53, seed=12)
 
     def caches():
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, ATTN_BLOCK, cfg.head_dim, dtype=model.kv_dtype)
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, ATTN_BLOCK, model.kv_type.width(cfg.head_dim),
+                        dtype=model.kv_dtype)
         return k, torch.zeros_like(k)
+    assert engine.kv_dtype == kv_dtype
     ka, va = caches()
     alone = model.forward_batch(model.embed_ids(torch.tensor(a)), [Segment(0, len(a), ka, va, "all")])[0]
     step = model.forward_batch(model.embed_ids(torch.tensor(b[:1])), [Segment(len(a), 1, ka, va)])[0]

@@ -56,6 +56,26 @@ def qwen35(tmp_path_factory):
     return hf, folder
 
 
+@pytest.fixture(scope="module")
+def qwen35_q8(tmp_path_factory):
+    """The same model with head_dim 32, for --kv-dtype q8_0 (its rows need a multiple of 32)."""
+    folder = tmp_path_factory.mktemp("qwen35-hd32")
+    save_folder(hf_qwen35(seed=3, head_dim=32), folder)
+    return folder
+
+
+# The KV formats the bit-exactness properties run on: auto (fp32 here: the torch layers) and q8_0 (int8 codes +
+# fp16 scales written by the native kernels on the torch layers' table path). q8_0 runs compare with q8_0 runs.
+KVS = ["auto", "q8_0"]
+
+
+def _kv_folder(request, kv: str):
+    """(folder, Engine kwargs) for a KV format: q8_0 runs the head_dim 32 twin."""
+    if kv == "q8_0":
+        return request.getfixturevalue("qwen35_q8"), {"kv_dtype": "q8_0"}
+    return request.getfixturevalue("qwen35")[1], {}
+
+
 def test_config_and_layers_from_the_folder(qwen35):
     _, folder = qwen35
     cfg = load_hf_folder(folder, torch.float32).config
@@ -77,30 +97,36 @@ def test_logits_and_greedy_text_match_transformers(qwen35):
     assert_greedy_text_matches(engine, hf, ids[:40], max_tokens=24)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])        # auto: bfloat16 where the CPU has it
-def test_chunks_and_decode_give_one_pass_bits(qwen35, dtype):
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("auto", "auto"), ("float32", "q8_0")],
+                         ids=["float32", "auto", "float32-kv_q8_0"])        # auto: bfloat16 where the CPU has it
+def test_chunks_and_decode_give_one_pass_bits(request, dtype, kv):
     """[RESUME-EXACT] the scan takes the same per-token steps on every path: a prompt in chunks of 7, then
-    decoded token by token, gives the bits of one pass over all of it (fp32, and the CPU's own dtype)."""
-    _, folder = qwen35
-    engine = folder_engine(folder, dtype)
+    decoded token by token, gives the bits of one pass over all of it (fp32, and the CPU's own dtype; and
+    with a q8_0 KV cache)."""
+    folder, kw = _kv_folder(request, kv)
+    engine = folder_engine(folder, dtype, **kw)
+    assert engine.kv_dtype == kw.get("kv_dtype", engine.kv_dtype)
     ids = ids_of(90, seed=5)
     assert_chunks_match_one_pass(engine, ids, engine.logits(ids), chunk_size=7, tail=10)
 
 
-def test_reuse_at_every_divergence_gives_the_cold_bits(qwen35):
+@pytest.mark.parametrize("kv", KVS)
+def test_reuse_at_every_divergence_gives_the_cold_bits(request, kv):
     """A 300-token conversation, then a prompt that leaves it at every point d in 0..300: the reused run
     (resumed at the latest snapshot <= d, kept KV, the rest prefilled) gives the cold run's logits bit for
     bit, its first token's and the decoded ones'; it reuses exactly that snapshot."""
-    _, folder = qwen35
-    warm, cold = folder_engine(folder, state_interval=32), folder_engine(folder, prefix_reuse=False)
+    folder, kw = _kv_folder(request, kv)
+    warm, cold = folder_engine(folder, state_interval=32, **kw), folder_engine(folder, prefix_reuse=False, **kw)
+    assert warm.kv_dtype == cold.kv_dtype
     assert_reuse_gives_cold_bits(warm, cold, ids_of(300, seed=7), ids_of(300, seed=8), range(0, 301), max_tokens=3)
 
 
-def test_batched_equals_alone(qwen35):
+@pytest.mark.parametrize("kv", KVS)
+def test_batched_equals_alone(request, kv):
     """Four requests joining a batch at different steps (prefill chunks beside decodes, each slot its own
     recurrent state) give each one's tokens and logits alone, bit for bit."""
-    _, folder = qwen35
-    engine = folder_engine(folder, slots=5, chunk_size=16)
+    folder, kw = _kv_folder(request, kv)
+    engine = folder_engine(folder, slots=5, chunk_size=16, **kw)
     assert_batched_equals_alone(engine, [(ids_of(n, seed=n), 6) for n in (40, 75, 9, 120)], [0, 0, 2, 3], budget=40)
 
 

@@ -42,6 +42,32 @@ def cold(folder):
     return folder_engine(folder, prefix_reuse=False)
 
 
+@pytest.fixture(scope="module")
+def folder_q8(tmp_path_factory):
+    """The same model with head_dim 32, for --kv-dtype q8_0 (int8 codes + fp16 scales: rows of a multiple of 32)."""
+    path = tmp_path_factory.mktemp("qwen35-tiers-hd32")
+    hf_qwen35(seed=3, head_dim=32).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cold_q8(folder_q8):
+    return folder_engine(folder_q8, prefix_reuse=False, kv_dtype="q8_0")
+
+
+# The KV formats the tier properties run on: auto (fp32) and q8_0, whose rows the tiers keep as they are. Each
+# format's runs are judged against a cold engine of that format.
+KVS = ["auto", "q8_0"]
+
+
+def _model(request, kv: str):
+    """(folder, cold engine, Engine kwargs) of a KV format."""
+    if kv == "q8_0":
+        return request.getfixturevalue("folder_q8"), request.getfixturevalue("cold_q8"), {"kv_dtype": "q8_0"}
+    return request.getfixturevalue("folder"), request.getfixturevalue("cold"), {}
+
+
 def _diverging(d: int) -> list[int]:
     """A prompt that leaves BASE at position d (d = 300: BASE continued)."""
     return BASE[:d] + OTHER[d:] if d < 300 else BASE + OTHER[:20]
@@ -65,15 +91,18 @@ def _stride(step: int) -> list[int]:
     return sorted(set(range(0, 301, step)) | {d for d in edges if 0 <= d <= 300})
 
 
+@pytest.mark.parametrize("kv", KVS)
 @pytest.mark.parametrize("tier", ["ram", "disk"])
-def test_reuse_from_a_tier_at_every_divergence_gives_the_cold_bits(folder, cold, tier, tmp_path):
+def test_reuse_from_a_tier_at_every_divergence_gives_the_cold_bits(request, kv, tier, tmp_path):
     """BASE is served in slot 0, pushed down a tier by an unrelated request in the same slot, then a prompt
     leaving BASE at d is served from the tier: it reuses exactly the predicted prefix, from that tier, and
     its logits (first token's and decoded ones') are the cold run's bit for bit. RAM: every d in 0..300;
     disk (RAM budget 0: every entry written, read back and verified): every 3rd and every block edge."""
     cache = CacheConfig(ram_bytes=64 << 20) if tier == "ram" else \
         CacheConfig(ram_bytes=0, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
-    warm = folder_engine(folder, cache=cache)
+    folder, cold, kw = _model(request, kv)
+    warm = folder_engine(folder, cache=cache, **kw)
+    assert warm.kv_dtype == cold.kv_dtype
     try:
         for d in (range(301) if tier == "ram" else _stride(3)):
             warm.generate(BASE, max_tokens=1, ignore_eos=True, slot=0)
@@ -111,16 +140,18 @@ def test_entries_carry_the_state_at_their_end(folder, tmp_path):
             decode(bytearray(b"".join([header, *payload])), wrong)
 
 
-def test_restart_serves_the_conversation_from_disk(folder, cold, tmp_path):
+@pytest.mark.parametrize("kv", KVS)
+def test_restart_serves_the_conversation_from_disk(request, kv, tmp_path):
     """A conversation persisted at shutdown is served by a fresh engine from the disk tier: the next turn
     prefills only its new tail (the tail entry's state resumes at the record's end) and answers as cold."""
     cache = CacheConfig(ram_bytes=64 << 20, disk_dir=tmp_path / "kv", disk_bytes=256 << 20)
-    first = folder_engine(folder, cache=cache)
+    folder, cold, kw = _model(request, kv)
+    first = folder_engine(folder, cache=cache, **kw)
     one = first.generate(BASE, max_tokens=5, ignore_eos=True)
     record = list(first.slots[0].record.fed)
     assert first.persist_cache() >= 300 // B
     first.store.close(10)
-    second = folder_engine(folder, cache=cache)
+    second = folder_engine(folder, cache=cache, **kw)
     try:
         prompt = BASE + one.token_ids + OTHER[:30]
         got = second.generate(prompt, max_tokens=4, ignore_eos=True, keep_logits=True)
@@ -130,12 +161,14 @@ def test_restart_serves_the_conversation_from_disk(folder, cold, tmp_path):
         second.store.close(10)
 
 
-def test_redis_replica_resumes_at_the_published_blocks(folder, cold):
+@pytest.mark.parametrize("kv", KVS)
+def test_redis_replica_resumes_at_the_published_blocks(request, kv):
     """One replica answers BASE and publishes its whole blocks (with their states) to Redis; another, fresh,
     serves prompts leaving BASE at several points from Redis, as cold."""
     with RedisProc() as redis:
         cache = CacheConfig(ram_bytes=64 << 20, redis_url=redis.url)
-        a, b = folder_engine(folder, cache=cache), folder_engine(folder, cache=cache)
+        folder, cold, kw = _model(request, kv)
+        a, b = folder_engine(folder, cache=cache, **kw), folder_engine(folder, cache=cache, **kw)
         try:
             a.generate(BASE, max_tokens=1, ignore_eos=True)
             assert a.store.flush(10)

@@ -202,12 +202,16 @@ def test_disk_tails_are_bounded_like_ram_ones(tmp_path):
 
 # ---- a tiny model: tails never change an answer ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=["auto", "q8_0"])
+def tiny(request):
+    """auto: the fp32 cache; q8_0: int8 codes + fp16 scales (head_dim 32, a multiple of 32 as q8_0 rows need),
+    the tiers holding those rows as they are: warm and cold both q8_0."""
     from tiny import tiny_engine
-    cold = tiny_engine("llama", seed=5, prefix_reuse=False, chunk_size=64)[1]
+    kw = dict(kv_dtype="q8_0", head_dim=32) if request.param == "q8_0" else {}
+    cold = tiny_engine("llama", seed=5, prefix_reuse=False, chunk_size=64, **kw)[1]
     warm = tiny_engine("llama", seed=5, min_reuse=1, chunk_size=64, slots=2,
-                       cache=CacheConfig(1 << 30, None, 0))[1]
+                       cache=CacheConfig(1 << 30, None, 0), **kw)[1]
+    assert warm.kv_dtype == cold.kv_dtype == {"auto": "float32"}.get(request.param, request.param)
     return warm, cold
 
 
@@ -244,7 +248,8 @@ def test_short_chats_on_fewer_slots_come_back_whole(tiny, tmp_path):
 def test_random_conversations_evictions_and_restarts_bit_exact(tiny, tmp_path_factory, data):
     warm, cold = tiny
     root = tmp_path_factory.mktemp("kv")
-    block_bytes = 2 * warm.config.num_layers * warm.config.num_kv_heads * B * warm.config.head_dim * 4
+    block_bytes = 2 * warm.config.num_layers * warm.config.num_kv_heads * B * warm.slots[0].k.shape[-1] \
+        * warm.slots[0].k.element_size()           # a row: head_dim floats, or q8_0's head_dim * 17/16 bytes
     ram = data.draw(st.sampled_from([0, 2 * block_bytes, 1 << 30]), label="ram budget")
     restart(warm, root, ram)
     opening = [7] * 9

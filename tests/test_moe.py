@@ -50,10 +50,11 @@ MODELS = {
 }
 
 
-def hf_model(name: str, seed: int = 0):
+def hf_model(name: str, seed: int = 0, **over):
+    """`over`: config fields other than COMMON's (hidden_size=128: head_dim 32, what --kv-dtype q8_0 needs)."""
     import transformers as tf
     cfg_cls, model_cls, kw, _ = MODELS[name]
-    cfg = getattr(tf, cfg_cls)(**COMMON, **kw)
+    cfg = getattr(tf, cfg_cls)(**{**COMMON, **kw, **over})
     torch.manual_seed(seed)
     model = getattr(tf, model_cls)(cfg).float().eval()
     with torch.no_grad():       # norms off 1 and sharper weights: routing and greedy choices matter
@@ -79,18 +80,20 @@ def ids_of(n: int, seed: int = 1) -> list[int]:
 def _engine(loaded, quantized: "bool | str") -> Engine:
     if quantized == "bf16":
         return Engine(loaded, dtype=torch.bfloat16)
-    if quantized is True or quantized == "int8":          # the GGUF's blocks: fp32 or int8 activations
+    if quantized is True or quantized in ("int8", "q8_0-kv"):   # the GGUF's blocks: fp32 or int8 activations
         act = "int8" if quantized == "int8" else "fp32"
-        e = Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype="float32")
-        assert e.model.activations == act
+        kv = "q8_0" if quantized == "q8_0-kv" else "float32"      # q8_0-kv: the KV as int8 codes + fp16 scales
+        e = Engine(loaded, dtype="float32", weights=choose_weights("gguf", "auto", True, activations=act), kv_dtype=kv)
+        assert e.model.activations == act and e.kv_dtype == kv
         return e
     return Engine(loaded, dtype=torch.float32)
 
 
 def _gguf_engine(name: str, quantized: bool, tmp_path, seed: int):
-    hf = hf_model(name, seed=seed)
+    # "q8_0-kv": the q8_0-native engine with a q8_0 KV cache, on a model of head_dim 32 (its rows need a multiple)
+    hf = hf_model(name, seed=seed, **({"hidden_size": 128} if quantized == "q8_0-kv" else {}))
     path = tmp_path / f"{name}.gguf"
-    keep = quantized is True or quantized == "int8"   # "q8_0-dense": the same file, dequantized at load
+    keep = quantized is True or quantized in ("int8", "q8_0-kv")   # "q8_0-dense": the same file, dequantized at load
     write_gguf(hf, path, MODELS[name][3], quant=QT.Q8_0 if keep or quantized == "q8_0-dense" else None)
     loaded = load_gguf(path, torch.bfloat16 if quantized == "bf16" else torch.float32, keep_quantized=keep, lanes=keep)
     return hf, _engine(loaded, quantized)
@@ -228,7 +231,8 @@ def test_gguf_matches_transformers(name, quantized, tmp_path):
 
 # ---- bits: chunks, batches ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16"], ids=["f32", "q8_0-native", "q8_0-int8", "bf16"])
+@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16", "q8_0-kv"],
+                         ids=["f32", "q8_0-native", "q8_0-int8", "bf16", "q8_0-native-kv_q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
     """[BATCH-INVARIANT] chunks of 7 (each routing its own rows, experts seeing 1..7 rows), then decode,
@@ -242,7 +246,8 @@ def test_chunked_prefill_and_decode_are_bit_exact(name, quantized, tmp_path):
     assert torch.equal(engine.runner.decode(engine.slots[0], ids[-1]), whole[-1])
 
 
-@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16"], ids=["f32", "q8_0-native", "q8_0-int8", "bf16"])
+@pytest.mark.parametrize("quantized", [False, True, "int8", "bf16", "q8_0-kv"],
+                         ids=["f32", "q8_0-native", "q8_0-int8", "bf16", "q8_0-native-kv_q8_0"])
 @pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "qwen2moe", "olmoe"])
 def test_alone_and_batched_are_bit_exact(name, quantized, tmp_path):
     """A sequence's logits alone == the same sequence in one forward_batch with another sequence's
@@ -251,7 +256,7 @@ def test_alone_and_batched_are_bit_exact(name, quantized, tmp_path):
     m, cfg = engine.model, engine.config
 
     def caches():
-        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, 256, cfg.head_dim, dtype=m.kv_dtype)
+        k = torch.zeros(cfg.num_layers, cfg.num_kv_heads, 256, m.kv_type.width(cfg.head_dim), dtype=m.kv_dtype)
         return k, torch.zeros_like(k)
 
     def embed(ids):

@@ -16,14 +16,21 @@ from conftest import needs_bf16
 from tiny import tiny_engine
 
 
-@pytest.fixture(scope="module", params=[pytest.param(("llama", torch.float32), id="llama-fp32"),
-                                        pytest.param(("qwen2", torch.float32), id="qwen2-fp32"),
-                                        pytest.param(("qwen3", torch.float32), id="qwen3-fp32"),
-                                        pytest.param(("llama", torch.bfloat16), id="llama-bf16", marks=needs_bf16)])
+# q8_0: the KV as int8 codes + fp16 scales (kv/kvtype.py), written by the native kernels on the torch layers'
+# table path; its rows need a head_dim that is a multiple of 32, hence head_dim 32. Warm and cold are both q8_0.
+Q8 = dict(kv_dtype="q8_0", head_dim=32)
+
+
+@pytest.fixture(scope="module", params=[pytest.param(("llama", torch.float32, {}), id="llama-fp32"),
+                                        pytest.param(("qwen2", torch.float32, {}), id="qwen2-fp32"),
+                                        pytest.param(("qwen3", torch.float32, {}), id="qwen3-fp32"),
+                                        pytest.param(("llama", torch.float32, Q8), id="llama-q8_0"),
+                                        pytest.param(("llama", torch.bfloat16, {}), id="llama-bf16", marks=needs_bf16)])
 def engines(request):
-    arch, dtype = request.param
-    _, warm = tiny_engine(arch, seed=1, prefix_reuse=True, min_reuse=1, chunk_size=8, dtype=dtype)
-    _, cold = tiny_engine(arch, seed=1, prefix_reuse=False, chunk_size=8, dtype=dtype)
+    arch, dtype, kv = request.param
+    _, warm = tiny_engine(arch, seed=1, prefix_reuse=True, min_reuse=1, chunk_size=8, dtype=dtype, **kv)
+    _, cold = tiny_engine(arch, seed=1, prefix_reuse=False, chunk_size=8, dtype=dtype, **kv)
+    assert warm.kv_dtype == cold.kv_dtype == kv.get("kv_dtype", warm.kv_dtype)
     return warm, cold
 
 

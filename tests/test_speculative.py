@@ -22,9 +22,22 @@ from ternlm.kv.store import CacheConfig
 from ternlm.engine.sampling import Penalties
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine("llama", seed=1, dtype=torch.float32, min_reuse=1, chunk_size=16, slots=6)[1]
+# the KV formats: auto (fp32 here) and q8_0 (int8 codes + fp16 scales; its rows need a head_dim that is a
+# multiple of 32, hence head_dim 32, and seed 5: a model whose looping answer takes most drafts, as seed 1's
+# does with head_dim 16). Speculation on and off, and every oracle engine, use the same format and model.
+KVS = {"auto": dict(seed=1), "q8_0": dict(seed=5, kv_dtype="q8_0", head_dim=32)}
+
+
+def _kv(engine) -> dict:
+    """tiny_engine's arguments for another engine with `engine`'s KV format (and model)."""
+    return KVS["q8_0"] if engine.kv_dtype == "q8_0" else KVS["auto"]
+
+
+@pytest.fixture(scope="module", params=list(KVS))
+def engine(request):
+    e = tiny_engine("llama", dtype=torch.float32, min_reuse=1, chunk_size=16, slots=6, **KVS[request.param])[1]
+    assert e.kv_dtype == {"auto": "float32"}.get(request.param, request.param)
+    return e
 
 
 def _looping(engine, n: int = 40) -> list[int]:
@@ -136,7 +149,7 @@ def test_batched_with_other_streams_same_answers(engine):
 def test_the_next_turn_reuses_exactly_what_was_kept(engine):
     """After a speculative answer, the next turn (prompt + answer + more) reuses the record and answers as a
     cold engine would: rejected rows were never recorded."""
-    cold = tiny_engine("llama", seed=1, dtype=torch.float32, prefix_reuse=False, chunk_size=16)[1]
+    cold = tiny_engine("llama", dtype=torch.float32, prefix_reuse=False, chunk_size=16, **_kv(engine))[1]
     prompt = _looping(engine)
     engine.slots[0].reset()
     one = engine.generate(prompt, max_tokens=30, ignore_eos=True, slot=0, speculative=True)
@@ -148,10 +161,11 @@ def test_the_next_turn_reuses_exactly_what_was_kept(engine):
     assert two.token_ids == ref.token_ids and torch.equal(two.logits, ref.logits)
 
 
-def test_restart_from_the_disk_tier_same_answer(tmp_path):
+@pytest.mark.parametrize("kv", list(KVS))
+def test_restart_from_the_disk_tier_same_answer(tmp_path, kv):
     """A prefix served from the disk tier after a restart, speculation on: the answer of a cold engine, off."""
     cache = CacheConfig(ram_bytes=1 << 20, disk_dir=tmp_path / "kv", disk_bytes=64 << 20)
-    kw = dict(seed=1, dtype=torch.float32, min_reuse=1, chunk_size=16, cache=cache)
+    kw = dict(dtype=torch.float32, min_reuse=1, chunk_size=16, cache=cache, **KVS[kv])
     first = tiny_engine("llama", **kw)[1]
     prompt = _looping(first, 90)
     first.generate(prompt, max_tokens=4, ignore_eos=True)
@@ -161,7 +175,7 @@ def test_restart_from_the_disk_tier_same_answer(tmp_path):
     try:
         on = second.generate(prompt + [5, 6], max_tokens=40, ignore_eos=True, keep_logits=True, speculative=True)
         assert on.restored.disk >= 64
-        off = tiny_engine("llama", seed=1, dtype=torch.float32, prefix_reuse=False)[1].generate(
+        off = tiny_engine("llama", dtype=torch.float32, prefix_reuse=False, **KVS[kv])[1].generate(
             prompt + [5, 6], max_tokens=40, ignore_eos=True, keep_logits=True, speculative=False)
         assert on.token_ids == off.token_ids and torch.equal(on.logits, off.logits)
     finally:

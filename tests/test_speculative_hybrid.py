@@ -26,16 +26,26 @@ from ternlm.engine.core import Engine
 from ternlm.kv.slots import Slot
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+# The KV formats: auto (fp32 here) and q8_0 (int8 codes + fp16 scales, rows of a multiple of 32 values: the
+# model with head_dim 32). Speculation on and off, and the cold oracle, run the same format and model.
+KVS = {"auto": ({}, {}), "q8_0": ({"head_dim": 32}, {"kv_dtype": "q8_0"})}
+
+
+@pytest.fixture(scope="module", params=list(KVS))
+def target(request, tmp_path_factory):
+    """(folder, Engine kwargs) of a KV format."""
+    model_kw, engine_kw = KVS[request.param]
     path = tmp_path_factory.mktemp("qwen35-spec")
-    save_folder(hf_qwen35(seed=3), path)
-    return path
+    save_folder(hf_qwen35(seed=3, **model_kw), path)
+    return path, engine_kw
 
 
 @pytest.fixture(scope="module")
-def engine(folder):
-    return folder_engine(folder, chunk_size=16, slots=6, state_interval=32)
+def engine(target):
+    folder, kw = target
+    e = folder_engine(folder, chunk_size=16, slots=6, state_interval=32, **kw)
+    assert e.kv_dtype == kw.get("kv_dtype", "float32")
+    return e
 
 
 def _looping(engine, n: int = 40) -> list[int]:
@@ -120,10 +130,10 @@ def test_batched_with_other_streams_same_answers(engine):
     assert sum(b.timings.accepted for b in batched) > 0
 
 
-def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
+def test_the_next_turn_resumes_from_what_was_kept(engine, target):
     """After a speculative answer with rejected rows, the next turn (prompt + answer + more) resumes at the end
     of what the slot kept (its live state) and answers as a cold engine would, bit for bit."""
-    cold = folder_engine(folder, prefix_reuse=False)
+    cold = folder_engine(target[0], prefix_reuse=False, **target[1])
     prompt = _looping(engine)
     engine.slots[0].reset()
     one = engine.generate(prompt, max_tokens=30, ignore_eos=True, slot=0, speculative=True)
@@ -139,13 +149,13 @@ def test_the_next_turn_resumes_from_what_was_kept(engine, folder):
 
 # ---- a draft model for a hybrid target ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def drafted(folder, engine):
+def drafted(target, engine):
     """The same hybrid target with a draft model: a tiny random llama wearing the target's tokenizer (a llama
     cannot mimic a qwen35: its drafts are rejected, all of them on these prompts, and every such step rewinds)."""
     _, small = tiny_loaded("llama", seed=5, vocab=engine.config.vocab_size)
     small = Engine(dataclasses.replace(small, tokenizer=engine.tokenizer), dtype=torch.float32, min_reuse=1,
                    chunk_size=16, slots=6, speculative=False)
-    return folder_engine(folder, chunk_size=16, slots=6, state_interval=32, draft=DraftModel(small))
+    return folder_engine(target[0], chunk_size=16, slots=6, state_interval=32, draft=DraftModel(small), **target[1])
 
 
 def _both_drafted(engine, prompt, max_tokens, **kw):

@@ -38,13 +38,17 @@ class ByteTokenizer:
         return f"<{token_id}>" if 0 <= token_id < self.vocab_size else None
 
 
-def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048, vocab: int = VOCAB):
+def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048, vocab: int = VOCAB,
+            head_dim: int | None = None):
     """A transformers model with random weights, fp32, eval mode (`vocab`: another tokenizer's size, for tests
-    that put a real tokenizer on a tiny model)."""
+    that put a real tokenizer on a tiny model; `head_dim`: another than 16, e.g. 32 for --kv-dtype q8_0, whose
+    rows need a multiple of 32)."""
     import transformers as tf
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=(arch != "llama"))
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     if arch == "llama":
         cfg = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
@@ -52,7 +56,7 @@ def hf_tiny(arch: str, seed: int = 0, layers: int = 2, max_pos: int = 2048, voca
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
     elif arch == "qwen3":
-        cfg = tf.Qwen3Config(head_dim=16, **common)
+        cfg = tf.Qwen3Config(**{"head_dim": 16, **common})
         cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
@@ -84,8 +88,9 @@ def tiny_loaded(arch: str, seed: int = 0, **kw) -> tuple[object, LoadedModel]:
     return hf, LoadedModel(cfg, weights, ByteTokenizer(), None, sha, Path("tiny"))
 
 
-def tiny_engine(arch: str = "llama", seed: int = 0, **engine_kw):
+def tiny_engine(arch: str = "llama", seed: int = 0, head_dim: int | None = None, **engine_kw):
+    """`head_dim`: hf_tiny's; engine_kw: Engine's (kv_dtype="q8_0" wants head_dim=32)."""
     from ternlm.engine.core import Engine
-    hf, loaded = tiny_loaded(arch, seed)
+    hf, loaded = tiny_loaded(arch, seed, **({} if head_dim is None else {"head_dim": head_dim}))
     engine_kw.setdefault("dtype", torch.float32)
     return hf, Engine(loaded, **engine_kw)
