@@ -1,15 +1,20 @@
 """`ternlm bench tiers`, tiny: smollm2-135m float32, a ~520-token conversation, one round, no warm-up.
 
 One run checks the whole path: every case restores from the tier it is named after (slot, RAM, disk
-with the page cache dropped and warm, nothing), the results JSON says so, the temporary disk tier is
-removed, and the identity check fails the run when one case's logits differ by one ulp-sized nudge
-(injected into disk-warm only: the other cases must still be bit-identical to the cold prefill).
-No timing assertions.
+with the page cache dropped and warm, Redis where /usr/bin/redis-server exists, nothing), the results
+JSON says so, each tier's bytes a token is what it holds (K+V a token exactly in the slot and RAM, plus
+headers on disk and in Redis), the temporary disk tier and the bench's own redis-server are gone, and
+the identity check fails the run when one case's logits differ by one ulp-sized nudge (injected into
+disk-warm only: the other cases must still be bit-identical to the cold prefill). No timing assertions.
+Without a redis-server binary --redis auto skips the case and says why (no model needed to check).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+import pytest
 
 from ternlm.bench import tiers
 from ternlm.kv.blocks import BLOCK_TOKENS
@@ -41,7 +46,9 @@ def test_tiny_run_restores_from_each_tier_and_the_identity_check_bites(tmp_path,
     assert res["identical"] is False and res["same_first_token"] is True
     assert res["mismatches"] and all("disk-warm" in m for m in res["mismatches"])
     cases = res["cases"]
-    assert list(cases) == ["slot", "ram", "disk-cold", "disk-warm", "none"]
+    has_redis = os.access(tiers.REDIS_SERVER, os.X_OK)
+    assert list(cases) == ["slot", "ram", "disk-cold", "disk-warm", *(["redis"] if has_redis else []), "none"]
+    assert (res["redis"]["skipped"] is None) is has_redis
     for case, c in cases.items():
         assert c["identical_logits"] is (case != "disk-warm"), case
         assert c["tier"] == tiers.EXPECT_TIER[case]
@@ -68,3 +75,34 @@ def test_tiny_run_restores_from_each_tier_and_the_identity_check_bites(tmp_path,
     for key in ("seq_cold_Bps", "seq_warm_Bps", "blockfiles_raw_cold_Bps", "sha256_Bps", "disk_tier_cold_Bps"):
         assert bw[key] > 0, key
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]   # the disk tier and read file are gone
+
+    kv = res["kv_bytes_per_token"]
+    held = res["tiers"]
+    assert held["slot"]["bytes_per_token"] == held["ram"]["bytes_per_token"] == kv   # K+V only
+    assert held["ram"]["tokens"] == slot and held["ram"]["restored"] == {"ram": slot}
+    assert held["disk"]["restored"] == {"disk-cold": slot, "disk-warm": slot}
+    assert kv < held["disk"]["bytes_per_token"] < kv * 1.01                        # + the block files' headers
+    if has_redis:                        # whole blocks only: tails stay in the local tiers
+        whole = slot // BLOCK_TOKENS * BLOCK_TOKENS
+        assert cases["redis"]["cached_tokens"] == cases["redis"]["tokens_by_tier"]["redis"] == whole
+        assert held["redis"]["tokens"] == whole and held["redis"]["restored"] == {"redis": whole}
+        assert kv < held["redis"]["bytes_per_token"] < kv * 1.01                   # the block files' bytes
+        assert held["redis"]["memory_usage_bytes"] >= held["redis"]["bytes"]
+        port = int(res["redis"]["url"].rsplit(":", 1)[1].split("/")[0])
+        assert not tiers._pings(port)                                              # the bench stopped it
+
+
+def test_redis_auto_without_the_binary_skips_and_says_why(monkeypatch):
+    monkeypatch.setattr(tiers, "REDIS_SERVER", "/nonexistent/redis-server")
+    with tiers.redis_for("auto") as r:
+        assert r["url"] is None and "/nonexistent/redis-server" in r["skipped"]
+
+
+@pytest.mark.skipif(not os.access(tiers.REDIS_SERVER, os.X_OK), reason="no redis-server")
+def test_local_redis_is_stopped_when_the_block_raises():
+    with pytest.raises(KeyError):
+        with tiers.local_redis() as url:
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+            assert tiers._pings(port)
+            raise KeyError("boom")
+    assert not tiers._pings(port)

@@ -82,8 +82,10 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p = which.add_parser("tiers", help="next-turn time to first token: prefix in the slot, RAM tier, disk tier, nowhere",
                          description="Time to first token of the next turn of a long conversation when its KV "
                                      "prefix is in the live slot, the RAM tier, the disk tier (page cache dropped "
-                                     "and warm) or nowhere (full prefill), interleaved, medians; the disk tier's "
-                                     "load bandwidth against the disk's sequential read bandwidth. Checks all cases "
+                                     "and warm), the Redis tier (when one is at hand: --redis) or nowhere (full "
+                                     "prefill), interleaved, medians; the disk tier's load bandwidth against the "
+                                     "disk's sequential read bandwidth; per tier, the bytes a token it holds (the "
+                                     "--kv-dtype's saving, tier by tier) and the tokens restored. Checks all cases "
                                      "give bit-identical logits and restore from the tier named (exit 1 if not). "
                                      "--no-prefix-kv is ignored: every case always runs.")
     engine_args(p)
@@ -96,6 +98,11 @@ def add_bench_parser(sub, engine_args, load_engine) -> None:
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="where a temporary disk tier and the read test file go, removed afterwards "
                         "(default: $XDG_CACHE_HOME/ternlm, the disk tier's own filesystem)")
+    p.add_argument("--redis", default="auto", metavar="URL|auto|off",
+                   help="the redis case's Redis: auto (default: start /usr/bin/redis-server on a free 127.0.0.1 "
+                        "port, no persistence, stopped when the bench ends; the case is skipped, and the report "
+                        "says so, where there is none) | a redis:// URL (this engine's namespace's keys there are "
+                        "deleted before each round and at the end) | off")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=_tiers)
 

@@ -7,9 +7,13 @@ a short new user message. Time to first token of that next turn, greedy, when it
     ram        in the RAM tier (the slot was taken by an unrelated prompt, which saved it down a tier)
     disk-cold  in the disk tier only (RAM budget 0), its block files dropped from the page cache
     disk-warm  in the disk tier only, its block files still in the page cache
+    redis      in the Redis tier only (slot taken, RAM budget 0, no disk): whole blocks, no tail entry
+               (tails stay local, redis_tier.py), so it prefills up to 63 tokens more than the others;
+               run where a Redis is at hand (--redis URL, or auto: a throwaway local redis-server),
+               else skipped, and said so in the report and the results
     none       nowhere: prefix reuse off, the whole prompt is prefilled
 
-interleaved (slot ram disk-cold disk-warm none, slot ram ...), medians over --repeats after a warm-up
+interleaved (slot ram disk-cold disk-warm redis none, slot ram ...), medians over --repeats after a warm-up
 round. Every case must produce the same first token and logits bit-identical to the same round's cold
 prefill ("none", itself compared with the first round's), and must have restored from the tier it is
 named after; exit 1 otherwise. The tiers hold the previous turn's whole blocks and its last partial
@@ -17,25 +21,34 @@ block (a tail entry), so the ram and disk cases should prefill exactly what the 
 Besides: the disk tier's load bandwidth (bytes of
 block files read / seconds reading and verifying them) against the same disk's sequential read
 bandwidth (one large file, large reads, page cache dropped: the physical limit), the same block files
-read raw (no verification), and sha256 throughput (what verification costs).
+read raw (no verification), and sha256 throughput (what verification costs). And per tier, the
+bytes a token it holds, measured from what it holds once the conversation is stored there (the slot's
+allocated K+V / its capacity; the RAM tier's entries; the disk tier's block files, headers included;
+Redis's stored values, and its own MEMORY USAGE of them): --kv-dtype's saving, tier by tier.
 
 One Engine per run (weights load once). The slot and RAM cases get a fresh TieredStore each, swapped
 in as `engine.store`, so no tier holds blocks left over from another case; the disk cases share one
 disk-only store per round, in a fresh folder (disk-cold writes the blocks, disk-warm finds them), and
 wait for its spill thread to finish writing before the timed turn; the previous turn is put back
 into the slot from a private "seed" RAM store (its KV is bit-identical to a fresh prefill and costs a
-fraction of one). Page cache: posix_fadvise(DONTNEED) per file, checked with mincore; falls back to
+fraction of one). The redis case has one RAM-budget-0 store with a Redis tier for the whole run; before
+each round's case the keys of this engine's namespace are deleted (a cache: only ours, and only what a
+replica would recompute), then the previous turn's slot is published as a finished request publishes
+it. Page cache: posix_fadvise(DONTNEED) per file, checked with mincore; falls back to
 /proc/sys/vm/drop_caches only if pages stay resident.
 """
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import hashlib
 import mmap
 import os
 import random
 import resource
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,8 +59,14 @@ import torch
 
 from .common import command_line, long_chat, median, synthetic_text, write_json
 
-CASES = ("slot", "ram", "disk-cold", "disk-warm", "none")
-EXPECT_TIER = {"slot": "slot", "ram": "ram", "disk-cold": "disk", "disk-warm": "disk", "none": "none"}
+CASES = ("slot", "ram", "disk-cold", "disk-warm", "redis", "none")
+EXPECT_TIER = {"slot": "slot", "ram": "ram", "disk-cold": "disk", "disk-warm": "disk", "redis": "redis",
+               "none": "none"}
+TIERS = ("slot", "ram", "disk", "redis")
+# the case whose setup leaves the conversation stored in each tier: where its bytes a token are measured
+HELD_IN = {"slot": "slot", "ram": "ram", "disk-cold": "disk", "redis": "redis"}
+REDIS_SERVER = "/usr/bin/redis-server"
+REDIS_TIMEOUT_S = 5.0              # the tier's per-call timeout: 0.5 s (serve's) may trip on a loaded box
 BIG = 1 << 40                      # "large enough" budget for a tier (bytes)
 READ_CHUNK = 16 << 20              # sequential reads: 16 MiB at a time
 PREV_ANSWER_TOKENS = 24            # the previous turn's answer, as `bench reuse` generates it
@@ -160,6 +179,166 @@ def sha256_rate(nbytes: int) -> float:
     return len(data) / (time.perf_counter() - t0)
 
 
+# ---- Redis ---------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; a race with another process is possible)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pings(port: int) -> bool:
+    """Whether a Redis on 127.0.0.1:`port` answers PING (raw RESP: no client needed to wait for it)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def local_redis(binary: str = REDIS_SERVER, timeout: float = 10.0):
+    """A throwaway redis-server on a free 127.0.0.1 port, no persistence, its folder a temp dir; yields
+    its URL. Killed, waited for and its folder removed on any exit of the `with` (the bench must not
+    leave a server behind). Raises RuntimeError when it does not answer PING within `timeout`."""
+    port, work = free_port(), tempfile.mkdtemp(prefix="bench-tiers-redis-")
+    log = open(Path(work) / "redis.log", "w+b")
+    proc = None
+    try:
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no", "--dir", work], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not _pings(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"{binary} did not start (exit {proc.poll()}): "
+                                   f"{log.read().decode(errors='replace')[-500:]}")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def redis_for(spec: str):
+    """--redis's Redis: yields {"url", "source", "skipped"}; url None (and `skipped` the reason) where the
+    redis case cannot run. spec: off | auto (REDIS_SERVER started by local_redis, skipped when missing or
+    when it fails to start) | a redis:// URL (used as is; not reachable is an error, not a skip)."""
+    if spec == "off":
+        yield {"url": None, "source": "off", "skipped": "--redis off"}
+    elif spec == "auto":
+        if not os.access(REDIS_SERVER, os.X_OK):
+            yield {"url": None, "source": "auto", "skipped": f"no {REDIS_SERVER} (--redis auto)"}
+            return
+        with contextlib.ExitStack() as stack:
+            try:
+                url, why = stack.enter_context(local_redis(REDIS_SERVER)), None
+            except (OSError, RuntimeError) as e:
+                url, why = None, f"{REDIS_SERVER} did not start: {e}"
+            yield {"url": url, "source": f"auto: {REDIS_SERVER}", "skipped": why}
+    else:
+        yield {"url": spec, "source": "--redis", "skipped": None}
+
+
+def open_redis_store(ident, url: str):
+    """The redis case's store: RAM budget 0 (what the slot saves goes nowhere), no disk, the Redis tier.
+    Raises RuntimeError when Redis does not answer."""
+    from ..kv.redis_tier import RedisTier, redact
+    from ..kv.store import TieredStore
+    tier = RedisTier(url, 0, REDIS_TIMEOUT_S)
+    if not tier.up:
+        tier.close()
+        raise RuntimeError(f"redis at {redact(url)} is not reachable: {tier.down_reason}")
+    return TieredStore(ident, 0, redis=tier)
+
+
+def _namespace_keys(client, namespace: bytes) -> list[bytes]:
+    """The Redis keys of this engine's namespace (kv/redis_tier.py key_of), by SCAN."""
+    from ..kv.redis_tier import key_of
+    return list(client.scan_iter(match=key_of(namespace, b"") + "*", count=1000))
+
+
+def clear_namespace(store, namespace: bytes) -> int:
+    """Delete this namespace's keys (a round starts with Redis holding none of the conversation).
+    Returns how many went."""
+    client = store.redis._client     # the tier's own connection: its URL's password or $TERNLM_REDIS_PASSWORD
+    keys = _namespace_keys(client, namespace)
+    if keys:
+        client.unlink(*keys)
+    return len(keys)
+
+
+def publish_slot(engine, store) -> int:
+    """The slot's whole blocks on their way to Redis, as a finished request publishes them
+    (engine/core.py after seq.done), then written (flush). Returns how many were queued."""
+    queued = store.publish(engine.slots[0])
+    if not store.flush(timeout=600):
+        raise RuntimeError("the redis tier's writes did not finish in 10 minutes")
+    return queued
+
+
+# ---- bytes a token each tier holds ----------------------------------------------------------------
+
+def slot_held(engine) -> dict:
+    """The slot's allocated K and V over its capacity: what a token of context costs in a slot."""
+    slot = engine.slots[0]
+    # k, v: (attention layers, kv_heads, capacity, row)
+    return {"bytes": slot.k.nbytes + slot.v.nbytes, "tokens": slot.capacity,
+            "what": "allocated K+V bytes / capacity tokens"}
+
+
+def ram_held(store) -> dict:
+    """The RAM tier's entries (blocks and tails): their K/V bytes over the positions they hold."""
+    entries = store.ram.oldest_first()
+    held = sum(b.nbytes for b in entries)
+    if held != store.snapshot()["ram"]["bytes"]:
+        raise RuntimeError("the RAM tier's byte count disagrees with its entries")
+    # each entry's k: (layers, kv_heads, tokens, row)
+    return {"bytes": held, "tokens": sum(b.k.shape[2] for b in entries), "entries": len(entries),
+            "what": "RAM tier entries' bytes / tokens"}
+
+
+def disk_held(store) -> dict:
+    """The disk tier's block files (headers included) over the positions their headers list."""
+    from ..kv.blockfile import meta_of, read_file_header
+    files = block_files(store.disk.root)
+    return {"bytes": sum(p.stat().st_size for p in files),
+            "tokens": sum(len(meta_of(read_file_header(p)).ids) for p in files), "entries": len(files),
+            "what": "block files' bytes / tokens"}
+
+
+def redis_held(store, namespace: bytes) -> dict:
+    """This namespace's values in Redis (the block files' bytes, byte for byte) over the positions their
+    headers list, and Redis's own MEMORY USAGE of those keys (its per-key overhead included)."""
+    from ..kv.blockfile import meta_of, read_header
+    client = store.redis._client
+    keys = _namespace_keys(client, namespace)
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+        pipe.memory_usage(k, samples=0)
+    got = pipe.execute()
+    values, usage = got[0::2], got[1::2]
+    return {"bytes": sum(len(v) for v in values), "tokens": sum(len(meta_of(read_header(v)[0]).ids) for v in values),
+            "entries": len(keys), "memory_usage_bytes": sum(u or 0 for u in usage),
+            "what": "stored values' bytes / tokens"}
+
+
+def per_token(held: dict) -> dict:
+    """`held` with bytes_per_token (and Redis's MEMORY USAGE a token) added."""
+    n = held["tokens"]
+    out = dict(held, bytes_per_token=held["bytes"] / n if n else None)
+    if "memory_usage_bytes" in held:
+        out["memory_usage_per_token"] = held["memory_usage_bytes"] / n if n else None
+    return out
+
+
 # ---- the conversation ----------------------------------------------------------------------------
 
 @dataclass
@@ -201,36 +380,65 @@ def _previous_turn(engine, conv: Conversation, seed_store) -> None:
         raise RuntimeError("the previous turn did not reproduce its answer")
 
 
-def run_case(engine, case: str, conv: Conversation, seed_store, disk_store) -> tuple[dict, torch.Tensor]:
+def _evict(engine, conv: Conversation) -> dict:
+    """An unrelated request takes the slot over: the slot's blocks are copied down a tier on its path;
+    disk (and Redis) writes go on the store's spill threads, waited for here (untimed) so that the next
+    turn finds them written and not still pending in memory. Returns the evicting request's figures."""
+    disk = engine.store.disk
+    w0 = (disk.stats.bytes_written, disk.stats.write_s) if disk is not None else None
+    u = engine.generate(conv.unrelated, max_tokens=1)
+    if engine.slots[0].record.fed[:len(conv.unrelated)] != conv.unrelated:
+        raise RuntimeError("the unrelated prompt did not take the slot")
+    t = time.perf_counter()
+    if not engine.store.flush(timeout=600):
+        raise RuntimeError("the disk tier's writes did not finish in 10 minutes")
+    evict = {"ttft_s": u.timings.ttft_s, "prefill_s": u.timings.prefill_s, "flush_wait_s": time.perf_counter() - t}
+    if w0 is not None:
+        evict["disk_bytes_written"] = disk.stats.bytes_written - w0[0]
+        evict["disk_write_s"] = disk.stats.write_s - w0[1]
+    return evict
+
+
+def _held(engine, case: str, namespace: bytes) -> dict | None:
+    """What the case's tier holds of the conversation, once stored there (HELD_IN: slot, ram, disk-cold,
+    redis; None for the other cases)."""
+    store = engine.store
+    if case == "slot":
+        return slot_held(engine)
+    if case == "ram":
+        return ram_held(store)
+    if case == "disk-cold":
+        return disk_held(store)
+    if case == "redis":
+        if store.ram.blocks:
+            raise RuntimeError("the redis case's RAM tier holds blocks")
+        return redis_held(store, namespace)
+    return None
+
+
+def run_case(engine, case: str, conv: Conversation, seed_store, disk_store, redis_store=None) -> tuple[dict, torch.Tensor]:
     """Set the case up (untimed), then time the next turn. `disk_store`: this round's disk-only store
-    (RAM budget 0), shared by disk-cold and disk-warm. Returns one sample and the first token's logits."""
+    (RAM budget 0), shared by disk-cold and disk-warm; `redis_store`: the run's Redis-only store (the
+    redis case). Returns one sample (with `held`: what the case's tier holds, measured before the timed
+    turn, where HELD_IN names the case) and the first token's logits."""
     from ..kv.store import TieredStore
     ident = seed_store.ident
-    cache, evict = {}, None
+    cache, evict, held = {}, None, None
     if case == "none":
         engine.store, engine.prefix_reuse = None, False
         engine.slots[0].reset()
     else:
         _previous_turn(engine, conv, seed_store)
-        # slot, ram: a fresh RAM-only store; disk: RAM budget 0 sends evicted blocks on to the disk
-        engine.store = TieredStore(ident, BIG) if case in ("slot", "ram") else disk_store
-        if case != "slot":
-            # takes the slot over: the slot's blocks are copied down a tier on this request's path;
-            # disk writes go on the store's spill thread, waited for here (untimed) so that the next
-            # turn finds them on disk and not still pending in memory
-            disk = engine.store.disk
-            w0 = (disk.stats.bytes_written, disk.stats.write_s) if disk is not None else None
-            u = engine.generate(conv.unrelated, max_tokens=1)
-            if engine.slots[0].record.fed[:len(conv.unrelated)] != conv.unrelated:
-                raise RuntimeError("the unrelated prompt did not take the slot")
-            t = time.perf_counter()
-            if not engine.store.flush(timeout=600):
-                raise RuntimeError("the disk tier's writes did not finish in 10 minutes")
-            evict = {"ttft_s": u.timings.ttft_s, "prefill_s": u.timings.prefill_s,
-                     "flush_wait_s": time.perf_counter() - t}
-            if w0 is not None:
-                evict["disk_bytes_written"] = disk.stats.bytes_written - w0[0]
-                evict["disk_write_s"] = disk.stats.write_s - w0[1]
+        # slot, ram: a fresh RAM-only store; disk: RAM budget 0 sends evicted blocks on to the disk;
+        # redis: RAM budget 0 and no disk, so what the slot saves on eviction goes nowhere
+        engine.store = TieredStore(ident, BIG) if case in ("slot", "ram") else \
+            redis_store if case == "redis" else disk_store
+        namespace = engine.slots[0].record.namespace
+        if case == "redis":
+            clear_namespace(redis_store, namespace)
+            publish_slot(engine, redis_store)
+        evict = _evict(engine, conv) if case != "slot" else None
+        held = _held(engine, case, namespace)
         if case.startswith("disk"):
             files = block_files(disk_store.disk.root)
             cache = drop_page_cache(files) if case == "disk-cold" else {"method": None}
@@ -243,10 +451,11 @@ def run_case(engine, case: str, conv: Conversation, seed_store, disk_store) -> t
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     engine.prefix_reuse = True
     r = c.restored
-    sample = {"ttft_s": c.timings.ttft_s, "prefill_tokens": c.timings.prefill_tokens,
+    sample = {"held": held, "ttft_s": c.timings.ttft_s, "prefill_tokens": c.timings.prefill_tokens,
               "prefill_s": c.timings.prefill_s, "restore_s": c.timings.ttft_s - c.timings.prefill_s,
               "cached_tokens": c.cached_tokens, "prompt_tokens": c.prompt_tokens,
-              "restored": {"slot": r.slot, "ram": r.ram, "disk": r.disk, "load_s": r.load_s, "tier": r.tier},
+              "restored": {"slot": r.slot, "ram": r.ram, "disk": r.disk, "redis": r.redis, "load_s": r.load_s,
+                           "tier": r.tier},
               "first_token": c.logits[0].argmax().item(), "page_cache": cache or None, "evicting_request": evict,
               # page faults and CPU seconds of this process during the timed request (allocator effects)
               "minor_faults": ru1.ru_minflt - ru0.ru_minflt, "major_faults": ru1.ru_majflt - ru0.ru_majflt,
@@ -276,6 +485,16 @@ def bandwidth_round(seq_path: Path, disk_root: Path, buf: bytearray) -> dict:
 # ---- the run -------------------------------------------------------------------------------------
 
 def run(args) -> int:
+    """The whole benchmark: exit 0 when every case is bit-identical to the cold prefill and restored from
+    its own tier, else 1. The redis case runs inside redis_for(--redis) (a server it started is stopped
+    on any exit)."""
+    with redis_for(getattr(args, "redis", "off")) as redis:
+        if redis["skipped"]:
+            print(f"redis case skipped: {redis['skipped']}", flush=True)
+        return _run(args, redis)
+
+
+def _run(args, redis: dict) -> int:
     from ..engine.core import Engine
     from ..kv.store import CacheConfig, TieredStore
     from ..server.cli import default_kv_dir
@@ -283,24 +502,30 @@ def run(args) -> int:
     if args.repeats < 1 or args.history_tokens < 512:
         raise ValueError("--repeats must be >= 1 and --history-tokens >= 512")
     ctx = args.ctx or 8192
+    cases = [c for c in CASES if c != "redis" or redis["url"]]
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, dtype=args.dtype, prefix_reuse=True, min_reuse=args.min_reuse, ctx=ctx,
-                         chunk_size=args.chunk, slots=1, cache=CacheConfig(ram_bytes=BIG, disk_dir=None, disk_bytes=0))
+    engine = Engine.load(args.model, dtype=args.dtype, weights=getattr(args, "weights", "auto"),
+                         kv_dtype=getattr(args, "kv_dtype", "auto"), activations=getattr(args, "activations", "auto"),
+                         prefix_reuse=True, min_reuse=args.min_reuse, ctx=ctx, chunk_size=args.chunk, slots=1,
+                         cache=CacheConfig(ram_bytes=BIG, disk_dir=None, disk_bytes=0))
     load_s = time.perf_counter() - t0
     args.dtype = engine.dtype_choice.dtype   # "auto" resolved: the result names what ran
     base = Path(args.cache_dir or Path(default_kv_dir()).parent).expanduser()
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=base))
     disk_root, seq_path = work / "kv", work / "seq.bin"
-    print(f"model {args.model} {args.dtype}, {args.threads} threads, ctx {ctx}; disk tier and read test in {work}",
-          flush=True)
+    redis_store = None
+    print(f"model {args.model} {args.dtype}, KV {engine.kv_dtype}, {args.threads} threads, ctx {ctx}; disk tier and "
+          f"read test in {work}" + (f"; redis {redis['url']} ({redis['source']})" if redis["url"] else ""), flush=True)
     try:
         conv, seed_store = build_conversation(engine, args.history_tokens, args.next_words, args.seed)
+        if redis["url"]:
+            redis_store = open_redis_store(seed_store.ident, redis["url"])
         print(f"previous turn {len(conv.prev)} tokens, next turn {len(conv.next)} tokens; "
               f"writing a {args.seq_mib} MiB file for the sequential read test", flush=True)
         write_seq_file(seq_path, args.seq_mib << 20)
         buf = bytearray(READ_CHUNK)
-        samples: dict[str, list[dict]] = {c: [] for c in CASES}
+        samples: dict[str, list[dict]] = {c: [] for c in cases}
         bw_rounds: list[dict] = []
         first_none = None
         mismatches, wrong_tier = [], []
@@ -309,14 +534,14 @@ def run(args) -> int:
             line, got = [], {}
             rdir = disk_root / f"round{rnd}"      # a fresh disk tier each round: disk-cold writes its blocks
             disk_store = TieredStore(seed_store.ident, 0, rdir, BIG)
-            for case in CASES:
-                s, logits = run_case(engine, case, conv, seed_store, disk_store)
+            for case in cases:
+                s, logits = run_case(engine, case, conv, seed_store, disk_store, redis_store)
                 got[case] = (s, logits)
                 r = s["restored"]
-                others = [t for t in ("slot", "ram", "disk") if t != EXPECT_TIER[case] and r[t]]
+                others = [t for t in TIERS if t != EXPECT_TIER[case] and r[t]]
                 if r["tier"] != EXPECT_TIER[case] or others:
-                    wrong_tier.append(f"round {rnd} {case}: restored slot {r['slot']}, ram {r['ram']}, "
-                                      f"disk {r['disk']} tokens")
+                    wrong_tier.append(f"round {rnd} {case}: restored " +
+                                      ", ".join(f"{t} {r[t]}" for t in TIERS) + " tokens")
                 line.append(f"{case} {s['ttft_s'] * 1e3:.0f} ms ({s['cached_tokens']} cached, {s['restored']['tier']})")
             ref = got["none"][1]                       # the cold full prefill is the reference
             first_none = ref if first_none is None else first_none
@@ -340,8 +565,13 @@ def run(args) -> int:
         sha = sha256_rate(max(1, samples["disk-cold"][0].get("disk_bytes_read", 1 << 20)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if redis_store is not None:           # leave nothing of ours in a Redis we did not start
+            with contextlib.suppress(Exception):   # a cleanup error must not hide the run's own
+                clear_namespace(redis_store, engine.namespace())
+            redis_store.close(timeout=10)
 
     result = summarize(args, engine, conv, samples, bw_rounds, sha, load_s, ctx)
+    result["redis"] = {"url": redact_url(redis["url"]), "source": redis["source"], "skipped": redis["skipped"]}
     result["identical"] = not mismatches
     result["same_first_token"] = all(r["same_first_token"] for rows in samples.values() for r in rows)
     result["mismatches"] = mismatches
@@ -350,6 +580,12 @@ def run(args) -> int:
     path = write_json(Path(args.out), f"tiers-{Path(str(args.model)).name}.json", result)
     report(result, path)
     return 0 if not mismatches and not wrong_tier else 1
+
+
+def redact_url(url: str | None) -> str | None:
+    """The URL as the results may show it (no password)."""
+    from ..kv.redis_tier import redact
+    return redact(url) if url else None
 
 
 def summarize(args, engine, conv: Conversation, samples: dict, bw_rounds: list[dict], sha: float,
@@ -366,7 +602,9 @@ def summarize(args, engine, conv: Conversation, samples: dict, bw_rounds: list[d
             "load_s_median": median([r["restored"]["load_s"] for r in rows]),
             "cached_tokens": rows[0]["cached_tokens"], "prefill_tokens": rows[0]["prefill_tokens"],
             "reuse_fraction": rows[0]["cached_tokens"] / n,
-            "tokens_by_tier": {t: rows[0]["restored"][t] for t in ("slot", "ram", "disk")},
+            "tokens_by_tier": {t: rows[0]["restored"][t] for t in TIERS},
+            # the hit: positions restored from the tier the case is named after
+            "restored_from_tier": rows[0]["restored"].get(EXPECT_TIER[case], 0),
             "tier": rows[0]["restored"]["tier"],
             "minor_faults_median": median([r["minor_faults"] for r in rows]),
             "evicting_request_ttft_s_median": median([e["ttft_s"] for e in ev]) if ev else None,
@@ -383,6 +621,9 @@ def summarize(args, engine, conv: Conversation, samples: dict, bw_rounds: list[d
             cases[case]["disk_load_Bps_median"] = median([r["disk_bytes_read"] / r["disk_load_s"] for r in rows])
             cases[case]["page_cache"] = [r["page_cache"] for r in rows]
     none = cases["none"]["ttft_s_median"]
+    for case, rows in samples.items():
+        if rows[0]["held"] is not None:
+            cases[case]["held"] = per_token(rows[0]["held"])
     for c in cases.values():
         c["speedup_vs_none"] = none / c["ttft_s_median"]
     bw = {k: median([r[k] for r in bw_rounds]) for k in bw_rounds[0]}
@@ -400,8 +641,37 @@ def summarize(args, engine, conv: Conversation, samples: dict, bw_rounds: list[d
             "warmup_rounds": args.warmup, "engine_load_s": load_s,
             "previous_turn_tokens": len(conv.prev), "next_turn_tokens": n,
             "kv_dtype": engine.kv_dtype, "kv_bytes_per_token": engine.kv_stats()["bytes_per_token"],
+            "tiers": tier_figures(cases),
             "seq_file_bytes": args.seq_mib << 20, "cases": cases, "bandwidth": bw,
             "samples": samples, "bandwidth_rounds": bw_rounds}
+
+
+def tier_figures(cases: dict) -> dict:
+    """Per tier: what it held of the conversation (bytes, tokens, bytes a token; HELD_IN's case) and the
+    positions each case restored from it; a tier whose case did not run is absent."""
+    out = {}
+    for case, tier in HELD_IN.items():
+        if case in cases and "held" in cases[case]:
+            out[tier] = dict(cases[case]["held"], restored={c: v["restored_from_tier"] for c, v in cases.items()
+                                                            if EXPECT_TIER[c] == tier})
+    return out
+
+
+def held_table(res: dict):
+    """The per-tier bytes a token table (rich)."""
+    from rich.table import Table
+    t = Table(title=f"bytes a token each tier holds · KV {res['kv_dtype']} "
+                    f"({res['kv_bytes_per_token']:,} B a token of K+V, every attention layer)")
+    for col in ("tier", "bytes held", "tokens held", "bytes a token", "÷ K+V a token", "tokens restored (case)",
+                "measured as"):
+        t.add_column(col, justify="left" if col in ("tier", "measured as") else "right")
+    for tier, h in res["tiers"].items():
+        extra = (f" (Redis MEMORY USAGE {h['memory_usage_per_token']:,.0f} a token)"
+                 if h.get("memory_usage_per_token") else "")
+        t.add_row(tier, f"{h['bytes']:,}", f"{h['tokens']:,}", f"{h['bytes_per_token']:,.1f}",
+                  f"{h['bytes_per_token'] / res['kv_bytes_per_token']:.4f}",
+                  ", ".join(f"{n} ({c})" for c, n in h["restored"].items()), h["what"] + extra)
+    return t
 
 
 def report(res: dict, path: Path) -> None:
@@ -410,7 +680,7 @@ def report(res: dict, path: Path) -> None:
     con = Console(width=None if sys.stdout.isatty() else 200)
     t = Table(title=f"next turn of a {res['previous_turn_tokens']}-token conversation · {res['model']} "
                     f"{res['dtype']} · {res['threads']} threads · median of {res['repeats']}")
-    for col in ("prefix from", "TTFT", "× vs none", "reused", "slot / ram / disk tokens", "prefilled",
+    for col in ("prefix from", "TTFT", "× vs none", "reused", "slot / ram / disk / redis tokens", "prefilled",
                 "restore (TTFT - prefill)", "tier load_s", "page faults", "sys s", "logits = none"):
         t.add_column(col, justify="left" if col == "prefix from" else "right")
     for case, c in res["cases"].items():
@@ -419,11 +689,14 @@ def report(res: dict, path: Path) -> None:
                 f"NO (max |d| {c['max_abs_logit_diff']:.3g}, first token {'same' if c['same_first_token'] else 'DIFFERS'})")
         t.add_row(case, f"{c['ttft_s_median'] * 1e3:.1f} ms", f"×{c['speedup_vs_none']:.1f}",
                   f"{c['cached_tokens']} ({100 * c['reuse_fraction']:.1f}%)",
-                  f"{tk['slot']} / {tk['ram']} / {tk['disk']}", str(c["prefill_tokens"]),
+                  " / ".join(str(tk.get(t, 0)) for t in TIERS), str(c["prefill_tokens"]),
                   f"{c['restore_s_median'] * 1e3:.1f} ms", f"{c['load_s_median'] * 1e3:.1f} ms",
                   f"{c['minor_faults_median']:,}", f"{c['sys_s_median']:.2f}", same)
     con.print(t)
-    ev = [(case, c) for case, c in res["cases"].items() if case in ("ram", "disk-cold")]
+    con.print(held_table(res))
+    if res["redis"]["skipped"]:
+        con.print(f"[bold yellow]redis case skipped[/]: {res['redis']['skipped']}")
+    ev = [(case, c) for case, c in res["cases"].items() if case in ("ram", "disk-cold", "redis")]
     con.print("the unrelated request that evicted the slot (its blocks go down a tier on its path), TTFT: "
               + "; ".join(f"{case} {c['evicting_request_ttft_s_median'] * 1e3:.0f} ms"
                           + ("" if c["evicting_request_disk_write_s_median"] is None else
