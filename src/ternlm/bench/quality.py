@@ -31,7 +31,8 @@ base = rss()     # Python + torch + ternlm imported, no model: what any process 
 e = Engine.load(sys.argv[1], weights=sys.argv[2], ctx=int(sys.argv[3]))
 kv = sum(s.k.nbytes + s.v.nbytes for s in e.slots)      # allocated so far (slots grow on demand)
 c = e.config                                             # the KV budget: every slot at the full context
-budget = 2 * len(c.attention_layers) * c.num_kv_heads * c.head_dim * e.ctx * e.slots[0].k.element_size() * len(e.slots)
+row = e.slots[0].k.shape[-1] * e.slots[0].k.element_size()   # one row's bytes as stored (q8_0: codes + scales)
+budget = 2 * len(c.attention_layers) * c.num_kv_heads * row * e.ctx * len(e.slots)
 print(json.dumps({"rss": rss(), "rss_before_load": base, "kv": kv, "kv_budget": budget}))
 """
 
