@@ -124,15 +124,23 @@ class Kernels:
             raise ValueError(f"native attention: unsupported shape (heads {H}/{KV}, head_dim {D}, rows {M}, "
                              f"kv mode {kv_mode})")
 
-    def kv_q8_rows(self, x: "torch.Tensor") -> "torch.Tensor":
+    def kv_q8_rows(self, x: "torch.Tensor", keys: bool) -> "torch.Tensor":
         """(n, D) fp32 -> (n, D + D/16) uint8 q8_0 rows (attention.c tq_kv_q8_rows: the same bytes layer.c
-        writes). A new tensor; x is only read."""
+        writes), keys rotated [KV-ROTATE]. A new tensor; x is only read."""
         import torch
         x = x.to(torch.float32).contiguous()
         n, D = x.shape
         out = torch.empty(n, D + D // 16, dtype=torch.uint8)
-        if self.lib.tq_kv_q8_rows(x.data_ptr(), n, D, out.data_ptr()) != 0:
+        if self.lib.tq_kv_q8_rows(x.data_ptr(), n, D, out.data_ptr(), int(keys)) != 0:
             raise ValueError(f"q8_0 KV: head_dim {D} is not a multiple of 32")
+        return out
+
+    def kv_rotate_q(self, q: "torch.Tensor") -> "torch.Tensor":
+        """(n, D) fp32 query rows -> H q / 32 per block of 32, as attention.c reads a q8_0 cache [KV-ROTATE]."""
+        import torch
+        q = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q)
+        self.lib.tq_kv_rotate_q(q.data_ptr(), q.shape[0], q.shape[1], out.data_ptr())
         return out
 
     def mm(self, fmt: str, mode: str, x: int, M: int, K: int, codes: int, high: int, scale: int, bias: int,
@@ -292,7 +300,9 @@ def load() -> Kernels | Unavailable:
     lib.tq_attention_segments_window.argtypes = [p, i, i, p, i, i, i, i, p, ctypes.c_int, ctypes.c_int, i]
     lib.tq_attention_segments_window.restype = ctypes.c_int
     lib.tq_attention.restype = ctypes.c_int
-    lib.tq_kv_q8_rows.argtypes = [p, i, i, p]
+    lib.tq_kv_q8_rows.argtypes = [p, i, i, p, ctypes.c_int]
+    lib.tq_kv_rotate_q.argtypes = [p, i, i, p]
+    lib.tq_kv_rotate_q.restype = None
     lib.tq_kv_q8_rows.restype = ctypes.c_int
     lib.tq_layer.argtypes = [p, p, i, p, i, p, ctypes.c_int]
     lib.tq_layer.restype = ctypes.c_int

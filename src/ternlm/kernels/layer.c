@@ -49,7 +49,7 @@ int tq_int8_raw_range(int64_t qtype, const int8_t *q, const float *d, const int3
 int tq_attention_segments_window(const int64_t *segs, int64_t nseg, int64_t layer, const float *q, int64_t M,
                                  int64_t H, int64_t KV, int64_t D, float *out, int nthreads, int kv_mode,
                                  int64_t window);
-void tq_kv_q8_row(const float *x, int64_t D, uint8_t *dst);   /* attention.c: one KV row -> q8_0 */
+void tq_kv_q8_row(const float *x, int64_t D, uint8_t *dst, int rotate);   /* attention.c: a KV row -> q8_0 */
 
 /* [layout][scale mode] -> the entry, by layouts.h's codes (build.py LAYOUT_CODE, MODE_CODE): qamx.c's ROW
  * layouts (the opt-in AMX build), qlanes.c's LANES (fp32 activations), qint8.c's INT (int8 activations,
@@ -207,8 +207,8 @@ static int attention_half(const TqLayer *L, const int64_t *segs, int64_t nseg, f
             const float *kr = row + (H + kv) * D, *vr = row + (H + KV + kv) * D;
             char *kc = (char *)(intptr_t)sg[4] + at, *vc = (char *)(intptr_t)sg[5] + at;
             if (L->kv_mode == KV_Q8) {
-                tq_kv_q8_row(kr, D, (uint8_t *)kc);
-                tq_kv_q8_row(vr, D, (uint8_t *)vc);
+                tq_kv_q8_row(kr, D, (uint8_t *)kc, 1);      /* keys rotated [KV-ROTATE] */
+                tq_kv_q8_row(vr, D, (uint8_t *)vc, 0);
             } else if (L->kv_mode == KV_F16) {
                 for (int64_t i = 0; i < D; i += VN) {
                     storenh((_Float16 *)kc + i, loadn(kr + i));

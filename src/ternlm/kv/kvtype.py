@@ -5,7 +5,9 @@ slot holds them, so a format is a storage dtype plus a row width in that dtype:
   float32  head_dim floats (the torch layers' cache)
   float16  head_dim fp16, nearest even (where attention runs in C)
   q8_0     head_dim int8 codes, then head_dim / 32 fp16 scales, as uint8: head_dim + head_dim / 16 bytes,
-           0.53x fp16's (GGML's Q8_0 numbers; kernels/attention.c tq_kv_q8_row writes them, vec.h KV_Q8 reads)
+           0.53x fp16's (GGML's Q8_0 numbers; kernels/attention.c tq_kv_q8_row writes them, vec.h KV_Q8 reads).
+           Key rows are stored rotated, each block of 32 times a Hadamard matrix, and queries rotated to match
+           (attention.c [KV-ROTATE]): an outlier dimension no longer sets the step of its whole block
 `mode` is the kernels' code for the format (vec.h KV_F32 / KV_F16 / KV_Q8). A row's bytes depend on that row
 alone in every format, which is what makes cached == cold and batched == alone hold (ARCHITECTURE.md).
 """
@@ -56,10 +58,24 @@ def kv_type(name: str) -> KVType:
     return KV_TYPES[name]
 
 
-def q8_0_reference(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) float -> (..., D + D/16) uint8, tq_kv_q8_row's rule in torch (the tests' second rendering)."""
+def hadamard32(x: torch.Tensor) -> torch.Tensor:
+    """(..., 32 k) -> each block of 32 times the 32 x 32 Hadamard matrix (+-1 entries), attention.c's butterflies
+    in their order (fp32 additions: the same bits) [KV-ROTATE]. A new tensor."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32).clone()
+    h = 1
+    while h < 32:
+        v = b.view(*b.shape[:-1], 32 // (2 * h), 2, h)
+        a, c = v[..., 0, :].clone(), v[..., 1, :].clone()
+        v[..., 0, :], v[..., 1, :] = a + c, a - c
+        h *= 2
+    return b.reshape(x.shape)
+
+
+def q8_0_reference(x: torch.Tensor, keys: bool) -> torch.Tensor:
+    """(..., D) float -> (..., D + D/16) uint8, tq_kv_q8_row's rule in torch (the tests' second rendering):
+    keys rotated first [KV-ROTATE]."""
     D = x.shape[-1]
-    blocks = x.float().reshape(*x.shape[:-1], D // 32, 32)
+    blocks = (hadamard32(x) if keys else x.float()).reshape(*x.shape[:-1], D // 32, 32)
     d = (blocks.abs().amax(-1, keepdim=True) / 127.0).clamp(max=65504.0).half()
     df = d.float()
     codes = torch.where(df > 0, torch.round(blocks / torch.where(df > 0, df, 1.0)), 0.0).clamp(-127, 127)
@@ -68,7 +84,8 @@ def q8_0_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def q8_0_values(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(..., D + D/16) uint8 q8_0 rows -> (..., D) fp32: the values attention reads (code x scale, exact)."""
+    """(..., D + D/16) uint8 q8_0 rows -> (..., D) fp32: the values attention reads (code x scale, exact; a key
+    row's in the rotated basis [KV-ROTATE])."""
     codes = rows[..., :head_dim].contiguous().view(torch.int8).float()
     scales = rows[..., head_dim:].contiguous().view(torch.float16).float()
     return codes * scales.repeat_interleave(32, -1)

@@ -317,8 +317,8 @@ class Layer(nn.Module):
             qk = apply_rope(qk, cos, sin)                                        # q and k in one pass
         if table is not None:
             for p in parts:                                                      # the KV write, per slot
-                p.k_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(qk[H:, p.r0:p.r1])
-                p.v_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(v[:, p.r0:p.r1])
+                p.k_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(qk[H:, p.r0:p.r1], keys=True)
+                p.v_cache[:, p.start:p.start + p.r1 - p.r0] = self._kv_rows(v[:, p.r0:p.r1], keys=False)
             attn = self._attend_all(qk[:H], table)                              # (M, q)
         else:
             outs = [self._attend(qk[:, p.r0:p.r1], v[:, p.r0:p.r1], p) for p in parts]   # (T_i, q) each
@@ -345,13 +345,14 @@ class Layer(nn.Module):
         y = self.down(self.silu_mul(g, u) if self.cfg.mlp_act == "silu" else F.gelu(g, approximate="tanh") * u)
         return y if self.mlp_out_norm is None else rms_norm(y, self.mlp_out_norm, eps)
 
-    def _kv_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _kv_rows(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
         """(KV, T, D) fp32 K or V rows -> the cache's rows (KV, T, kv_type.width(D)): q8_0 by the kernel that
-        layer.c's writes use (the same bytes); float formats as they are (the cache's dtype casts them)."""
+        layer.c's writes use (the same bytes, keys rotated [KV-ROTATE]); float formats as they are (the cache's
+        dtype casts them)."""
         if self.kv_type.name != "q8_0":
             return x
         KV, T, D = x.shape
-        return self.kernels.kv_q8_rows(x.reshape(KV * T, D)).view(KV, T, -1)
+        return self.kernels.kv_q8_rows(x.reshape(KV * T, D), keys).view(KV, T, -1)
 
     def _attend_all(self, q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Every part's attention in one native call. q: (H, M, D) after norm and RoPE -> (M, q) fp32.
