@@ -73,7 +73,7 @@ def test_quick_report_context_and_commands(quick):
 def test_quick_report_lists_every_summary_row_as_not_run(quick):
     _, s, md, stdout = quick
     rows = s["summary_rows"]
-    assert [r["id"] for r in rows] == [r.id for r in SUMMARY_ROWS] and len(rows) == 10
+    assert [r["id"] for r in rows] == [r.id for r in SUMMARY_ROWS] and len(rows) == 11
     assert md.rstrip().split("\n## ")[-1].startswith("Summary rows")        # the page's last section
     assert "## Summary rows" in stdout                                       # and the report's last words
     for r, row in zip(rows, SUMMARY_ROWS):

@@ -89,7 +89,7 @@ def test_tiny_run_restores_from_each_tier_and_the_identity_check_bites(tmp_path,
         assert kv < held["redis"]["bytes_per_token"] < kv * 1.01                   # the block files' bytes
         assert held["redis"]["memory_usage_bytes"] >= held["redis"]["bytes"]
         port = int(res["redis"]["url"].rsplit(":", 1)[1].split("/")[0])
-        assert not tiers._pings(port)                                              # the bench stopped it
+        assert not tiers.redis_ready(port)                                              # the bench stopped it
 
 
 def test_redis_auto_without_the_binary_skips_and_says_why(monkeypatch):
@@ -103,6 +103,6 @@ def test_local_redis_is_stopped_when_the_block_raises():
     with pytest.raises(KeyError):
         with tiers.local_redis() as url:
             port = int(url.rsplit(":", 1)[1].split("/")[0])
-            assert tiers._pings(port)
+            assert tiers.redis_ready(port)
             raise KeyError("boom")
-    assert not tiers._pings(port)
+    assert not tiers.redis_ready(port)

@@ -424,7 +424,7 @@ class SummaryRow:
     outside: str = ""              # part None: why the report does not run it and what does
 
 
-# The Summary's 10 rows, in its order: the one place that says which part and contender reproduce each.
+# The Summary's 11 rows, in its order: the one place that says which part and contender reproduce each.
 SUMMARY_ROWS = (
     SummaryRow("engine", "prefill / decode ÷ llama.cpp, 1,024 tokens: smollm2-135m; qwen2.5-coder-0.5b", "engine",
                ("smollm2-135m", "qwen2.5-coder-0.5b"), LLAMA_BENCH, _per_model(_fig_llama_bench)),
@@ -449,6 +449,9 @@ SUMMARY_ROWS = (
                outside="no report part: `ternlm bench quality -m MODEL --tokens 2000 --llama-perplexity auto`"),
     SummaryRow("sampling", "sampling as clients send it: sampled decode ÷ greedy", "engine", (), None,
                _per_model(_fig_sampling)),
+    SummaryRow("kv-q8", "--kv-dtype q8_0: bytes a token, perplexity and decode after 16,384 tokens", None,
+               outside="no report part (a 16,384-token decode context takes ~25 min a side on 2 cores): RESULTS' "
+                       "8-bit KV section gives its commands"),
 )
 
 

@@ -47,7 +47,6 @@ import os
 import random
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,8 @@ from pathlib import Path
 import torch
 
 from .common import command_line, long_chat, median, synthetic_text, write_json
+from .procs import free_port
+from ..server.cluster import redis_ready
 
 CASES = ("slot", "ram", "disk-cold", "disk-warm", "redis", "none")
 EXPECT_TIER = {"slot": "slot", "ram": "ram", "disk-cold": "disk", "disk-warm": "disk", "redis": "redis",
@@ -181,23 +182,6 @@ def sha256_rate(nbytes: int) -> float:
 
 # ---- Redis ---------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it; a race with another process is possible)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pings(port: int) -> bool:
-    """Whether a Redis on 127.0.0.1:`port` answers PING (raw RESP: no client needed to wait for it)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def local_redis(binary: str = REDIS_SERVER, timeout: float = 10.0):
     """A throwaway redis-server on a free 127.0.0.1 port, no persistence, its folder a temp dir; yields
@@ -210,7 +194,7 @@ def local_redis(binary: str = REDIS_SERVER, timeout: float = 10.0):
         proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                  "--appendonly", "no", "--dir", work], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while not _pings(port):
+        while not redis_ready(port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 log.seek(0)
                 raise RuntimeError(f"{binary} did not start (exit {proc.poll()}): "

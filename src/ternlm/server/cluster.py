@@ -161,7 +161,8 @@ def _all_up(stats_socket: Path, n: int) -> bool:
     return len(rows) == n and all(r[17] == "UP" for r in rows)        # field 17: status
 
 
-def _redis_ready(port: int) -> bool:
+def redis_ready(port: int) -> bool:
+    """Whether a Redis on 127.0.0.1:`port` answers PING (raw RESP: no client needed to wait for it)."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
@@ -232,7 +233,7 @@ def started(*, model: str, replicas: int, port: int, serve_args: list[str], logd
                     server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                     "--dir", str(logdir), "--maxmemory", redis_maxmemory, "--maxmemory-policy", "allkeys-lru"],
                     logdir, grace=5)
-                _wait([c], lambda: _redis_ready(rport), "redis", 30)
+                _wait([c], lambda: redis_ready(rport), "redis", 30)
                 return c
             redis_child = start_redis()
             children.append(redis_child)
