@@ -96,7 +96,7 @@ def test_bench_engine_and_reuse_accept_a_gguf_path(smollm2_gguf, tmp_path, monke
 
 def test_kv_budget_counts_every_slot_at_the_full_context():
     class Shape:
-        layers, kv_heads, head_dim, max_capacity, dtype = 2, 3, 4, 100, torch.float16
+        layers, kv_heads, row, max_capacity, dtype = 2, 3, 4, 100, torch.float16
 
     class Slot:
         shape = Shape()

@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     _, engine = tiny_engine("llama", seed=1, dtype="float32")
     slot = engine.slots[0]
     slot.reset(b"ns")
-    shape = (slot.shape.layers + 1, slot.shape.kv_heads, 64, slot.shape.head_dim)     # one layer too many
+    shape = (slot.shape.layers + 1, slot.shape.kv_heads, 64, slot.shape.row)          # one layer too many
     class Meta: pass
     meta = Meta(); meta.shape = shape; meta.ids = tuple(range(64)); meta.state = None
     block = BlockKV(meta, torch.zeros(shape), torch.zeros(shape))
