@@ -161,14 +161,27 @@ def test_layers_stay_in_torch_when_a_projection_is_dense():
 
 
 def test_kv_dtype_choice():
-    """auto: fp16 where the layers run fused, fp32 where they cannot; fp16 is refused where no fused
-    layer could write it."""
+    """auto: fp16 where the layers run fused, fp32 where they cannot. fp16 and q8_0 are taken wherever attention
+    runs in C, the torch layers' table path included (fp16 written there as torch rounds it: layer 0's cache is
+    the fp32 one rounded, as the fused layers write it); without the kernels both are refused."""
+    from tiny import tiny_loaded
     assert tiny_model(False, False, kv_dtype="auto").kv_dtype == torch.float16
     assert tiny_model(False, False, dense_o=True, kv_dtype="auto").kv_dtype == torch.float32
-    with pytest.raises(ValueError, match="needs every layer fused"):
-        tiny_model(False, False, dense_o=True, kv_dtype="float16")
+    m16 = tiny_model(False, False, dense_o=True, kv_dtype="float16")
+    m32 = tiny_model(False, False, dense_o=True, kv_dtype="float32")
+    assert m16.native is None and m16.kv_dtype == torch.float16
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3))
+    (k16, v16), (k32, v32) = caches(m16), caches(m32)
+    m16.forward(m16.embed_ids(ids), 0, k16, v16)
+    m32.forward(m32.embed_ids(ids), 0, k32, v32)
+    assert torch.equal(k16[0], k32[0].half()) and torch.equal(v16[0], v32[0].half())
+    assert tiny_model(False, False, dense_o=True, kv_dtype="q8_0").kv_type.name == "q8_0"
     with pytest.raises(ValueError, match="unknown KV dtype"):
         tiny_model(False, False, kv_dtype="int8")
+    _, loaded = tiny_loaded("llama", 0, head_dim=32)
+    for kv in ("float16", "q8_0"):
+        with pytest.raises(ValueError, match="needs the native kernels"):
+            Transformer(loaded.config, dict(loaded.weights), torch.float32, pack=False, kernels=None, kv_dtype=kv)
 
 
 def fp16_cache_check(qkv_bias: bool, qk_norm: bool, kquants: bool, gemma: bool = False) -> None:
